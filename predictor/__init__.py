@@ -1,0 +1,1 @@
+"""Output-length prediction: prompt -> a distribution of output length. Never imports mlflow."""

@@ -1,0 +1,48 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+Plain frozen dataclasses: the scheduler never touches tensors, the runner never decides who runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    # Tokens to feed this step: a prefill chunk (many) or the last sampled token (one).
+    token_ids: tuple[int, ...]
+    # Position of token_ids[0] in the sequence; equals the request's num_computed_tokens.
+    start_position: int
+    # The request's whole block table after this step's allocation (logical -> physical).
+    block_ids: tuple[int, ...]
+    # True when this chunk reaches the end of the known tokens, so a next token is sampled.
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    # In batch order; the runner returns one sampled token per chunk with sample=True.
+    chunks: tuple[ScheduledChunk, ...]
+    # Requests preempted this step (recompute or swap); the runner drops their per-step state.
+    preempted_ids: tuple[str, ...]
+    # Requests that finished or were aborted since the previous step; the runner frees their state
+    # (for example a seeded random generator).
+    finished_ids: tuple[str, ...]
+    # (device block, host block) pairs to copy out before the forward (swap preemption).
+    swap_out: tuple[tuple[int, int], ...]
+    # (host block, device block) pairs to copy in before the forward (swap resumption).
+    swap_in: tuple[tuple[int, int], ...]
+    # Sum of len(chunk.token_ids); never above max_num_batched_tokens.
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    # One sampled token per request whose chunk had sample=True.
+    sampled_token_ids: dict[str, int]

@@ -1,0 +1,38 @@
+"""The seam where an ordering policy plugs into the scheduler.
+
+A policy answers two questions each step, from plain `Request` state and the current time:
+which waiting request goes first, and which running request gives way when KV blocks or seats
+run out. The waiting queue is re-sorted every step with `sort_key`, so a key may change with
+time (aging) without breaking any heap invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from scheduler.request import Request
+
+
+class SchedulingPolicy:
+    """Base policy: first come, first served; the newest running request gives way."""
+
+    name = "fcfs"
+
+    def sort_key(self, request: Request, now: float) -> tuple:
+        """Smaller keys are admitted first. Recomputed every step."""
+        return (request.arrival_time, request.request_id)
+
+    def choose_victim(self, running: Sequence[Request], now: float) -> Request:
+        """The running request to preempt when memory runs short. `running` is non-empty."""
+        return max(running, key=lambda r: self.sort_key(r, now))
+
+    def should_preempt_for(self, waiting: Request, running: Request, now: float) -> bool:
+        """Whether `waiting` may take the seat (and blocks) of `running`. FCFS never preempts."""
+        return False
+
+    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> None:
+        """Hook called once per step before ordering (aging counters, refined predictions)."""
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = "fcfs"

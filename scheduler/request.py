@@ -1,0 +1,128 @@
+"""The request as the scheduler sees it, and its sampling parameters.
+
+One token-accounting model: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (those whose K/V sit in the cache). Each step grants it some
+`num_new_tokens`; there is no separate prefill or decode phase.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # recompute-preempted: back in the waiting queue, cache freed
+    SWAPPED = "swapped"  # swap-preempted: blocks live in the host pool
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+class Tier(enum.IntEnum):
+    """Priority tiers; a lower value is served first, before any length score."""
+
+    INTERACTIVE = 0  # target TTFT < 500 ms
+    STANDARD = 1  # target end-to-end < 10 s
+    BATCH = 2  # throughput only
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """Owned and mutated by the scheduler only; the engine reads it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    tier: Tier = Tier.STANDARD
+    priority: int = 0  # vLLM semantics: lower is served first
+    predicted_len: float | None = None  # point estimate of output tokens, set once at admission
+    predicted_p90: float | None = None
+    rank_score: float | None = None  # predictor's ranking score (lower = shorter)
+    true_len: int | None = None  # known only to the oracle policy (benchmarks)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    idle_steps: int = 0  # consecutive steps spent waiting; the aging policies read it
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def predicted_remaining(self) -> float:
+        """Predicted output tokens still to come; never below one."""
+        predicted = self.predicted_len if self.predicted_len is not None else float("inf")
+        return max(1.0, predicted - self.num_output_tokens)

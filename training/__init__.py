@@ -1,0 +1,1 @@
+"""Data preparation, training, evaluation, MLflow tracking, traces, benchmarks and the simulator driver."""

@@ -1,0 +1,58 @@
+"""The `lengthwise` command line.
+
+Each subcommand lives in its owning module, which provides `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their command runs, so `--help` is fast and
+a command never pays for another's imports (torch, mlflow, lightgbm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command path -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("serve",): ("engine.server.serve_cli", "run the OpenAI-compatible HTTP server"),
+    ("generate",): ("engine.generate_cli", "generate completions offline for a few prompts"),
+    ("bench", "engine"): ("training.bench_engine", "engine vs HF static and continuous batching"),
+    ("bench", "serve"): ("training.bench_serve", "load-test a running server"),
+    ("bench", "attention"): ("engine.kernels.bench", "paged attention kernel vs SDPA (GPU)"),
+    ("data", "prepare"): ("training.data_prepare", "build the ShareGPT turn table and data card"),
+    ("train",): ("training.train", "train a length predictor, tracked in MLflow"),
+    ("eval-predictor",): ("training.evaluate", "evaluate a predictor on the test split"),
+    ("trace",): ("training.trace", "record the served model's output lengths"),
+    ("simulate",): ("training.simulate", "discrete-event simulation of scheduling policies"),
+}
+
+
+
+def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lengthwise", description=__doc__.splitlines()[0])
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): parser.add_subparsers(dest="command", required=True)}
+    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for path, (module, help_text) in COMMANDS.items():
+        for depth in range(1, len(path)):
+            prefix = path[:depth]
+            if prefix not in groups:
+                sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
+                groups[prefix] = sub.add_subparsers(dest=f"command_{depth}", required=True)
+        command_parser = groups[path[:-1]].add_parser(path[-1], help=help_text)
+        command_parser.set_defaults(_module=module)
+        parsers[path] = command_parser
+    # Only the chosen command's module is imported to add its arguments.
+    for path, command_parser in parsers.items():
+        if list(path) == argv[: len(path)]:
+            importlib.import_module(COMMANDS[path][0]).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser(argv).parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

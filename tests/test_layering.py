@@ -1,0 +1,77 @@
+"""The import direction of DESIGN.md, checked from the AST of every module.
+
+scheduler -> standard library only; predictor -> no project package and never mlflow;
+engine -> scheduler and predictor; training -> anything but the HTTP app. Only the CLI entry
+(training/cli.py, which names modules as strings) and the server's own package start the app.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = {"scheduler", "predictor", "engine", "training"}
+ALLOWED_PROJECT_IMPORTS = {
+    "scheduler": {"scheduler"},
+    "predictor": {"predictor"},
+    "engine": {"engine", "scheduler", "predictor"},
+    "training": {"training", "engine", "scheduler", "predictor"},
+}
+HTTP_APP = "engine.server"
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imported_names(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(PROJECT))
+def test_project_imports_follow_the_layering(package: str) -> None:
+    for path in _modules(package):
+        for name in _imported_names(path):
+            top = name.split(".")[0]
+            if top in PROJECT:
+                assert top in ALLOWED_PROJECT_IMPORTS[package], f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_scheduler_imports_only_the_standard_library() -> None:
+    for path in _modules("scheduler"):
+        for name in _imported_names(path):
+            top = name.split(".")[0]
+            assert top in sys.stdlib_module_names or top == "scheduler" or top == "__future__", (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )
+
+
+def test_predictor_never_imports_mlflow() -> None:
+    for path in _modules("predictor"):
+        assert not any(n.split(".")[0] == "mlflow" for n in _imported_names(path)), path
+
+
+def test_nothing_outside_the_server_imports_the_http_app() -> None:
+    for package in PROJECT:
+        for path in _modules(package):
+            if HTTP_APP.replace(".", "/") in path.as_posix():
+                continue
+            for name in _imported_names(path):
+                assert not name.startswith(HTTP_APP), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_the_checks_see_a_violation(tmp_path: Path) -> None:
+    """Guards the guard: the AST walk must find an import hidden inside a function."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from engine.server.app import build_app\n    import torch\n")
+    assert _imported_names(bad) == ["engine.server.app", "torch"]

@@ -33,7 +33,7 @@ serve: model
 	$(VENV)/bin/lengthwise serve --model $(MODEL_DIR) --host 127.0.0.1 --port 8000
 
 test: model
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q --durations=15 --timeout=900
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"

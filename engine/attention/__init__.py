@@ -1,0 +1,1 @@
+"""Paged attention: per-step metadata, the torch reference and the backend choice."""

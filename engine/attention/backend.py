@@ -1,0 +1,72 @@
+"""The attention backend, chosen once when the engine starts.
+
+"torch" is the reference in engine/attention/reference.py (the CPU path); "triton" is the paged
+attention kernel in engine/kernels (imported lazily, so the CPU path never needs Triton to
+compile). "auto" picks Triton when CUDA is available, else the torch reference. With
+TRITON_INTERPRET=1 the "triton" backend also runs on the CPU (slowly; tests use it).
+
+A backend prepares a per-step plan once (`prepare`) and every layer calls `forward` with it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention import reference
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, metadata: AttentionMetadata) -> object: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: AttentionMetadata, plan: object,
+                scale: float) -> torch.Tensor: ...
+
+
+class TorchReferenceBackend:
+    name = "torch"
+
+    def prepare(self, metadata: AttentionMetadata) -> reference.ReferencePlan:
+        return reference.build_plan(metadata.block_tables, metadata.seq_lens_host,
+                                    metadata.query_start_loc_host, metadata.block_size)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, plan, scale):
+        reference.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return reference.attend(q, k_cache, v_cache, plan, scale)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from engine.kernels import paged_attention as kernels
+
+        self._kernels = kernels
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        return None
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, plan, scale):
+        self._kernels.triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self._kernels.triton_paged_attention(q, k_cache, v_cache, metadata.block_tables,
+                                                    metadata.seq_lens, metadata.query_start_loc, scale)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    resolved = resolve_backend_name(name, device)
+    if resolved == "torch":
+        return TorchReferenceBackend()
+    if resolved == "triton":
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,370 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven from its own thread beside an asyncio loop.
+
+Three threads share the work:
+- the event loop (HTTP handlers) calls `submit`, which registers a per-request asyncio.Queue and
+  returns a `RequestStream` once the engine has admitted the request (or raises its rejection);
+- a predictor thread takes every submission waiting for it, scores their prompts in one batch
+  (so the predicted length is computed once, at admission, off the event loop), and passes them on;
+- the engine thread drains a command queue between steps (add, abort, call, stop), runs
+  `LLMEngine.step()`, and hands each step's outputs to the loop with one `call_soon_threadsafe`.
+
+Only the engine thread touches the LLMEngine; only the loop touches the stream table. A request
+cancelled before the engine thread reaches it is skipped there, because its admission future is
+cancelled and `set_running_or_notify_cancel` says so atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from predictor.base import Prediction, Predictor
+from scheduler.request import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"  # finishing in-flight requests; new ones are refused
+    STOPPED = "stopped"
+    FAILED = "failed"  # the step loop raised; every stream was ended with an error
+
+
+class EngineShuttingDown(RuntimeError):
+    """A request arrived after shutdown began."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread failed; the message says why."""
+
+
+class EngineListener(Protocol):
+    """What the async engine reports as requests move; the server's metrics implement it."""
+
+    def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
+    def on_rejected(self, tier: Tier, error: Exception) -> None: ...
+    def on_tokens(self, num_new_tokens: int) -> None: ...
+    def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
+    def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
+
+
+class _NullListener:
+    def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
+    def on_rejected(self, tier: Tier, error: Exception) -> None: ...
+    def on_tokens(self, num_new_tokens: int) -> None: ...
+    def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
+    def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
+
+
+@dataclass
+class _Submission:
+    """One request on its way from the loop, through the predictor, to the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str  # the templated text the predictor scores
+    params: SamplingParams
+    tier: Tier
+    priority: int
+    arrival_time: float
+    admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """Last item of a stream that ended without a finished output (abort at shutdown, failure)."""
+
+    reason: str  # "abort" | "error"
+    message: str = ""
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs; ends after the finished one."""
+
+    def __init__(self, request_id: str, tier: Tier) -> None:
+        self.request_id = request_id
+        self.tier = tier
+        self.prediction: Prediction | None = None
+        self.finished = False
+        self._queue: asyncio.Queue[RequestOutput | StreamEnd] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | StreamEnd) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput | StreamEnd:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        self.finished = isinstance(item, StreamEnd) or item.finished
+        return item
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: Any, predictor: Predictor | None = None, *,
+                 listener: EngineListener | None = None, max_predict_batch: int = 64) -> None:
+        self.engine = engine  # touched by the engine thread only, after start()
+        self.predictor = predictor
+        self.listener: EngineListener = listener or _NullListener()
+        self.max_predict_batch = max_predict_batch
+        self.state = EngineState.STOPPED
+        self.failure: str | None = None
+        self.stats: Any = None  # latest engine.stats(), replaced (never mutated) after each step
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_predict: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._no_streams = asyncio.Event()
+        self._live: set[str] = set()  # request ids inside the LLMEngine (engine thread only)
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+        self.stats = self.engine.stats()
+        self.state = EngineState.RUNNING
+        workers = [("lengthwise-engine", self._engine_loop)]
+        if self.predictor is not None:
+            workers.append(("lengthwise-predictor", self._predict_loop))
+        self._threads = [threading.Thread(target=fn, name=name, daemon=True) for name, fn in workers]
+        for thread in self._threads:
+            thread.start()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; in-flight ones continue. Safe from any thread."""
+        if self.state is EngineState.RUNNING:
+            self.state = EngineState.DRAINING
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Let in-flight requests finish for up to `grace_s`, then abort the rest and stop."""
+        self.begin_drain()
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout=grace_s)
+        except asyncio.TimeoutError:
+            logger.warning("aborting %d requests still running after %.0f s", len(self._streams), grace_s)
+        # The predictor goes first: it flushes what it holds into the command queue before _Stop.
+        self._to_predict.put(None)
+        await asyncio.to_thread(self._join_threads, self._threads[1:])
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._join_threads, self._threads[:1])
+        for stream in list(self._streams.values()):
+            stream.put(StreamEnd("abort", "the server shut down before the request finished"))
+        self._streams.clear()
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.STOPPED
+
+    @staticmethod
+    def _join_threads(threads: list[threading.Thread]) -> None:
+        for thread in threads:
+            thread.join()
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.RUNNING
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests (event loop) ---------------------------------------------------------------
+    async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str,
+                     params: SamplingParams, *, tier: Tier = Tier.STANDARD, priority: int = 0,
+                     arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and wait until the engine admits it.
+
+        Raises EngineShuttingDown, EngineDead, or whatever LLMEngine.add_request raised
+        (ValueError for bad input, AdmissionRejected when admission control refuses it).
+        """
+        if self.state is EngineState.FAILED:
+            raise EngineDead(self.failure or "engine failed")
+        if self.state is not EngineState.RUNNING:
+            raise EngineShuttingDown()
+        submission = _Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
+                                 time.time() if arrival_time is None else arrival_time)
+        stream = RequestStream(request_id, tier)
+        self._streams[request_id] = stream
+        self._no_streams.clear()
+        (self._to_predict if self.predictor is not None else self._commands).put(submission)
+        try:
+            await asyncio.wrap_future(submission.admitted)
+        except BaseException as exc:
+            # Rejected, or the client left while waiting: forget the stream; the engine thread skips
+            # a cancelled submission, and the abort covers one it had already added.
+            self._forget(request_id)
+            if isinstance(exc, asyncio.CancelledError):
+                self._commands.put(_Abort(request_id))
+            else:
+                self.listener.on_rejected(tier, exc)
+            raise
+        stream.prediction = submission.prediction
+        self.listener.on_admitted(tier, len(prompt_token_ids))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks at the next step boundary. Safe from any thread."""
+        self._commands.put(_Abort(request_id))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._forget, request_id)
+
+    def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps; safe from any thread."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, result))
+        return result
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._no_streams.set()
+
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            self.listener.on_tokens(len(output.new_token_ids))
+            stream.put(output)
+            if output.finished:
+                self._forget(output.request_id)
+                self.listener.on_finished(output, stream.tier, stream.prediction)
+
+    def _fail_all(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream.put(StreamEnd("error", message))
+        self._streams.clear()
+        self._no_streams.set()
+
+    # ---- predictor thread ----------------------------------------------------------------------
+    def _predict_loop(self) -> None:
+        while True:
+            batch = [self._to_predict.get()]
+            while len(batch) < self.max_predict_batch and not self._to_predict.empty():
+                batch.append(self._to_predict.get_nowait())
+            stopping = None in batch
+            batch = [s for s in batch if s is not None and not s.admitted.cancelled()]
+            if batch:
+                self._predict_batch(batch)
+            for submission in batch:
+                self._commands.put(submission)
+            if stopping:
+                return
+
+    def _predict_batch(self, batch: list[_Submission]) -> None:
+        started = time.perf_counter()
+        try:
+            predictions = self.predictor.predict([s.prompt_text for s in batch])
+        except Exception:
+            # Serving goes on without a prediction; the policy treats the length as unknown.
+            logger.exception("predictor failed on a batch of %d prompts", len(batch))
+            return
+        self.listener.on_prediction(time.perf_counter() - started, len(batch))
+        for submission, prediction in zip(batch, predictions):
+            submission.prediction = prediction
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    if output.finished:
+                        self._live.discard(output.request_id)
+                self.stats = self.engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end the streams
+            logger.exception("engine loop failed")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.state = EngineState.FAILED
+            self._loop.call_soon_threadsafe(self._fail_all, self.failure)
+            self._refuse_until_stopped(EngineDead(self.failure))
+            return
+        self._refuse_until_stopped(EngineShuttingDown(), block=False)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Apply every queued command; wait for one first when `block`. False once told to stop."""
+        commands = [self._commands.get()] if block else []
+        while not self._commands.empty():
+            commands.append(self._commands.get_nowait())
+        for command in commands:
+            if isinstance(command, _Stop):
+                for request_id in list(self._live):
+                    self.engine.abort_request(request_id)
+                self._live.clear()
+                self.stats = self.engine.stats()
+                return False
+            self._apply(command)
+        if commands:
+            self.stats = self.engine.stats()
+        return True
+
+    def _apply(self, command: _Submission | _Abort | _Call) -> None:
+        if isinstance(command, _Submission):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            if command.request_id in self._live:
+                self._live.discard(command.request_id)
+                self.engine.abort_request(command.request_id)
+        elif command.result.set_running_or_notify_cancel():
+            try:
+                command.result.set_result(command.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                command.result.set_exception(exc)
+
+    def _refuse_until_stopped(self, error: Exception, block: bool = True) -> None:
+        """Answer every later command with `error`, so no caller waits forever."""
+        while block or not self._commands.empty():
+            command = self._commands.get()
+            if isinstance(command, _Stop):
+                return
+            future = command.admitted if isinstance(command, _Submission) else getattr(command, "result", None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+    def _add(self, submission: _Submission) -> None:
+        if not submission.admitted.set_running_or_notify_cancel():
+            return  # the client left before the engine got to it
+        try:
+            self.engine.add_request(
+                submission.request_id, submission.prompt_token_ids, submission.params,
+                tier=submission.tier, priority=submission.priority,
+                arrival_time=submission.arrival_time, prediction=submission.prediction)
+        except Exception as exc:  # noqa: BLE001 - ValueError, AdmissionRejected: the caller's answer
+            submission.admitted.set_exception(exc)
+            return
+        self._live.add(submission.request_id)
+        submission.admitted.set_result(None)

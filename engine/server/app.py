@@ -1,0 +1,102 @@
+"""FastAPI app factory: OpenAI routes, health, models and metrics around one AsyncLLMEngine.
+
+The app owns the async engine's lifetime through the lifespan: it starts the engine threads on
+startup and, on shutdown, stops admitting (503), lets in-flight requests finish for a grace period,
+then aborts the rest so every client gets a full response or a clear end.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import AsyncLLMEngine
+from engine.server import errors
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.server.serving import OpenAIServing
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the name clients send as "model"
+    max_model_len: int
+    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
+    model_aliases: tuple[str, ...] = ()  # other names accepted for the same model (its path)
+    shutdown_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics(settings.model_name, lambda: engine.stats)
+    engine.listener = metrics
+    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        await engine.shutdown(settings.shutdown_grace_s)
+
+    app = FastAPI(title="lengthwise", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    errors.install_error_handlers(app)
+    auth = [Depends(_api_key_check(settings.api_key))]
+    served = {settings.model_name, *settings.model_aliases}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in served:
+            raise errors.APIError(404, f"The model `{name}` does not exist.", type="not_found_error",
+                                  param="model", code="model_not_found")
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        return await serving.completion(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return Response(status_code=200)
+        if engine.failure:
+            return errors.engine_failed(engine.failure).response()
+        return errors.shutting_down().response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    async def check(authorization: str | None = Header(default=None)) -> None:
+        if api_key is None:
+            return
+        expected = f"Bearer {api_key}".encode()
+        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+            raise errors.unauthorized()
+
+    return check

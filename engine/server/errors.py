@@ -1,0 +1,108 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}} with a matching status.
+
+Every failure path of the app ends here, so a client always gets JSON it can parse and the server
+keeps serving: validation errors become 400 naming the offending field in `param`, unknown routes
+404, admission rejections 429 with Retry-After, shutdown 503, and anything unexpected 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as an OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def response_body(self) -> dict:
+        return ErrorResponse(error=self.info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_field(param: str | None, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def context_exceeded(param: str, message: str) -> APIError:
+    # 400 rather than 413, as OpenAI and vLLM answer; the code tells clients what to shorten.
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key")
+
+
+def rate_limited(reason: str, retry_after_s: float) -> APIError:
+    # Retry-After takes whole seconds; round up so a client that obeys it is not rejected again.
+    seconds = max(1, math.ceil(retry_after_s))
+    return APIError(429, f"Server overloaded, request not admitted: {reason}", type="rate_limit_error",
+                    code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and accepts no new requests.",
+                    type="service_unavailable", code="shutting_down")
+
+
+def engine_failed(message: str) -> APIError:
+    return APIError(500, f"The engine failed: {message}", type="server_error", code="engine_error")
+
+
+def _validation_param(error: dict) -> str | None:
+    # loc is like ("body", "messages", 0, "content"); the first name after "body" is the request
+    # field the client must fix.
+    names = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid" or not names:
+        return None
+    return ".".join(names)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = _validation_param(first)
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value").response()
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return APIError(500, "Internal server error", type="server_error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

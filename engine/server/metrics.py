@@ -1,0 +1,150 @@
+"""Prometheus metrics with vLLM-like names under a `lengthwise:` prefix.
+
+Each app owns a private CollectorRegistry (no process-global state, so tests can start several
+servers). Two sources feed it:
+- events from the async engine (admitted, rejected, tokens, prediction batches, finished requests),
+  recorded into counters and per-tier histograms as they happen (ServerMetrics is the engine's
+  EngineListener);
+- the engine's latest stats snapshot (running, waiting, KV usage, preemptions, stability margin),
+  read at scrape time by a custom collector, together with Kendall's tau of predicted against
+  actual output length over the most recently finished requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from predictor.base import Prediction
+from scheduler.admission import AdmissionRejected
+from scheduler.request import Tier
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+
+PREFIX = "lengthwise:"
+TAU_WINDOW = 256  # finished requests kept for the rank correlation
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+PREDICT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:
+    """Kendall's tau-b of the pairs, or None when it is undefined (too few, or a constant side)."""
+    if len(pairs) < 2:
+        return None
+    from scipy.stats import kendalltau  # imported late: scipy.stats is slow to import
+
+    tau = kendalltau([p for p, _ in pairs], [a for _, a in pairs]).statistic
+    return None if math.isnan(tau) else float(tau)
+
+
+def _stat(stats: Any, name: str) -> float | None:
+    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+    return None if value is None else float(value)
+
+
+class _EngineStateCollector(Collector):
+    """Reads the engine's latest stats snapshot and the tau window when Prometheus scrapes."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any],
+                 tau_pairs: deque[tuple[float, float]]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+        self._tau_pairs = tau_pairs
+
+    def _gauge(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        if value is not None:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is not None:
+            yield from self._gauge("num_requests_running", "Requests in the running batch.",
+                                   _stat(stats, "num_running"))
+            yield from self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                                   _stat(stats, "num_waiting"))
+            yield from self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
+                                   _stat(stats, "kv_cache_usage"))
+            yield from self._gauge("stability_margin", "Offered token load over capacity; above 1 "
+                                   "the queue cannot drain.", _stat(stats, "stability_margin"))
+            preemptions = _stat(stats, "num_preemptions")
+            if preemptions is not None:
+                family = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative preemptions.",
+                                             labels=["model_name"])
+                family.add_metric([self._model_name], preemptions)
+                yield family
+        yield from self._gauge("predictor_kendall_tau", "Kendall's tau of predicted against actual "
+                               f"output tokens over the last {TAU_WINDOW} finished requests.",
+                               kendall_tau(list(self._tau_pairs)))
+
+
+class ServerMetrics:
+    """The app's metrics; implements the async engine's EngineListener."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._model_name = model_name
+        self._tau_pairs: deque[tuple[float, float]] = deque(maxlen=TAU_WINDOW)
+        self.registry.register(_EngineStateCollector(model_name, stats, self._tau_pairs))
+        labels = ["model_name"]
+        tiered = ["model_name", "tier"]
+        reg = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg)
+        self.rejections = Counter(PREFIX + "admission_rejections", "Requests refused by admission control.",
+                                  tiered, registry=reg)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "tier", "finished_reason"], registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              tiered, buckets=LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time between output "
+                              "tokens of a request after the first.", tiered, buckets=TOKEN_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             tiered, buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    tiered, buckets=LATENCY_BUCKETS, registry=reg)
+        self.predictor_latency = Histogram(PREFIX + "predictor_latency_seconds", "Time to score one "
+                                           "batch of prompts.", labels, buckets=PREDICT_BUCKETS, registry=reg)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- EngineListener --------------------------------------------------------------------------
+    def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self._model_name).inc(num_prompt_tokens)
+
+    def on_rejected(self, tier: Tier, error: Exception) -> None:
+        if isinstance(error, AdmissionRejected):
+            self.rejections.labels(self._model_name, tier.name.lower()).inc()
+
+    def on_tokens(self, num_new_tokens: int) -> None:
+        self.generation_tokens.labels(self._model_name).inc(num_new_tokens)
+
+    def on_prediction(self, latency_s: float, batch_size: int) -> None:
+        self.predictor_latency.labels(self._model_name).observe(latency_s)
+
+    def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None:
+        labels = (self._model_name, tier.name.lower())
+        self.finished.labels(*labels, output.finish_reason or "unknown").inc()
+        if output.finish_reason == "abort":
+            return
+        arrival, first, finish = output.arrival_time, output.first_token_time, output.finish_time
+        if first is not None:
+            self.ttft.labels(*labels).observe(max(0.0, first - arrival))
+            if finish is not None and len(output.token_ids) > 1:
+                self.tpot.labels(*labels).observe(max(0.0, finish - first) / (len(output.token_ids) - 1))
+        if finish is not None:
+            self.e2e.labels(*labels).observe(max(0.0, finish - arrival))
+        scheduled = getattr(output, "first_scheduled_time", None)
+        if scheduled is not None:
+            self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
+        if prediction is not None:
+            self._tau_pairs.append((prediction.point, float(len(output.token_ids))))

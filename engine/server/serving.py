@@ -1,0 +1,240 @@
+"""The completion and chat handlers: request -> engine submission -> JSON or server-sent events.
+
+Per request: tokenize (chat template for chat), check the context length, build SamplingParams and
+the tier, submit to the async engine (admission answers here: 429, 503, 400), then either collect
+the final output while watching for a client disconnect, or stream one SSE chunk per engine step
+ending in `data: [DONE]`. A request whose client leaves is aborted, which frees its KV blocks at
+the engine's next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
+                                 StreamEnd)
+from engine.server import errors
+from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                    ChatMessageOut, CompletionChoice, CompletionRequest,
+                                    CompletionResponse, UsageInfo, new_id)
+from scheduler.admission import AdmissionRejected
+from scheduler.request import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+
+SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
+                 "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
+    """One SSE event for a stream chunk, shaped as OpenAI sends them.
+
+    "usage" appears (null until the last chunk) only when stream_options.include_usage is on;
+    a chat delta carries only the keys that changed.
+    """
+    payload = chunk.model_dump(mode="json")
+    if not include_usage:
+        payload.pop("usage", None)
+    for choice in payload.get("choices", ()):
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse(payload)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    async def completion(self, body: CompletionRequest, raw: Request):
+        if isinstance(body.prompt, str):
+            prompt_ids, prompt_text = self._encode(body.prompt), body.prompt
+        else:
+            self._check_token_ids(body.prompt)
+            prompt_ids, prompt_text = list(body.prompt), self.tokenizer.decode(body.prompt)
+        request_id = new_id("cmpl")
+        stream = await self._submit(request_id, body, prompt_ids, prompt_text, body.max_tokens, "prompt")
+
+        def chunk(text: str, finish: str | None) -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=self.model_name,
+                                      choices=[CompletionChoice(text=text, finish_reason=finish)])
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(stream, chunk, None, include_usage,
+                                  lambda usage: CompletionResponse(id=request_id, model=self.model_name,
+                                                                   choices=[], usage=usage))
+            return self._streaming(stream, events)
+        final = await self._collect(stream, raw)
+        return CompletionResponse(
+            id=request_id, model=self.model_name, usage=_usage(final), service_tier=_tier_name(body),
+            choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                             add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+            raise errors.invalid_field("messages", f"messages: {exc}") from exc
+        prompt_ids = self._encode(prompt_text)
+        request_id = new_id("chatcmpl")
+        stream = await self._submit(request_id, body, prompt_ids, prompt_text,
+                                    body.requested_max_tokens(), "messages")
+
+        def chunk(text: str, finish: str | None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish)])
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opening = ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
+            events = self._events(stream, chunk, opening, include_usage,
+                                  lambda usage: ChatCompletionChunk(id=request_id, model=self.model_name,
+                                                                    choices=[], usage=usage))
+            return self._streaming(stream, events)
+        final = await self._collect(stream, raw)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, usage=_usage(final), service_tier=_tier_name(body),
+            choices=[ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        # The chat template already carries any special tokens; plain prompts get none added
+        # either, so the ids are exactly the text's tokens.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= i < vocab for i in ids):
+            raise errors.invalid_field("prompt", f"prompt: token ids must lie in [0, {vocab})")
+
+    def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
+        """The max_tokens to use; raises context_length_exceeded when prompt + output cannot fit."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise errors.context_exceeded(prompt_param, f"This model's maximum context length is {limit} "
+                                          f"tokens; the {prompt_param} has {num_prompt} tokens.")
+        if max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise errors.context_exceeded("max_tokens", f"This model's maximum context length is {limit} "
+                                          f"tokens; you requested {num_prompt + max_tokens} ({num_prompt} "
+                                          f"in the {prompt_param}, {max_tokens} for the completion).")
+        return max_tokens
+
+    async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
+                      prompt_ids: list[int], prompt_text: str, max_tokens: int | None,
+                      prompt_param: str) -> RequestStream:
+        if not prompt_ids:
+            raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
+        max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param)
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                    seed=body.seed, stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+        except ValueError as exc:
+            raise errors.invalid_field(None, str(exc)) from exc
+        tier = SERVICE_TIERS[body.service_tier]
+        try:
+            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier,
+                                            priority=body.priority)
+        except AdmissionRejected as exc:
+            raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
+        except EngineShuttingDown as exc:
+            raise errors.shutting_down() from exc
+        except EngineDead as exc:
+            raise errors.engine_failed(str(exc)) from exc
+        except ValueError as exc:
+            raise errors.invalid_field(None, str(exc)) from exc
+
+    # ---- results -----------------------------------------------------------------------------
+    async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
+        """The finished output; aborts the request if the client disconnects first."""
+        consume = asyncio.ensure_future(_last(stream))
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({consume, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not consume.done():
+                consume.cancel()
+                self.engine.abort(stream.request_id)
+        if not consume.done() or consume.cancelled():
+            raise errors.APIError(499, "client disconnected")  # nobody is listening any more
+        final = consume.result()
+        if isinstance(final, StreamEnd):
+            if final.reason == "abort":
+                raise errors.shutting_down()
+            raise errors.engine_failed(final.message)
+        return final
+
+    async def _events(self, stream: RequestStream, chunk: Callable[[str, str | None], BaseModel],
+                      opening: BaseModel | None, include_usage: bool,
+                      usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
+        if opening is not None:
+            yield chunk_event(opening, include_usage)
+        sent = 0
+        async for item in stream:
+            if isinstance(item, StreamEnd):
+                if item.reason == "abort":
+                    yield chunk_event(chunk("", "abort"), include_usage)
+                else:
+                    yield sse(errors.engine_failed(item.message).response_body())
+                break
+            delta, sent = item.text[sent:], max(sent, len(item.text))
+            if delta or item.finished:
+                finish = item.finish_reason if item.finished else None
+                yield chunk_event(chunk(delta, finish), include_usage)
+            if item.finished and include_usage:
+                yield chunk_event(usage_chunk(_usage(item)), include_usage)
+        yield "data: [DONE]\n\n"
+
+    def _streaming(self, stream: RequestStream, events: AsyncIterator[str]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                # Runs on normal end and when Starlette cancels us because the client left.
+                if not stream.finished:
+                    self.engine.abort(stream.request_id)
+
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(output.prompt_token_ids), len(output.token_ids))
+
+
+def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:
+    return body.service_tier if body.service_tier in ("priority", "flex") else "default"
+
+
+async def _last(stream: RequestStream) -> RequestOutput | StreamEnd:
+    last = None
+    async for item in stream:
+        last = item
+    return last
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (or nothing).
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

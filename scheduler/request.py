@@ -97,6 +97,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     idle_steps: int = 0  # consecutive steps spent waiting; the aging policies read it
+    predicted_p50: float | None = None  # median of the predicted output length (srpt refinement)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

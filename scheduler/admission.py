@@ -1,0 +1,156 @@
+"""Token-level admission control and the stability margin.
+
+Work is counted in tokens, not requests: a request in the system owes its prompt tokens not yet
+computed plus its predicted output tokens not yet generated. The controller learns the served token
+throughput as an EWMA (the engine or the simulator reports each step with `record_step`), and
+estimates a new request's delay by Little's law in tokens: the work that will be served before or
+alongside it divided by the throughput.
+
+- interactive: predicted TTFT = (queued prompt tokens of interactive requests + its own prompt)
+  / throughput; rejected above `slo_ttft_interactive_s`.
+- standard: predicted end-to-end = (token work of interactive and standard requests in the system +
+  its own prompt and predicted output) / throughput; rejected above `slo_e2e_standard_s`. This is
+  conservative: it assumes the work ahead is served before the request's own decode starts.
+- batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
+  queued work stays below `batch_shed_share` of `max_queued_tokens`.
+
+Rejections raise `AdmissionRejected(reason, retry_after_s)`; the HTTP layer turns it into a 429
+with Retry-After. The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a
+sliding window: arrivals per second times mean prompt plus predicted output tokens, against the
+step token budget B divided by the mean step time. Above 1 the queue cannot drain; it is logged
+when it crosses 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Iterable
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, Tier
+
+logger = logging.getLogger(__name__)
+
+MIN_RETRY_AFTER_S = 1.0
+
+
+class AdmissionRejected(Exception):
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+def predicted_output_tokens(request: Request) -> float:
+    """Predicted output tokens still to come, never above what max_tokens allows."""
+    limit = request.sampling_params.max_tokens
+    predicted = request.predicted_len if request.predicted_len is not None else limit
+    total = min(float(limit), max(1.0, predicted))
+    return max(0.0, total - request.num_output_tokens)
+
+
+def prompt_tokens_left(request: Request) -> int:
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+
+
+def token_work(requests: Iterable[Request]) -> float:
+    return sum(prompt_tokens_left(r) + predicted_output_tokens(r) for r in requests)
+
+
+class AdmissionController:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._ewma_tokens: float | None = None  # tokens per step
+        self._ewma_time: float | None = None  # seconds per step
+        self._steps: deque[tuple[float, float]] = deque()  # (time, step seconds)
+        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, prompt, predicted out)
+        self._start_time: float | None = None
+        self._overloaded = False
+        self.num_rejected = 0
+
+    # ---- measurements ------------------------------------------------------------------------
+    def record_step(self, now: float, num_tokens: int, step_time_s: float) -> None:
+        if step_time_s <= 0:
+            return
+        alpha = self.config.throughput_ewma_alpha
+        if self._ewma_tokens is None or self._ewma_time is None:
+            self._ewma_tokens, self._ewma_time = float(num_tokens), step_time_s
+        else:
+            self._ewma_tokens += alpha * (num_tokens - self._ewma_tokens)
+            self._ewma_time += alpha * (step_time_s - self._ewma_time)
+        self._steps.append((now, step_time_s))
+        self._mark_start(now)
+
+    def record_arrival(self, now: float, request: Request) -> None:
+        self._arrivals.append((now, request.num_prompt_tokens, predicted_output_tokens(request)))
+        self._mark_start(now)
+
+    def _mark_start(self, now: float) -> None:
+        if self._start_time is None:
+            self._start_time = now
+
+    @property
+    def throughput_tokens_per_s(self) -> float | None:
+        if not self._ewma_tokens or not self._ewma_time:
+            return None
+        return self._ewma_tokens / self._ewma_time
+
+    def stability_margin(self, now: float) -> float | None:
+        """lambda * (m_prefill + m_decode) / (B / t_step) over the sliding window, or None."""
+        horizon = now - self.config.stability_window_s
+        for window in (self._steps, self._arrivals):
+            while window and window[0][0] < horizon:
+                window.popleft()
+        if not self._steps or not self._arrivals or self._start_time is None:
+            return None
+        span = min(self.config.stability_window_s, max(now - self._start_time, 1e-9))
+        arrival_rate = len(self._arrivals) / span
+        mean_tokens = sum(p + d for _, p, d in self._arrivals) / len(self._arrivals)
+        mean_step = sum(s for _, s in self._steps) / len(self._steps)
+        capacity = self.config.max_num_batched_tokens / mean_step
+        margin = arrival_rate * mean_tokens / capacity
+        if margin > 1.0 and not self._overloaded:
+            logger.warning("stability margin %.2f > 1: offered token load exceeds capacity", margin)
+        self._overloaded = margin > 1.0
+        return margin
+
+    # ---- the decision ------------------------------------------------------------------------
+    def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request]) -> None:
+        """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full."""
+        waiting, running = list(waiting), list(running)
+        own_work = request.num_prompt_tokens + predicted_output_tokens(request)
+        throughput = self.throughput_tokens_per_s
+        self._check_queue_bound(request, own_work, waiting, throughput)
+        if throughput is None:
+            return  # nothing measured yet: no basis for a delay estimate
+        if request.tier == Tier.INTERACTIVE:
+            ahead = sum(prompt_tokens_left(r) for r in waiting if r.tier == Tier.INTERACTIVE)
+            estimate = (ahead + request.num_prompt_tokens) / throughput
+            self._check_slo(estimate, self.config.slo_ttft_interactive_s, "TTFT", request)
+        elif request.tier == Tier.STANDARD:
+            ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
+            estimate = (ahead + own_work) / throughput
+            self._check_slo(estimate, self.config.slo_e2e_standard_s, "end-to-end latency", request)
+
+    def _check_queue_bound(self, request: Request, own_work: float, waiting: list[Request],
+                           throughput: float | None) -> None:
+        bound = self.config.max_queued_tokens
+        if bound is None:
+            return
+        share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
+        queued = token_work(waiting)
+        if queued + own_work > bound * share:
+            excess = queued + own_work - bound * share
+            retry = excess / throughput if throughput else MIN_RETRY_AFTER_S
+            self._reject(f"queue full: {queued:.0f} queued tokens + {own_work:.0f} exceed the "
+                         f"{request.tier.name.lower()} bound {bound * share:.0f}", retry)
+
+    def _check_slo(self, estimate: float, slo: float, what: str, request: Request) -> None:
+        if estimate > slo:
+            self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
+                         f"SLO of {slo:.2f}s", estimate - slo)
+
+    def _reject(self, reason: str, retry_after_s: float) -> None:
+        self.num_rejected += 1
+        raise AdmissionRejected(reason, max(MIN_RETRY_AFTER_S, retry_after_s))

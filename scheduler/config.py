@@ -1,0 +1,93 @@
+"""The scheduler's one frozen configuration, validated on construction.
+
+Limits of a step (seats, token budget), the paged KV geometry, the preemption mode, the ordering
+policy by name and its knobs (aging, SRPT preemption share, goodput), and admission control.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    num_gpu_blocks: int  # KV blocks on the device; the binding memory budget
+    max_num_seqs: int = 32  # seats: requests that may hold a place in one step's batch
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    block_size: int = 16  # tokens per KV block; a power of two
+    num_cpu_blocks: int = 0  # host pool for swap preemption
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    # When False a prefill is scheduled whole, so the budget must hold the longest request.
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    policy: str = "fcfs"
+
+    # sjf / srpt / oracle anti-starvation: a waiting request's length score falls by this many
+    # tokens per second waited, so its order equals arrival_time + predicted_len / rate and a
+    # request is never overtaken by one arriving more than predicted_len / rate seconds later.
+    aging_tokens_per_s: float = 20.0
+    # srpt: a running request past this share of its predicted length is never preempted for
+    # a shorter waiting one (limited preemption; tier preemption still applies).
+    srpt_max_preempt_share: float = 0.5
+    # srpt: a waiting request must be this many times shorter than the running one to preempt it,
+    # so near-equal requests do not thrash.
+    srpt_preempt_ratio: float = 4.0
+    # goodput: seconds per output token used to turn predicted remaining tokens into time, and the
+    # slack (seconds) below which a request with a deadline is treated as urgent.
+    goodput_s_per_token: float = 0.05
+    goodput_urgent_slack_s: float = 2.0
+
+    # Admission control (scheduler/admission.py); off unless enabled.
+    enable_admission: bool = False
+    slo_ttft_interactive_s: float = 0.5
+    slo_e2e_standard_s: float = 10.0
+    max_queued_tokens: int | None = None  # bound on token work waiting; None = unbounded
+    batch_shed_share: float = 0.5  # batch work is admitted only below this share of the bound
+    throughput_ewma_alpha: float = 0.1
+    stability_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        positive = ("num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                    "max_model_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                             f"({self.max_num_batched_tokens} < {self.max_model_len})")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("swap preemption needs num_cpu_blocks > 0")
+        self._validate_policy_knobs()
+
+    def _validate_policy_knobs(self) -> None:
+        non_negative = ("aging_tokens_per_s", "goodput_urgent_slack_s", "slo_ttft_interactive_s",
+                        "slo_e2e_standard_s", "goodput_s_per_token")
+        for name in non_negative:
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.srpt_max_preempt_share <= 1.0:
+            raise ValueError(f"srpt_max_preempt_share must be in [0, 1], got {self.srpt_max_preempt_share}")
+        if self.srpt_preempt_ratio < 1.0:
+            raise ValueError(f"srpt_preempt_ratio must be >= 1, got {self.srpt_preempt_ratio}")
+        if not 0.0 < self.batch_shed_share <= 1.0:
+            raise ValueError(f"batch_shed_share must be in (0, 1], got {self.batch_shed_share}")
+        if not 0.0 < self.throughput_ewma_alpha <= 1.0:
+            raise ValueError(f"throughput_ewma_alpha must be in (0, 1], got {self.throughput_ewma_alpha}")
+        if self.stability_window_s <= 0:
+            raise ValueError(f"stability_window_s must be > 0, got {self.stability_window_s}")
+        if self.max_queued_tokens is not None and self.max_queued_tokens <= 0:
+            raise ValueError(f"max_queued_tokens must be positive or None, got {self.max_queued_tokens}")
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,190 @@
+"""The ordering policies behind the `SchedulingPolicy` seam, and the registry `make_policy`.
+
+Every policy orders by tier first (interactive, standard, batch), then by its own score, then by
+arrival: the sort key is `(tier, score, arrival_time, request_id)`, recomputed and re-sorted
+every step, so a score may change with time. The victim when memory runs short is the running
+request with the largest key (batch tier first, then the worst score). A waiting request may
+preempt a running one of a less urgent tier (tier preemption); SRPT adds limited preemption
+within a tier.
+
+- fcfs: score 0, so arrival order within a tier.
+- priority: vLLM's semantics, the integer `priority` (lower first), ties by arrival; a waiting
+  request preempts running ones of a worse priority.
+- sjf: predicted output length minus `aging_tokens_per_s` times the seconds waited. The order this
+  gives equals the order of `arrival_time + predicted_len / rate`, which does not change with time,
+  so a request is never overtaken by one arriving more than `predicted_len / rate` seconds after it:
+  the aging bound.
+- oracle: sjf on the true length (benchmarks only), with the same aging.
+- srpt: predicted remaining output (refined once the output outgrows the first estimate, see
+  `refined_remaining`) minus the same aging; preempts a running request of its tier only when the
+  waiting one is `srpt_preempt_ratio` times shorter and the running one has produced less than
+  `srpt_max_preempt_share` of its predicted length.
+- goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
+  predicted remaining cost, between 0 and `goodput_urgent_slack_s`) go first by slack; requests
+  that can wait follow in sjf order; requests already past saving come last.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from scheduler.config import SchedulerConfig
+from scheduler.policy import SchedulingPolicy
+from scheduler.request import Request, Tier
+
+Z90 = 1.2815515655446004  # standard normal quantile at 0.9
+DEFAULT_LOG_SPREAD = 0.8  # lognormal sigma when no p90 is known
+
+
+class TieredPolicy(SchedulingPolicy):
+    """Tier first, then `score`, then arrival; victims and tier preemption from the same key."""
+
+    name = "fcfs"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def score(self, request: Request, now: float) -> float:
+        return 0.0
+
+    def sort_key(self, request: Request, now: float) -> tuple:
+        return (int(request.tier), self.score(request, now), request.arrival_time, request.request_id)
+
+    def choose_victim(self, running: Sequence[Request], now: float) -> Request:
+        return max(running, key=lambda r: self.sort_key(r, now))
+
+    def should_preempt_for(self, waiting: Request, running: Request, now: float) -> bool:
+        if waiting.tier != running.tier:
+            return waiting.tier < running.tier
+        return self.preempts_within_tier(waiting, running, now)
+
+    def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
+        return False
+
+
+class FCFSPolicy(TieredPolicy):
+    name = "fcfs"
+
+
+class PriorityPolicy(TieredPolicy):
+    name = "priority"
+
+    def score(self, request: Request, now: float) -> float:
+        return float(request.priority)
+
+    def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
+        return waiting.priority < running.priority
+
+
+def predicted_total(request: Request) -> float:
+    """The first point estimate of output length; max_tokens when nothing was predicted."""
+    if request.predicted_len is not None:
+        return max(1.0, min(request.predicted_len, request.sampling_params.max_tokens))
+    return float(request.sampling_params.max_tokens)
+
+
+class SJFPolicy(TieredPolicy):
+    name = "sjf"
+
+    def length(self, request: Request) -> float:
+        return predicted_total(request)
+
+    def score(self, request: Request, now: float) -> float:
+        waited = max(0.0, now - request.arrival_time)
+        return self.length(request) - self.config.aging_tokens_per_s * waited
+
+    def aging_bound_s(self, request: Request) -> float:
+        """No request arriving more than this long after `request` is ever ordered before it."""
+        rate = self.config.aging_tokens_per_s
+        return self.length(request) / rate if rate > 0 else math.inf
+
+
+class OraclePolicy(SJFPolicy):
+    name = "oracle"
+
+    def length(self, request: Request) -> float:
+        return float(request.true_len) if request.true_len is not None else predicted_total(request)
+
+
+def _upper_tail_ratio(a: float, b: float) -> float:
+    """Q(a) / Q(b) for the standard normal tail Q, a <= b, stable far in the tail."""
+    if b < 30.0:
+        return math.erfc(a / math.sqrt(2.0)) / math.erfc(b / math.sqrt(2.0))
+    # Mills ratio: Q(x) ~ phi(x) / x for large x.
+    return (b / a) * math.exp((b * b - a * a) / 2.0)
+
+
+def refined_remaining(request: Request) -> float:
+    """Predicted output tokens still to come, refined once generation outgrows the first estimate.
+
+    Before the output reaches the point estimate: estimate minus tokens so far. After: fit a
+    lognormal to the predicted p50 and p90 and take E[X | X > generated] - generated.
+    """
+    generated = request.num_output_tokens
+    point = predicted_total(request)
+    if generated < point:
+        return point - generated
+    p50 = request.predicted_p50 if request.predicted_p50 else point
+    p90 = request.predicted_p90
+    sigma = math.log(p90 / p50) / Z90 if p90 and p90 > p50 else DEFAULT_LOG_SPREAD
+    mu, log_g = math.log(p50), math.log(max(generated, 1))
+    b = (log_g - mu) / sigma
+    expected = math.exp(mu + sigma * sigma / 2.0) * _upper_tail_ratio(b - sigma, b)
+    limit = request.sampling_params.max_tokens
+    return max(1.0, min(expected, limit) - generated)
+
+
+class SRPTPolicy(SJFPolicy):
+    name = "srpt"
+
+    def score(self, request: Request, now: float) -> float:
+        waited = max(0.0, now - request.arrival_time)
+        return refined_remaining(request) - self.config.aging_tokens_per_s * waited
+
+    def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
+        if running.num_output_tokens >= self.config.srpt_max_preempt_share * predicted_total(running):
+            return False
+        return refined_remaining(waiting) * self.config.srpt_preempt_ratio < refined_remaining(running)
+
+
+class GoodputPolicy(SJFPolicy):
+    name = "goodput"
+
+    def deadline(self, request: Request) -> float | None:
+        if request.tier == Tier.INTERACTIVE and request.first_token_time is None:
+            return request.arrival_time + self.config.slo_ttft_interactive_s
+        if request.tier == Tier.STANDARD:
+            return request.arrival_time + self.config.slo_e2e_standard_s
+        return None
+
+    def sort_key(self, request: Request, now: float) -> tuple:
+        deadline = self.deadline(request)
+        if deadline is None:
+            return (int(request.tier), 1, self.score(request, now), request.arrival_time, request.request_id)
+        first_token_only = request.tier == Tier.INTERACTIVE
+        cost_tokens = 1.0 if first_token_only else refined_remaining(request)
+        slack = deadline - now - cost_tokens * self.config.goodput_s_per_token
+        if 0.0 <= slack <= self.config.goodput_urgent_slack_s:
+            group, value = 0, slack
+        else:
+            group, value = (1 if slack > 0 else 2), self.score(request, now)
+        return (int(request.tier), group, value, request.arrival_time, request.request_id)
+
+
+POLICIES: dict[str, Callable[[SchedulerConfig], SchedulingPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+    "sjf": SJFPolicy,
+    "srpt": SRPTPolicy,
+    "oracle": OraclePolicy,
+    "goodput": GoodputPolicy,
+}
+
+
+def make_policy(name: str, config: SchedulerConfig) -> SchedulingPolicy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+    return factory(config)

@@ -1,0 +1,254 @@
+"""The step scheduler: who runs, with how many tokens, and who gives way.
+
+One step (`schedule`) runs these parts in order, all under the seat limit (`max_num_seqs`) and
+the token budget (`max_num_batched_tokens`):
+
+1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
+   before batch work, or SRPT's limited preemption) takes seats and blocks from running victims.
+2. `_schedule_running`: running requests first, decodes before unfinished prefill chunks, each
+   group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
+   running requests not yet scheduled this step (possibly the request itself).
+3. `_schedule_swapped`: swap-preempted requests come back before any new work, when blocks allow
+   (not in a step that preempted, so a block is never copied out and in at once).
+4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a
+   prefill chunk (or the whole prefill without chunking), stopping at the first that does not fit.
+
+Recompute preemption frees the blocks and sets `num_computed_tokens = 0`; the request keeps its
+arrival time and tokens, so the policy puts it back in its place, and on resumption it re-feeds
+prompt and generated tokens, sampling only when it reaches the end (`ScheduledChunk.sample`).
+`num_computed_tokens` advances when a chunk is scheduled; `update_from_output` appends the sampled
+tokens and finishes requests.
+"""
+
+from __future__ import annotations
+
+from scheduler.admission import AdmissionController
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.policies import make_policy
+from scheduler.policy import SchedulingPolicy
+from scheduler.request import Request, RequestStatus
+from scheduler.step import SchedulerStats, StepPlan, build_chunks, stop_status
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else make_policy(config.policy, config)
+        self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+        self.admission = AdmissionController(config)
+        self.waiting: list[Request] = []  # new and recompute-preempted requests
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # since the previous step
+        self._num_preemptions = 0
+        self._num_steps = 0
+        self._num_finished = 0
+
+    # ---- requests in and out -----------------------------------------------------------------
+    def add_request(self, request: Request, now: float | None = None) -> None:
+        """Queue a request; raises ValueError on bad input, AdmissionRejected when shed."""
+        self._validate(request)
+        now = request.arrival_time if now is None else now
+        if self.config.enable_admission:
+            self.admission.check(request, self.waiting + self.swapped, self.running)
+        self.admission.record_arrival(now, request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room for output "
+                             f"within max_model_len {self.config.max_model_len}")
+        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+        if self.block_manager.blocks_for(longest) > self.config.num_gpu_blocks:
+            raise ValueError(f"a request of up to {longest} tokens cannot fit in "
+                             f"{self.config.num_gpu_blocks} KV blocks of {self.config.block_size}")
+
+    def abort_request(self, request_id: str, now: float | None = None) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED, now)
+
+    def finish_request(self, request_id: str, status: RequestStatus, now: float | None = None) -> bool:
+        """Finish a live request (stop string, abort); False when unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self._finish(request, status, now)
+        return True
+
+    def _finish(self, request: Request, status: RequestStatus, now: float | None) -> None:
+        self.block_manager.free(request)
+        request.status = status
+        if now is not None:
+            request.finish_time = now
+        self._finished_ids.append(request.request_id)
+        self._num_finished += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._num_steps += 1
+        finished_ids = tuple(self._finished_ids)
+        for request_id in finished_ids:
+            self._requests.pop(request_id, None)
+        self._finished_ids.clear()
+        self.policy.on_step(self.waiting, self.running, now)
+        self.waiting.sort(key=lambda r: self.policy.sort_key(r, now))
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._make_room_for_urgent(plan, now)
+        self._schedule_running(plan, now)
+        if not plan.preempted_ids:
+            self._schedule_swapped(plan, now)
+        self._schedule_waiting(plan, now)
+        for request in self.waiting + self.swapped:
+            request.idle_steps += 1
+        return build_chunks(plan, finished_ids, now)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _make_room_for_urgent(self, plan: StepPlan, now: float) -> None:
+        free_seats = self.config.max_num_seqs - len(self.running)
+        free_blocks = self.block_manager.num_free_blocks
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        for request in list(self.waiting):
+            if budget <= 0 or not self.running:
+                return
+            num_new = max(1, self._num_new_tokens(request, budget))
+            need_blocks = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
+            while free_seats < 1 or free_blocks < need_blocks:
+                eligible = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
+                if not eligible:
+                    return
+                victim = self.policy.choose_victim(eligible, now)
+                free_blocks += len(victim.block_ids)
+                free_seats += 1
+                budget += 1
+                self._preempt(victim, plan)
+            free_seats, free_blocks, budget = free_seats - 1, free_blocks - need_blocks, budget - num_new
+
+    def _schedule_running(self, plan: StepPlan, now: float) -> None:
+        # Decodes (one token left to feed) before unfinished prefills, each in policy order.
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
+                                                    self.policy.sort_key(r, now)))
+        for request in order:
+            if plan.budget <= 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_new = self._num_new_tokens(request, plan.budget)
+            if num_new > 0 and self._allocate_or_preempt(request, num_new, plan, now):
+                plan.add(request, num_new)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> bool:
+        """Allocate, preempting policy victims until it fits; False if the request itself gave way."""
+        while self.block_manager.allocate_slots(request, num_new) is None:
+            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
+            victim = self.policy.choose_victim(candidates, now)
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        plan.preempted_ids.append(request.request_id)
+        swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request)
+        if swap:
+            plan.swap_out.extend(self.block_manager.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+        else:
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.append(request)
+
+    def _schedule_swapped(self, plan: StepPlan, now: float) -> None:
+        self.swapped.sort(key=lambda r: self.policy.sort_key(r, now))
+        while self.swapped and len(self.running) < self.config.max_num_seqs and plan.budget > 0:
+            request = self.swapped[0]
+            num_new = self._num_new_tokens(request, plan.budget)
+            if num_new == 0 or not self.block_manager.can_swap_in(request, num_new):
+                return
+            plan.swap_in.extend(self.block_manager.swap_in(request))
+            self.block_manager.allocate_slots(request, num_new)  # fits: checked by can_swap_in
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(request, num_new)
+
+    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
+        # A swapped request still out keeps its place: nothing ranked after it is admitted.
+        limit = min((self.policy.sort_key(r, now) for r in self.swapped), default=None)
+        admitted = 0
+        for request in self.waiting:
+            if len(self.running) >= self.config.max_num_seqs or plan.budget <= 0:
+                break
+            if request.request_id in plan.preempted_ids:
+                break  # preempted this step: appended after the sort, it waits for the next step
+            if limit is not None and self.policy.sort_key(request, now) >= limit:
+                break
+            num_new = self._num_new_tokens(request, plan.budget)
+            if num_new == 0 or self.block_manager.allocate_slots(request, num_new) is None:
+                break
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.add(request, num_new)
+            admitted += 1
+        del self.waiting[:admitted]
+
+    # ---- results -----------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                           now: float) -> list[Request]:
+        """Append sampled tokens; finish requests that stop. Returns the requests that progressed."""
+        progressed: list[Request] = []
+        for chunk in output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if not chunk.sample or request is None or request.status is not RequestStatus.RUNNING:
+                continue  # mid-prefill chunk, or finished/aborted since it was scheduled
+            token = runner_output.sampled_token_ids[chunk.request_id]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = stop_status(request, token, self.config.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status, now)
+            progressed.append(request)
+        return progressed
+
+    def record_step(self, now: float, num_batched_tokens: int, step_time_s: float) -> None:
+        """Feed the measured step time to admission control (throughput, stability margin)."""
+        self.admission.record_step(now, num_batched_tokens, step_time_s)
+
+    def stats(self, now: float | None = None) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            kv_usage=self.block_manager.usage, num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_total_blocks, num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps, num_finished=self._num_finished,
+            num_rejected=self.admission.num_rejected,
+            throughput_tokens_per_s=self.admission.throughput_tokens_per_s,
+            stability_margin=self.admission.stability_margin(now) if now is not None else None,
+        )

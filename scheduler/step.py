@@ -1,0 +1,84 @@
+"""The pieces of one scheduling step that are not decisions: the plan being filled, turning it into
+the runner's chunks, the stop rules, and the statistics record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.output import ScheduledChunk, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class StepPlan:
+    """What one step has granted so far; mutated while `schedule` fills it."""
+
+    budget: int  # tokens still free in this step
+    grants: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.grants.append((request, num_new_tokens))
+        self.scheduled_ids.add(request.request_id)
+        self.budget -= num_new_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float  # share of device KV blocks in use
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int  # cumulative
+    num_steps: int
+    num_finished: int
+    num_rejected: int  # by admission control, cumulative
+    throughput_tokens_per_s: float | None  # EWMA of served tokens per second
+    stability_margin: float | None  # lambda * (m_prefill + m_decode) / (B / t_step)
+
+
+def token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """request.all_token_ids[start:end] without concatenating the whole sequence."""
+    prompt, num_prompt = request.prompt_token_ids, request.num_prompt_tokens
+    if end <= num_prompt:
+        return tuple(prompt[start:end])
+    output = request.output_token_ids
+    if start >= num_prompt:
+        return tuple(output[start - num_prompt:end - num_prompt])
+    return tuple(prompt[start:]) + tuple(output[:end - num_prompt])
+
+
+def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> SchedulerOutput:
+    """Turn the grants into chunks and advance each request's num_computed_tokens."""
+    chunks = []
+    for request, num_new in plan.grants:
+        start = request.num_computed_tokens
+        tokens = token_slice(request, start, start + num_new)
+        request.num_computed_tokens = start + num_new
+        chunks.append(ScheduledChunk(
+            request_id=request.request_id, token_ids=tokens, start_position=start,
+            block_ids=tuple(request.block_ids), sample=request.num_computed_tokens == request.num_tokens))
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        request.idle_steps = 0
+    return SchedulerOutput(
+        chunks=tuple(chunks), preempted_ids=tuple(plan.preempted_ids), finished_ids=finished_ids,
+        swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),
+        num_batched_tokens=sum(len(c.token_ids) for c in chunks))
+
+
+def stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status a just-sampled token puts the request in, if any."""
+    params = request.sampling_params
+    if token == request.eos_token_id and not params.ignore_eos:
+        return RequestStatus.FINISHED_STOPPED
+    if token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,211 @@
+"""Scheduler core: token accounting, budget filling, chunking, preemption, stop rules.
+
+Outputs are checked against `reference_output` (what a request produces when nothing goes wrong),
+computed by `PagedTokenRunner`, which reads every context back through the block tables: a wrong
+table, chunk, start position or swap copy changes the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.output import ModelRunnerOutput
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.testing import PagedTokenRunner, reference_output
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int, arrival: float = 0.0, **kwargs) -> Request:
+    prompt = [(7 * int(request_id.strip("r") or 0) + 3 * i) % 500 + 1 for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id, prompt, params, arrival_time=arrival, **kwargs)
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
+    config = scheduler.config
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(now=float(step))
+        assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(output.chunks) <= config.max_num_seqs
+        for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if request.is_finished:
+                outputs[request.request_id] = list(request.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+    return outputs
+
+
+WORKLOAD = [(f"r{i}", 5 + (i * 13) % 40, 4 + (i * 7) % 30) for i in range(12)]
+
+
+def add_workload(scheduler: Scheduler) -> None:
+    for index, (request_id, prompt_len, max_tokens) in enumerate(WORKLOAD):
+        scheduler.add_request(make_request(request_id, prompt_len, max_tokens, arrival=index * 1e-3))
+
+
+def expected_outputs() -> dict[str, list[int]]:
+    return {rid: reference_output(make_request(rid, p, m).prompt_token_ids, m) for rid, p, m in WORKLOAD}
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_outputs_match_reference_with_ample_memory(block_size: int, chunked: bool) -> None:
+    config = SchedulerConfig(num_gpu_blocks=256, block_size=block_size, max_num_seqs=8,
+                             max_num_batched_tokens=64 if chunked else 128, max_model_len=128,
+                             enable_chunked_prefill=chunked)
+    scheduler = Scheduler(config)
+    add_workload(scheduler)
+    assert run_to_completion(scheduler) == expected_outputs()
+    assert scheduler.stats().num_preemptions == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_preemption_keeps_every_token(mode: str, block_size: int) -> None:
+    config = SchedulerConfig(num_gpu_blocks=96 // block_size, block_size=block_size, max_num_seqs=8,
+                             max_num_batched_tokens=32, max_model_len=80, preemption_mode=mode,
+                             num_cpu_blocks=256 // block_size if mode == "swap" else 0)
+    scheduler = Scheduler(config)
+    add_workload(scheduler)
+    assert run_to_completion(scheduler) == expected_outputs()
+    assert scheduler.stats().num_preemptions > 0
+
+
+def test_swap_preemption_moves_blocks_to_host_and_back() -> None:
+    config = SchedulerConfig(num_gpu_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                             max_model_len=24, preemption_mode="swap", num_cpu_blocks=16)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(6, 4, 16)
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", 8, 8, arrival=float(i)))
+    swapped_out = swapped_in = False
+    for step in range(40):
+        output = scheduler.schedule(float(step))
+        swapped_out |= bool(output.swap_out)
+        swapped_in |= bool(output.swap_in)
+        if output.swap_out:
+            assert scheduler.get_request("r1").status is RequestStatus.SWAPPED
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+    assert swapped_out and swapped_in
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.block_manager.num_free_blocks == 6 and scheduler.block_manager.host.num_free == 16
+
+
+def test_decodes_fill_the_budget_before_prefill_chunks() -> None:
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=10, max_model_len=64)
+    scheduler = Scheduler(config)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 3, 20, arrival=float(i)))
+    first = scheduler.schedule(0.0)  # three prefills of 3 tokens
+    runner = PagedTokenRunner(64, 4)
+    scheduler.update_from_output(first, runner.execute(first), 0.0)
+    scheduler.add_request(make_request("r9", 30, 5, arrival=1.0))
+    second = scheduler.schedule(1.0)
+    sizes = {c.request_id: len(c.token_ids) for c in second.chunks}
+    assert sizes == {"r0": 1, "r1": 1, "r2": 1, "r9": 7}
+    assert [c.request_id for c in second.chunks][:3] == ["r0", "r1", "r2"]
+    chunk = second.chunks[3]
+    assert chunk.start_position == 0 and not chunk.sample
+    assert scheduler.get_request("r9").num_computed_tokens == 7
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_whole_prefill_waits_for_room_without_chunking(chunked: bool) -> None:
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=40, max_model_len=40,
+                             enable_chunked_prefill=chunked)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(64, 4)
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", 3, 20, arrival=float(i)))
+    first = scheduler.schedule(0.0)
+    scheduler.update_from_output(first, runner.execute(first), 0.0)
+    scheduler.add_request(make_request("r2", 39, 1, arrival=2.0))
+    second = scheduler.schedule(1.0)  # two decodes leave 38 tokens for a 39-token prompt
+    sizes = {c.request_id: len(c.token_ids) for c in second.chunks}
+    assert sizes == ({"r0": 1, "r1": 1, "r2": 38} if chunked else {"r0": 1, "r1": 1})
+
+
+def test_max_num_seqs_limits_seats() -> None:
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=100,
+                             max_model_len=64)
+    scheduler = Scheduler(config)
+    for i in range(5):
+        scheduler.add_request(make_request(f"r{i}", 4, 3, arrival=float(i)))
+    output = scheduler.schedule(0.0)
+    assert [c.request_id for c in output.chunks] == ["r0", "r1"]
+    assert scheduler.stats().num_waiting == 3
+
+
+def step_once(scheduler: Scheduler, token: int, now: float) -> list[Request]:
+    output = scheduler.schedule(now)
+    sampled = {c.request_id: token for c in output.chunks if c.sample}
+    return scheduler.update_from_output(output, ModelRunnerOutput(sampled), now)
+
+
+@pytest.mark.parametrize(("params", "token", "status"), [
+    (SamplingParams(max_tokens=5), 2, RequestStatus.FINISHED_STOPPED),  # eos
+    (SamplingParams(max_tokens=5, ignore_eos=True), 2, None),
+    (SamplingParams(max_tokens=5, stop_token_ids=(9,)), 9, RequestStatus.FINISHED_STOPPED),
+    (SamplingParams(max_tokens=1), 4, RequestStatus.FINISHED_LENGTH),
+])
+def test_stop_rules(params: SamplingParams, token: int, status: RequestStatus | None) -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=32))
+    request = Request("a", [1, 2, 3], params, arrival_time=0.0, eos_token_id=2)
+    scheduler.add_request(request)
+    progressed = step_once(scheduler, token, 1.5)
+    assert progressed == [request] and request.output_token_ids == [token]
+    assert request.first_token_time == 1.5
+    if status is None:
+        assert request.status is RequestStatus.RUNNING
+    else:
+        assert request.status is status and request.finish_time == 1.5
+        assert scheduler.block_manager.num_free_blocks == 16
+        assert scheduler.schedule(2.0).finished_ids == ("a",)
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=6))
+    request = make_request("r1", 4, 100)
+    scheduler.add_request(request)
+    step_once(scheduler, 5, 0.0)
+    step_once(scheduler, 5, 1.0)
+    assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 6
+
+
+def test_abort_frees_blocks_and_reports_once() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=32))
+    scheduler.add_request(make_request("r1", 9, 10))
+    scheduler.add_request(make_request("r2", 4, 10))
+    step_once(scheduler, 5, 0.0)
+    assert scheduler.abort_request("r1") is True
+    assert scheduler.abort_request("r1") is False
+    assert scheduler.block_manager.num_free_blocks == 16 - 1  # r2: 4 computed tokens, one block (lazy)
+    assert scheduler.schedule(1.0).finished_ids == ("r1",)
+    assert scheduler.schedule(2.0).finished_ids == ()
+
+
+def test_bad_input_raises_value_error() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=4, block_size=4, max_model_len=32))
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(make_request("r1", 32, 1))
+    with pytest.raises(ValueError, match="KV blocks"):
+        scheduler.add_request(make_request("r2", 10, 10))
+    scheduler.add_request(make_request("r3", 3, 2))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("r3", 3, 2))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_gpu_blocks": 0}, {"num_gpu_blocks": 4, "block_size": 12},
+    {"num_gpu_blocks": 4, "enable_chunked_prefill": False, "max_num_batched_tokens": 100},
+    {"num_gpu_blocks": 4, "preemption_mode": "swap"}, {"num_gpu_blocks": 4, "preemption_mode": "drop"},
+])
+def test_config_rejects_bad_values(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(**kwargs)

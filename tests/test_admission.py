@@ -1,0 +1,92 @@
+"""Admission control in tokens: SLO rejections from the Little's-law delay estimate, batch shed
+first from a bounded queue, the measured throughput, and the stability margin."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from scheduler.admission import AdmissionController, AdmissionRejected
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, SamplingParams, Tier
+from scheduler.scheduler import Scheduler
+
+
+def req(request_id: str, prompt_len: int, predicted: float, tier: Tier = Tier.STANDARD) -> Request:
+    return Request(request_id, [1] * prompt_len, SamplingParams(max_tokens=1000), arrival_time=0.0,
+                   predicted_len=predicted, tier=tier)
+
+
+def controller(**kwargs) -> AdmissionController:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True, **kwargs))
+    ctl.record_step(now=1.0, num_tokens=100, step_time_s=0.1)  # 1000 tokens/s
+    return ctl
+
+
+def test_throughput_is_an_ewma_of_tokens_over_time() -> None:
+    ctl = controller(throughput_ewma_alpha=0.5)
+    assert ctl.throughput_tokens_per_s == pytest.approx(1000.0)
+    ctl.record_step(now=2.0, num_tokens=300, step_time_s=0.1)  # EWMA: 200 tokens per 0.1 s
+    assert ctl.throughput_tokens_per_s == pytest.approx(2000.0)
+
+
+def test_standard_rejected_when_predicted_e2e_exceeds_slo() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)
+    waiting = [req(f"w{i}", 500, 500) for i in range(9)]  # 9000 tokens of work: 9 s at 1000/s
+    ctl.check(req("ok", 100, 100), waiting, [])  # 9.2 s: admitted
+    with pytest.raises(AdmissionRejected) as info:
+        ctl.check(req("late", 600, 600), waiting, [])  # 10.2 s
+    assert "end-to-end" in info.value.reason and "10.20s" in info.value.reason
+    assert info.value.retry_after_s >= 1.0
+
+
+def test_interactive_ttft_counts_only_interactive_prompts_ahead() -> None:
+    ctl = controller(slo_ttft_interactive_s=0.5)
+    standard_backlog = [req(f"s{i}", 1000, 1000) for i in range(20)]
+    ctl.check(req("i", 300, 50, Tier.INTERACTIVE), standard_backlog, [])  # 0.3 s: tier goes first
+    interactive_backlog = [req(f"i{i}", 100, 50, Tier.INTERACTIVE) for i in range(3)]
+    with pytest.raises(AdmissionRejected, match="TTFT"):
+        ctl.check(req("i9", 300, 50, Tier.INTERACTIVE), interactive_backlog, [])  # 0.6 s
+
+
+def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
+    ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5)
+    waiting = [req(f"w{i}", 2000, 1000) for i in range(2)]  # 6000 queued tokens
+    ctl.check(req("s", 500, 500), waiting, [])  # 7000 <= 10000: standard admitted
+    with pytest.raises(AdmissionRejected, match="queue full"):
+        ctl.check(req("b", 500, 500, Tier.BATCH), waiting, [])  # 7000 > 5000: batch shed
+    ctl.check(req("b2", 500, 500, Tier.BATCH), [], [req("r", 10**5, 10**5)])  # running work: no SLO
+
+
+def test_nothing_measured_means_no_latency_rejection() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True))
+    ctl.check(req("s", 100, 100), [req(f"w{i}", 10**4, 10**4) for i in range(10)], [])
+
+
+def test_scheduler_rejects_without_queueing() -> None:
+    config = SchedulerConfig(num_gpu_blocks=256, max_model_len=4096, enable_admission=True, max_queued_tokens=1000)
+    scheduler = Scheduler(config)
+    scheduler.add_request(req("a", 600, 300))
+    with pytest.raises(AdmissionRejected):
+        scheduler.add_request(req("b", 600, 300))
+    assert scheduler.get_request("b") is None and scheduler.stats().num_waiting == 1
+    assert scheduler.stats().num_rejected == 1
+
+
+def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixture) -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500,
+                                              stability_window_s=10.0))
+    for second in range(10):
+        ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)  # capacity 2000 tokens/s
+        ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
+    # lambda = 10 arrivals / 9 s observed, 500 tokens each: 555.6 tokens/s against 2000.
+    assert ctl.stability_margin(9.0) == pytest.approx((10 / 9) * 500 / 2000)
+    for second in range(10, 20):
+        for k in range(5):
+            ctl.record_arrival(float(second), req(f"x{second}_{k}", 300, 200))
+    with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
+        margin = ctl.stability_margin(19.0)
+    # Window [9, 19]: 50 arrivals plus the one at t=9, over 10 s; only the step at t=9 is left.
+    assert margin == pytest.approx(51 / 10 * 500 / 2000)
+    assert margin > 1 and "stability margin" in caplog.text

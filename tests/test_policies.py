@@ -1,0 +1,179 @@
+"""Ordering policies: each one's order, aging against starvation, SRPT refinement and limited
+preemption, goodput urgency, and tier preemption that keeps every token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.policies import (GoodputPolicy, SJFPolicy, SRPTPolicy, make_policy, predicted_total,
+                                refined_remaining)
+from scheduler.request import Request, RequestStatus, SamplingParams, Tier
+from scheduler.scheduler import Scheduler
+from scheduler.testing import PagedTokenRunner, reference_output
+
+CONFIG = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_model_len=256)
+
+
+def req(request_id: str, arrival: float = 0.0, predicted: float | None = None, tier: Tier = Tier.STANDARD,
+        priority: int = 0, true_len: int | None = None, prompt_len: int = 4, max_tokens: int = 200,
+        **kwargs) -> Request:
+    prompt = [1 + (i * 5 + len(request_id)) % 90 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=arrival, predicted_len=predicted, tier=tier, priority=priority,
+                   true_len=true_len, **kwargs)
+
+
+def order(policy_name: str, requests: list[Request], now: float = 0.0, **config) -> list[str]:
+    policy = make_policy(policy_name, SchedulerConfig(num_gpu_blocks=64, **config))
+    return [r.request_id for r in sorted(requests, key=lambda r: policy.sort_key(r, now))]
+
+
+def test_fcfs_orders_by_tier_then_arrival() -> None:
+    requests = [req("a", 0.0, tier=Tier.BATCH), req("b", 1.0), req("c", 2.0, tier=Tier.INTERACTIVE), req("d", 0.5)]
+    assert order("fcfs", requests) == ["c", "d", "b", "a"]
+
+
+def test_priority_lower_first_ties_by_arrival() -> None:
+    requests = [req("a", 0.0, priority=2), req("b", 1.0, priority=0), req("c", 0.5, priority=0)]
+    assert order("priority", requests) == ["c", "b", "a"]
+    policy = make_policy("priority", CONFIG)
+    assert policy.should_preempt_for(requests[1], requests[0], 0.0)
+    assert not policy.should_preempt_for(requests[0], requests[1], 0.0)
+
+
+def test_sjf_orders_by_predicted_length() -> None:
+    requests = [req("long", 0.0, predicted=150), req("short", 1.0, predicted=10), req("mid", 0.5, predicted=60)]
+    assert order("sjf", requests, now=1.0, aging_tokens_per_s=0.0) == ["short", "mid", "long"]
+
+
+def test_oracle_orders_by_true_length_not_prediction() -> None:
+    requests = [req("a", predicted=10, true_len=100), req("b", predicted=100, true_len=10)]
+    assert order("oracle", requests, aging_tokens_per_s=0.0) == ["b", "a"]
+    assert order("sjf", requests, aging_tokens_per_s=0.0) == ["a", "b"]
+
+
+def test_sjf_aging_promotes_a_long_waiting_request() -> None:
+    long_one = req("long", arrival=0.0, predicted=100)
+    fresh_short = req("short", arrival=20.0, predicted=5)
+    # Score falls by 10 tokens per second waited: at t=20 the long one scores 100 - 200 < 5.
+    assert order("sjf", [long_one, fresh_short], now=20.0, aging_tokens_per_s=10.0) == ["long", "short"]
+    assert order("sjf", [long_one, fresh_short], now=20.0, aging_tokens_per_s=0.0) == ["short", "long"]
+    policy = make_policy("sjf", SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_s=10.0))
+    assert isinstance(policy, SJFPolicy) and policy.aging_bound_s(long_one) == pytest.approx(10.0)
+
+
+def starved_request_start(aging: float) -> float | None:
+    """One seat; a long request at t=0 and a short one arriving every second."""
+    config = SchedulerConfig(num_gpu_blocks=256, block_size=4, max_num_seqs=1, max_model_len=256,
+                             policy="sjf", aging_tokens_per_s=aging)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(256, 4)
+    scheduler.add_request(req("long", 0.0, predicted=100, max_tokens=3))
+    for second in range(60):
+        scheduler.add_request(req(f"s{second}", float(second), predicted=5, max_tokens=2))
+        for tick in (0.0, 0.5):
+            output = scheduler.schedule(second + tick)
+            if any(c.request_id == "long" for c in output.chunks):
+                return second + tick
+            scheduler.update_from_output(output, runner.execute(output), second + tick)
+    return None
+
+
+def test_aging_bounds_the_wait_of_a_starved_request() -> None:
+    assert starved_request_start(aging=0.0) is None  # pure SJF starves it
+    started = starved_request_start(aging=10.0)
+    # Bound: no arrival later than 100 / 10 = 10 s overtakes it; the queue ahead drains in a few steps.
+    assert started is not None and started <= 10.0 + 2.0
+
+
+def test_srpt_refines_remaining_after_outgrowing_the_estimate() -> None:
+    request = req("a", predicted=50, predicted_p50=50, predicted_p90=150)
+    assert refined_remaining(request) == 50
+    request.output_token_ids = [1] * 20
+    assert refined_remaining(request) == 30
+    request.output_token_ids = [1] * 80
+    beyond = refined_remaining(request)
+    assert beyond == pytest.approx(lognormal_tail_mean(50.0, 150.0, 80.0) - 80.0, rel=1e-3)
+    narrow = req("b", predicted=50, predicted_p50=50, predicted_p90=60)
+    narrow.output_token_ids = [1] * 80
+    assert refined_remaining(narrow) < beyond  # a tighter spread expects the end sooner
+
+
+def lognormal_tail_mean(p50: float, p90: float, g: float, steps: int = 20_000) -> float:
+    """E[X | X > g] by numerical integration over log x (reference for the closed form)."""
+    mu, sigma = math.log(p50), math.log(p90 / p50) / 1.2815515655446004
+    lo, hi = math.log(g), mu + 12 * sigma
+    width = (hi - lo) / steps
+    mass = weighted = 0.0
+    for k in range(steps):
+        y = lo + (k + 0.5) * width
+        density = math.exp(-0.5 * ((y - mu) / sigma) ** 2)
+        mass += density
+        weighted += density * math.exp(y)
+    return weighted / mass
+
+
+def test_srpt_reranks_as_tokens_are_generated() -> None:
+    a, b = req("a", predicted=40), req("b", predicted=30)
+    assert order("srpt", [a, b], aging_tokens_per_s=0.0) == ["b", "a"]
+    a.output_token_ids = [1] * 35  # 5 left against 30
+    assert order("srpt", [a, b], aging_tokens_per_s=0.0) == ["a", "b"]
+
+
+def test_srpt_limited_preemption() -> None:
+    policy = SRPTPolicy(SchedulerConfig(num_gpu_blocks=64, srpt_max_preempt_share=0.5, srpt_preempt_ratio=4.0))
+    running = req("run", predicted=200)
+    short = req("short", predicted=10)
+    assert policy.should_preempt_for(short, running, 0.0)
+    assert not policy.should_preempt_for(req("similar", predicted=100), running, 0.0)  # not 4x shorter
+    running.output_token_ids = [1] * 100  # past half of its predicted length
+    assert not policy.should_preempt_for(short, running, 0.0)
+
+
+def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> None:
+    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05,
+                             goodput_urgent_slack_s=2.0, aging_tokens_per_s=0.0)
+    policy = GoodputPolicy(config)
+    urgent = req("urgent", arrival=0.0, predicted=40)  # at t=6: slack 10 - 6 - 2 = 2 s
+    relaxed = req("relaxed", arrival=5.0, predicted=10)  # slack 15 - 6 - 0.5 = 8.5 s
+    hopeless = req("hopeless", arrival=-10.0, predicted=5)  # deadline already past
+    ranked = sorted([relaxed, hopeless, urgent], key=lambda r: policy.sort_key(r, 6.0))
+    assert [r.request_id for r in ranked] == ["urgent", "relaxed", "hopeless"]
+    assert order("sjf", [relaxed, urgent], now=6.0, aging_tokens_per_s=0.0) == ["relaxed", "urgent"]
+
+
+def test_make_policy_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("lottery", CONFIG)
+    assert predicted_total(req("x", max_tokens=30)) == 30
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str) -> None:
+    config = SchedulerConfig(num_gpu_blocks=12, block_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                             max_model_len=64, policy="sjf", preemption_mode=mode,
+                             num_cpu_blocks=32 if mode == "swap" else 0)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(12, 4, 32)
+    batch = [req(f"b{i}", float(i), predicted=20, tier=Tier.BATCH, prompt_len=6, max_tokens=20) for i in range(2)]
+    for request in batch:
+        scheduler.add_request(request)
+    interactive = req("i0", 5.0, predicted=5, tier=Tier.INTERACTIVE, prompt_len=5, max_tokens=6)
+    for step in range(200):
+        if step == 5:
+            scheduler.add_request(interactive)
+        output = scheduler.schedule(float(step))
+        if step == 5:  # both seats held by batch work: the newer batch request gives way at once
+            assert "b1" in output.preempted_ids and "i0" in {c.request_id for c in output.chunks}
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        if not scheduler.has_unfinished_requests():
+            break
+    for request in batch + [interactive]:
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == reference_output(request.prompt_token_ids,
+                                                            request.sampling_params.max_tokens)
+    assert batch[1].num_preemptions >= 1 and interactive.num_preemptions == 0
+    assert interactive.finish_time < batch[1].finish_time

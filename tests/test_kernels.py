@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.attention import reference
+from engine.kernels import bench
 from engine.kernels.cases import CASES, MIXED_SEQS, TOLERANCE, AttentionCase, make_batch
 from engine.kernels.launch import LaunchConfig, _auto_splits, resolve
 
@@ -168,3 +169,31 @@ def test_split_heuristic_fills_the_gpu_but_keeps_work_per_split():
 def test_launch_config_rejects_non_power_of_two():
     with pytest.raises(ValueError, match="block_n"):
         LaunchConfig(block_n=48)
+
+
+@pytest.mark.parametrize("name, gbps", [("NVIDIA H200", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0),
+                                        ("NVIDIA H100 PCIe", 2000.0), ("NVIDIA GH200 480GB", 4000.0),
+                                        ("NVIDIA A100-SXM4-40GB", 1555.0), ("NVIDIA L40S", 864.0),
+                                        ("Some Future GPU", None)])
+def test_bench_peak_bandwidth_lookup(name, gbps):
+    assert bench.peak_gbps(name, None) == gbps
+    assert bench.peak_gbps(name, 1234.0) == 1234.0
+
+
+def test_bench_baseline_computes_the_same_attention():
+    args = SimpleNamespace(batch=3, context=40, num_heads=4, num_kv_heads=2, head_dim=32,
+                           block_size=16, dtype="float32")
+    batch = bench.decode_batch(args, "cpu")
+    k, v = bench.gather_contiguous(batch, args.context)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        batch.q.unsqueeze(2), k, v, scale=batch.scale, enable_gqa=True).squeeze(2)
+    assert _max_error(sdpa, reference.paged_attention(*batch.args())) <= 1e-5
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message shown where there is no GPU")
+def test_bench_without_cuda_says_so_in_one_line(capsys):
+    from training.cli import main
+
+    assert main(["bench", "attention"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA device" in err and "\n" not in err

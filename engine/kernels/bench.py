@@ -1,0 +1,210 @@
+"""`lengthwise bench attention`: the Triton paged attention kernel on a CUDA device.
+
+1. Correctness: every case of engine/kernels/cases.py on the device, against the torch reference.
+2. Decode bandwidth: batch x context decode queries (default 64 x 2048, 32 query / 8 KV heads,
+   head_dim 128, bf16) over a paged cache with shuffled blocks. Achieved bandwidth = bytes of K/V
+   read / kernel time, reported as a fraction of the device's peak HBM bandwidth (table below,
+   or --peak-gbps). A small sweep of launch configurations shows what the default leaves.
+3. Baseline: torch scaled_dot_product_attention over the same K/V gathered into contiguous
+   [batch, kv_heads, context, head_dim] tensors (the gather is not timed).
+Writes bench_attention.json and bench_attention.png under --out. Times are medians of
+triton.testing.do_bench, which flushes L2 between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+# Peak HBM bandwidth in GB/s by device-name substring; the first match wins (specific first).
+PEAK_GBPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 4000.0),
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100 NVL", 3900.0),
+    ("H100", 3350.0),
+    ("H800", 3350.0),
+    ("B200", 8000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40", 864.0),  # L40 and L40S
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("RTX 4090", 1008.0),
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SWEEP_BLOCK_N = (32, 64, 128)
+SWEEP_SPLITS = (1, 2, 4)
+SWEEP_WARPS_STAGES = ((4, 2), (4, 3), (8, 2))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="peak memory bandwidth in GB/s (default: looked up by device name)")
+    parser.add_argument("--no-sweep", action="store_true", help="time the default launch only")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_attention"))
+
+
+def peak_gbps(device_name: str, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    return next((gbps for key, gbps in PEAK_GBPS if key in device_name), None)
+
+
+def check_correctness(device: str) -> list[dict]:
+    from engine.attention import reference
+    from engine.kernels.cases import CASES, TOLERANCE, make_batch
+    from engine.kernels.paged_attention import triton_paged_attention
+
+    results = []
+    for case in CASES:
+        batch = make_batch(case, device)
+        out = triton_paged_attention(*batch.args())
+        error = (out.float() - reference.paged_attention(*batch.args()).float()).abs().max().item()
+        results.append({"case": case.name, "max_abs_error": error,
+                        "tolerance": TOLERANCE[case.dtype], "ok": error <= TOLERANCE[case.dtype]})
+    return results
+
+
+def decode_batch(args: argparse.Namespace, device: str):
+    """Every sequence decodes one token at `context` length; blocks are shuffled over the cache."""
+    from engine.kernels.cases import AttentionBatch
+
+    dtype = DTYPES[args.dtype]
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = args.batch * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device)
+    block_tables = block_tables.view(args.batch, blocks_per_seq).to(torch.int32)
+    q = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen, device=device,
+                    dtype=dtype)
+    seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(args.batch + 1, dtype=torch.int32, device=device)
+    return AttentionBatch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                          args.head_dim ** -0.5)
+
+
+def gather_contiguous(batch, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of each sequence as dense [batch, kv_heads, context, head_dim] tensors."""
+    _, block_size, kv_heads, head_dim = batch.k_cache.shape
+    blocks = batch.block_tables.long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        dense = cache[blocks].reshape(blocks.shape[0], -1, kv_heads, head_dim)[:, :context]
+        return dense.transpose(1, 2).contiguous()
+
+    return gather(batch.k_cache), gather(batch.v_cache)
+
+
+def time_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def time_launches(batch, context: int, sweep: bool) -> list[dict]:
+    from engine.kernels.launch import LaunchConfig
+    from engine.kernels.paged_attention import triton_paged_attention
+
+    configs = [LaunchConfig()]
+    if sweep:
+        configs += [LaunchConfig(block_n=n, num_splits=s, num_warps=w, num_stages=st)
+                    for n, s, (w, st) in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLITS,
+                                                           SWEEP_WARPS_STAGES)]
+    rows = []
+    for config in configs:
+        def call(config=config):
+            # Host-side lengths as the engine passes them: no device sync inside the timing.
+            return triton_paged_attention(*batch.args(), launch=config, max_query_len=1,
+                                          max_seq_len=context)
+        rows.append({"launch": asdict(config), "ms": time_ms(call)})
+    return rows
+
+
+def time_sdpa(batch, k: torch.Tensor, v: torch.Tensor) -> float:
+    import torch.nn.functional as F
+
+    q = batch.q.unsqueeze(2)  # [batch, heads, 1, head_dim]
+    return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=batch.scale,
+                                                          enable_gqa=True))
+
+
+def write_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(["Triton paged (default)", "Triton paged (best)", "torch SDPA (contiguous)"],
+             [result["triton_default_ms"], result["triton_best_ms"], result["sdpa_ms"]],
+             color=["tab:blue", "tab:cyan", "tab:gray"])
+    left.set_ylabel("decode attention time (ms)")
+    left.set_title(result["shape"])
+    labels = [f"n{r['launch']['block_n']} s{r['launch']['num_splits']} "
+              f"w{r['launch']['num_warps']} st{r['launch']['num_stages']}" for r in result["sweep"]]
+    right.barh(labels, [r["fraction_of_peak"] or 0.0 for r in result["sweep"]], color="tab:blue")
+    right.axvline(0.7, color="tab:red", linestyle="--", label="70% goal")
+    right.set_xlabel(f"fraction of peak bandwidth ({result['peak_gbps']} GB/s)")
+    right.tick_params(axis="y", labelsize=6)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("lengthwise bench attention: no CUDA device here; run it on a GPU machine "
+              "(scripts/gpu_check.sh)", file=sys.stderr)
+        return 1
+    device_name = torch.cuda.get_device_name()
+    correctness = check_correctness("cuda")
+    batch = decode_batch(args, "cuda")
+    kv_bytes = 2 * batch.k_cache.element_size() * args.batch * args.context \
+        * args.num_kv_heads * args.head_dim
+    peak = peak_gbps(device_name, args.peak_gbps)
+    sweep = time_launches(batch, args.context, sweep=not args.no_sweep)
+    for row in sweep:
+        row["gbps"] = kv_bytes / row["ms"] / 1e6
+        row["fraction_of_peak"] = row["gbps"] / peak if peak else None
+    k, v = gather_contiguous(batch, args.context)
+    sdpa_ms = time_sdpa(batch, k, v)
+    best = min(sweep, key=lambda row: row["ms"])
+    result = {
+        "device": device_name, "peak_gbps": peak, "kv_bytes": kv_bytes,
+        "shape": f"decode {args.batch}x{args.context}, {args.num_heads}/{args.num_kv_heads} heads, "
+                 f"d{args.head_dim}, bs{args.block_size}, {args.dtype}",
+        "correctness": correctness, "all_correct": all(c["ok"] for c in correctness),
+        "triton_default_ms": sweep[0]["ms"], "triton_default_gbps": sweep[0]["gbps"],
+        "triton_default_fraction": sweep[0]["fraction_of_peak"],
+        "triton_best_ms": best["ms"], "triton_best_launch": best["launch"],
+        "triton_best_fraction": best["fraction_of_peak"],
+        "sdpa_ms": sdpa_ms, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6, "sweep": sweep,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_attention.json").write_text(json.dumps(result, indent=2))
+    write_plot(result, args.out / "bench_attention.png")
+    fraction = sweep[0]["fraction_of_peak"]
+    print(f"{device_name}: correctness {'ok' if result['all_correct'] else 'FAILED'}; "
+          f"{result['shape']}: Triton {sweep[0]['ms']:.3f} ms = {sweep[0]['gbps']:.0f} GB/s"
+          + (f" ({fraction:.0%} of {peak:.0f})" if fraction else "")
+          + f", best {best['ms']:.3f} ms; SDPA {sdpa_ms:.3f} ms; wrote {args.out}")
+    return 0 if result["all_correct"] else 2

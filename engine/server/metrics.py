@@ -44,9 +44,13 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:
     return None if math.isnan(tau) else float(tau)
 
 
-def _stat(stats: Any, name: str) -> float | None:
-    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-    return None if value is None else float(value)
+def _stat(stats: Any, *names: str) -> float | None:
+    """The first of `names` the stats snapshot carries (engines name KV usage differently)."""
+    for name in names:
+        value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+        if value is not None:
+            return float(value)
+    return None
 
 
 class _EngineStateCollector(Collector):
@@ -71,8 +75,10 @@ class _EngineStateCollector(Collector):
                                    _stat(stats, "num_running"))
             yield from self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
                                    _stat(stats, "num_waiting"))
+            yield from self._gauge("num_requests_swapped", "Requests swapped out to the host pool.",
+                                   _stat(stats, "num_swapped"))
             yield from self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
-                                   _stat(stats, "kv_cache_usage"))
+                                   _stat(stats, "kv_usage", "kv_cache_usage"))
             yield from self._gauge("stability_margin", "Offered token load over capacity; above 1 "
                                    "the queue cannot drain.", _stat(stats, "stability_margin"))
             preemptions = _stat(stats, "num_preemptions")

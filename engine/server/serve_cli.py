@@ -1,0 +1,155 @@
+"""`lengthwise serve`: build the engine, the length predictor and the HTTP app, then run uvicorn.
+
+The predictor is a saved folder, or `champion`: the model version under the `champion` alias of
+`lengthwise-predictor` in the MLflow registry (sqlite:///mlruns/mlflow.db), falling back to
+data/predictors/default when the registry has none. On SIGINT/SIGTERM the server stops admitting
+(503), lets in-flight requests finish for --shutdown-grace seconds, then aborts the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+
+logger = logging.getLogger("lengthwise.serve")
+
+TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+REGISTERED_PREDICTOR = "lengthwise-predictor"
+DEFAULT_PREDICTOR = "data/predictors/default"
+POLICIES = ("fcfs", "priority", "sjf", "srpt")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.config import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder")
+    parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", choices=POLICIES, default="fcfs", help="waiting-queue order")
+    parser.add_argument("--predictor", default="champion",
+                        help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                        help="memory for the paged KV cache in GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
+    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+                        help="seconds in-flight requests may finish after a stop signal")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def resolve_predictor(spec: str | None) -> str | None:
+    """A local predictor folder for `spec` (path, 'champion' or 'none'), or None for no predictor."""
+    if spec is None or spec.lower() == "none":
+        return None
+    if spec != "champion":
+        if not (Path(spec) / "predictor.json").exists():
+            raise SystemExit(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
+        return spec
+    path = _champion_from_registry()
+    if path is not None:
+        return path
+    if (Path(DEFAULT_PREDICTOR) / "predictor.json").exists():
+        logger.info("no '%s@champion' in %s; using %s", REGISTERED_PREDICTOR, TRACKING_URI, DEFAULT_PREDICTOR)
+        return DEFAULT_PREDICTOR
+    logger.warning("no champion predictor and no %s: serving without length predictions", DEFAULT_PREDICTOR)
+    return None
+
+
+def _champion_from_registry() -> str | None:
+    if not Path("mlruns/mlflow.db").exists():
+        return None
+    try:
+        import mlflow
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=TRACKING_URI, registry_uri=TRACKING_URI)
+        version = client.get_model_version_by_alias(REGISTERED_PREDICTOR, "champion")
+        mlflow.set_registry_uri(TRACKING_URI)  # models:/ sources resolve through the registry
+        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=TRACKING_URI)
+    except Exception as exc:  # noqa: BLE001 - any registry trouble falls back to the default
+        logger.info("champion predictor not available from the registry (%s)", exc)
+        return None
+    folder = _predictor_folder(Path(local))
+    if folder is None:
+        logger.warning("champion version %s has no predictor.json under %s", version.version, local)
+        return None
+    logger.info("predictor: %s@champion version %s (%s)", REGISTERED_PREDICTOR, version.version, folder)
+    return str(folder)
+
+
+def _predictor_folder(root: Path) -> Path | None:
+    """The folder holding predictor.json: the artifact root or one level below it."""
+    if (root / "predictor.json").exists():
+        return root
+    return next((p.parent for p in sorted(root.glob("*/predictor.json"))), None)
+
+
+def build_engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    overrides = {
+        "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "preemption_mode": args.preemption_mode, "attention_backend": args.attention_backend,
+        "dtype": args.dtype,
+    }
+    chosen = {name: value for name, value in overrides.items() if value is not None}
+    return EngineConfig(model=args.model, policy=args.policy, **chosen)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import predictor
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm_engine import LLMEngine
+    from engine.server.app import ServerSettings, create_app
+
+    config = build_engine_config(args)
+    predictor_path = resolve_predictor(args.predictor)
+    engine = LLMEngine(config)
+    logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
+                config.attention_backend)
+    length_predictor = predictor.load(predictor_path) if predictor_path else None
+    name = args.served_model_name or Path(args.model).name
+    settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
+                              model_aliases=(args.model,), shutdown_grace_s=args.shutdown_grace)
+    async_engine = AsyncLLMEngine(engine, length_predictor)
+    app = create_app(async_engine, engine.tokenizer, settings)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=int(args.shutdown_grace)),
+                            async_engine)
+    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host, args.port)
+    server.run()
+    return 0
+
+
+def attention_backend_name(engine) -> str:
+    """The backend the engine resolved ('auto' becomes torch or triton)."""
+    for path in (("attention_backend",), ("model_runner", "attention_backend"), ("model_runner", "backend")):
+        obj = engine
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return getattr(obj, "name", str(obj))
+    return "unknown"
+
+
+class DrainingServer(uvicorn.Server):
+    """Stops admission the moment a stop signal arrives, before uvicorn drains connections."""
+
+    def __init__(self, config: uvicorn.Config, async_engine) -> None:
+        super().__init__(config)
+        self._async_engine = async_engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self._async_engine.begin_drain()
+        super().handle_exit(sig, frame)

@@ -1,0 +1,210 @@
+"""`lengthwise bench serve`: an open-loop load generator against a running OpenAI-compatible server.
+
+Workload: ShareGPT turns of one split (the chat-templated prompt text, sent to /v1/completions so
+the server and its predictor see exactly the dataset's prompt), filtered to fit the context,
+sampled with a seed. `max_tokens` is the dataset's reply length (optionally capped); with
+--ignore-eos every reply runs to it, otherwise the model may stop earlier.
+
+Arrivals are open-loop: inter-arrival gaps drawn from a gamma distribution with shape
+--burstiness (1 = Poisson) and mean 1 / --request-rate; `inf` sends everything at once. Each
+request streams (SSE with usage) and is timed by the client; see bench_serve_report.py for the
+statistics. Results: a JSON file and a plot under --result-dir, and an MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from training import bench_serve_report as report
+
+TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    index: int
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    tier: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    parser.add_argument("--tier-mix", default=None, help="e.g. interactive:0.2,standard:0.6,batch:0.2")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="cap on the dataset's reply length")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="drop turns longer than this")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
+                        help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="S")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--label", default=None, help="run name (e.g. the server's policy)")
+    parser.add_argument("--result-dir", default="out/bench_serve")
+    parser.add_argument("--no-mlflow", action="store_true")
+
+
+def parse_tier_mix(text: str | None) -> dict[str, float]:
+    if not text:
+        return {"standard": 1.0}
+    mix = {}
+    for part in text.split(","):
+        tier, _, share = part.partition(":")
+        if tier not in TIER_TO_SERVICE_TIER or not share:
+            raise ValueError(f"--tier-mix parts are TIER:SHARE with TIER in {list(TIER_TO_SERVICE_TIER)}")
+        mix[tier] = float(share)
+    if any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError("--tier-mix shares must be non-negative with a positive sum")
+    return mix
+
+
+def sample_workload(args: argparse.Namespace) -> list[WorkItem]:
+    from training.dataset import load_turns
+
+    table = load_turns(args.split).select_columns(["prompt", "prompt_tokens", "response_tokens"])
+    prompt_lens, reply_lens = table["prompt_tokens"], table["response_tokens"]
+    fits = [i for i, (p, r) in enumerate(zip(prompt_lens, reply_lens))
+            if p >= 4 and r >= 4 and p + r <= args.max_model_len]
+    if len(fits) < args.num_prompts:
+        raise SystemExit(f"only {len(fits)} turns fit; asked for {args.num_prompts}")
+    rng = random.Random(args.seed)
+    chosen = rng.sample(fits, args.num_prompts)
+    mix = parse_tier_mix(args.tier_mix)
+    tiers = rng.choices(list(mix), weights=list(mix.values()), k=len(chosen))
+    rows = table.select(chosen)
+    items = []
+    for index, (row, tier) in enumerate(zip(rows, tiers)):
+        max_tokens = row["response_tokens"]
+        if args.max_output_tokens is not None:
+            max_tokens = min(max_tokens, args.max_output_tokens)
+        items.append(WorkItem(index, row["prompt"], row["prompt_tokens"], max_tokens, tier))
+    return items
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (s) of n requests: cumulative gamma gaps with mean 1/rate; zeros when rate is inf."""
+    if np.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return list(np.cumsum(gaps))
+
+
+async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: report.RequestResult) -> None:
+    """Stream one completion, filling `result` with its timings or its error."""
+    sent = time.perf_counter()
+    last_chunk = None
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:300]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    result.e2e_s = time.perf_counter() - sent
+                    result.success = result.error == ""
+                    return
+                if _on_chunk(json.loads(data), result, sent):
+                    now = time.perf_counter()
+                    if last_chunk is not None:
+                        result.itl_s.append(now - last_chunk)
+                    last_chunk = now
+            result.error = "stream ended without [DONE]"
+    except (httpx.HTTPError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
+    """Record what one SSE chunk says; True when it carried text (a token arrived)."""
+    if "error" in chunk:
+        result.error = f"stream error: {chunk['error'].get('message', '')}"
+        return False
+    has_text = False
+    for choice in chunk.get("choices") or []:
+        has_text = has_text or bool(choice.get("text"))
+        if has_text and result.ttft_s is None:
+            result.ttft_s = time.perf_counter() - sent
+        if choice.get("finish_reason") == "abort":
+            result.error = "aborted by the server"
+    if chunk.get("usage"):
+        result.output_tokens = chunk["usage"]["completion_tokens"]
+    return has_text
+
+
+async def run_load(args: argparse.Namespace, items: list[WorkItem], model: str) -> tuple[list, float]:
+    offsets = arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(items))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    results = [report.RequestResult(i.index, i.tier, i.prompt_tokens, i.max_tokens, offset)
+               for i, offset in zip(items, offsets)]
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+
+        async def one(item: WorkItem, result: report.RequestResult) -> None:
+            await asyncio.sleep(max(0.0, start + result.start_s - time.perf_counter()))
+            async with limit:
+                result.start_s = time.perf_counter() - start
+                await send_one(client, url, _payload(args, item, model), result)
+
+        await asyncio.gather(*(one(item, result) for item, result in zip(items, results)))
+        return results, time.perf_counter() - start
+
+
+def _payload(args: argparse.Namespace, item: WorkItem, model: str) -> dict:
+    return {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos, "service_tier": TIER_TO_SERVICE_TIER[item.tier]}
+
+
+def server_model(args: argparse.Namespace) -> str:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    slos = report.parse_goodput(args.goodput)
+    model = args.model or server_model(args)
+    items = sample_workload(args)
+    label = args.label or f"rate{args.request_rate:g}"
+    results, duration = asyncio.run(run_load(args, items, model))
+    summary = report.summarize(results, duration, slos)
+    report.print_summary(summary, label)
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
+    config["model"] = model
+    json_path, plot_path = out / f"{label}.json", out / f"{label}.png"
+    report.write_json(json_path, summary, config, results)
+    report.plot(plot_path, results, label)
+    print(f"wrote {json_path} and {plot_path}")
+    if not args.no_mlflow:
+        run_id = report.log_to_mlflow(summary, config, [json_path, plot_path], label)
+        print(f"MLflow run {run_id} in {report.TRACKING_URI}")
+    return 0 if summary["failed"] == 0 else 1

@@ -55,6 +55,7 @@ class EngineListener(Protocol):
     def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
     def on_rejected(self, tier: Tier, error: Exception) -> None: ...
     def on_tokens(self, num_new_tokens: int) -> None: ...
+    def on_aborted(self, tier: Tier) -> None: ...
     def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
     def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
 
@@ -63,6 +64,7 @@ class _NullListener:
     def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
     def on_rejected(self, tier: Tier, error: Exception) -> None: ...
     def on_tokens(self, num_new_tokens: int) -> None: ...
+    def on_aborted(self, tier: Tier) -> None: ...
     def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
     def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
 
@@ -204,6 +206,9 @@ class AsyncLLMEngine:
                      arrival_time: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine admits it.
 
+        `arrival_time` is on the engine's clock (`engine.now()`, monotonic); it defaults to now,
+        so TTFT and queue time include the wait for the predictor.
+
         Raises EngineShuttingDown, EngineDead, or whatever LLMEngine.add_request raised
         (ValueError for bad input, AdmissionRejected when admission control refuses it).
         """
@@ -212,7 +217,7 @@ class AsyncLLMEngine:
         if self.state is not EngineState.RUNNING:
             raise EngineShuttingDown()
         submission = _Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
-                                 time.time() if arrival_time is None else arrival_time)
+                                 self.engine.now() if arrival_time is None else arrival_time)
         stream = RequestStream(request_id, tier)
         self._streams[request_id] = stream
         self._no_streams.clear()
@@ -236,13 +241,19 @@ class AsyncLLMEngine:
         """Stop a request and free its KV blocks at the next step boundary. Safe from any thread."""
         self._commands.put(_Abort(request_id))
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._forget, request_id)
+            self._loop.call_soon_threadsafe(self._drop_aborted, request_id)
 
     def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Call(fn, result))
         return result
+
+    def _drop_aborted(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        self._forget(request_id)
+        if stream is not None and not stream.finished:
+            self.listener.on_aborted(stream.tier)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -45,8 +45,11 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:
 
 
 def _stat(stats: Any, *names: str) -> float | None:
-    """The first of `names` the stats snapshot carries (engines name KV usage differently)."""
+    """The first of `names` the stats snapshot carries, at its top level or in its `scheduler` part."""
+    nested = getattr(stats, "scheduler", None)
     for name in names:
+        if nested is not None and getattr(nested, name, None) is not None:
+            return float(getattr(nested, name))
         value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
         if value is not None:
             return float(value)
@@ -133,6 +136,9 @@ class ServerMetrics:
 
     def on_tokens(self, num_new_tokens: int) -> None:
         self.generation_tokens.labels(self._model_name).inc(num_new_tokens)
+
+    def on_aborted(self, tier: Tier) -> None:
+        self.finished.labels(self._model_name, tier.name.lower(), "abort").inc()
 
     def on_prediction(self, latency_s: float, batch_size: int) -> None:
         self.predictor_latency.labels(self._model_name).observe(latency_s)

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--admission", action="store_true",
+                        help="admission control: refuse (429) requests whose tier SLO cannot be met")
+    parser.add_argument("--max-queued-tokens", type=int, default=None,
+                        help="bound on queued token work for admission control")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
@@ -103,7 +107,11 @@ def build_engine_config(args: argparse.Namespace):
         "dtype": args.dtype,
     }
     chosen = {name: value for name, value in overrides.items() if value is not None}
-    return EngineConfig(model=args.model, policy=args.policy, **chosen)
+    scheduler_options = {"enable_admission": bool(args.admission)}
+    if args.max_queued_tokens is not None:
+        scheduler_options["max_queued_tokens"] = args.max_queued_tokens
+    # The engine gets no predictor path: the async engine scores arrivals in batches itself.
+    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options, **chosen)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,13 +142,8 @@ def run(args: argparse.Namespace) -> int:
 
 def attention_backend_name(engine) -> str:
     """The backend the engine resolved ('auto' becomes torch or triton)."""
-    for path in (("attention_backend",), ("model_runner", "attention_backend"), ("model_runner", "backend")):
-        obj = engine
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        if obj is not None:
-            return getattr(obj, "name", str(obj))
-    return "unknown"
+    backend = getattr(getattr(engine, "runner", None), "backend", None)
+    return getattr(backend, "name", "unknown")
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,0 +1,338 @@
+"""The HTTP server against the official openai client, on a real uvicorn server on loopback.
+
+One tiny random Llama (SmolLM2's tokenizer) serves every test in the module; the reference for
+generated text is a greedy loop over the same checkpoint in HF transformers. Error cases check
+status and body, and a successful request after them shows the server kept serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.server.app import ServerSettings, create_app
+from predictor.length import LengthParams, LengthPredictor
+from predictor.saved import PredictorSpec
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 1024
+MAX_QUEUED_TOKENS = 600  # admission bound: a request owing more than this is refused with 429
+
+
+def tiny_engine(model_dir: Path, **scheduler_options) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), num_gpu_blocks=128, block_size=16, max_num_seqs=8,
+        max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN, attention_backend="torch",
+        scheduler_options=scheduler_options))
+
+
+def chars_predictor() -> LengthPredictor:
+    """A real saved-predictor kind whose prediction is the prompt's character count."""
+    return LengthPredictor(LengthParams(intercept=0.0, slope=1.0, residual_p50=0.0, residual_p90=0.5),
+                           PredictorSpec(kind="length", feature_spec={}, data_hash=""))
+
+
+@contextmanager
+def running_server(app):
+    """Serve `app` with uvicorn in a thread on a free loopback port; yields (base_url, server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited during startup"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
+                         slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
+    async_engine = AsyncLLMEngine(engine, chars_predictor())
+    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
+    app = create_app(async_engine, engine.tokenizer, settings)
+    with running_server(app) as (base_url, _):
+        yield base_url, async_engine
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return served[1].engine.tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir, tokenizer):
+    """Greedy continuation of prompt ids by HF transformers (no eos stop), as text."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], num_tokens: int) -> str:
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                next_id = model(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        return tokenizer.decode(ids[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
+
+    return generate
+
+
+def engine_idle_and_intact(async_engine: AsyncLLMEngine, deadline_s: float = 60.0) -> None:
+    """Wait until the engine holds no request, then check the block accounting on its thread."""
+    def state(engine):
+        manager = engine.scheduler.block_manager
+        manager.check_integrity()
+        return engine.has_unfinished_requests(), manager.num_free_blocks, manager.num_total_blocks
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        busy, free, total = async_engine.call_in_engine(state).result(timeout=30)
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not busy, "the engine still runs a request"
+    assert free == total, f"{total - free} KV blocks still held"
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}, parsed by prometheus_client."""
+    text = httpx.get(base_url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+# ---- successful requests ---------------------------------------------------------------------
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(served[0] + "/health").status_code == 200
+
+
+def test_chat_matches_hf_greedy_with_usage(client, tokenizer, hf_greedy):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == hf_greedy(prompt_ids, 6)
+    assert choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt_ids), 6)
+    assert reply.usage.total_tokens == len(prompt_ids) + 6
+
+
+def test_chat_stream_equals_non_stream_and_reports_usage(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_non_stream_and_stream(client, tokenizer, hf_greedy):
+    prompt = "The quick brown fox"
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == hf_greedy(prompt_ids, 5)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt_ids), 5)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no include_usage, no usage in the stream
+
+
+def test_sse_ends_with_done(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", served[0] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_priority_and_service_tiers_reach_the_scheduler_tiers(served, client):
+    before = scrape(served[0])
+    for service_tier, tier in (("priority", "interactive"), ("flex", "batch"), ("default", "standard"),
+                               ("auto", "standard")):
+        reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, service_tier=service_tier,
+                                               extra_body={"priority": -5})
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    after = scrape(served[0])
+    name = "lengthwise:e2e_request_latency_seconds_count"
+    counts = {tier: metric(after, name, tier=tier) - metric(before, name, tier=tier)
+              for tier in ("interactive", "batch", "standard")}
+    assert counts == {"interactive": 1, "batch": 1, "standard": 2}
+
+
+def test_stop_string_cuts_the_text(client):
+    free = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free.strip()[:3]
+    assert stop, "the tiny model produced no visible text to stop on"
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free[:free.index(stop)]
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def post(base_url: str, path: str, body, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, str):
+        return httpx.post(base_url + path, content=body, headers={**headers, "content-type": "application/json"})
+    return httpx.post(base_url + path, json=body, headers=headers, timeout=60)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 2), ("stop", [""]),
+    ("service_tier", "gold"), ("priority", "high"), ("messages", []),
+])
+def test_invalid_field_is_a_400_naming_it(served, field, value):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
+    error = error_of(post(served[0], "/v1/chat/completions", body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field
+
+
+def test_missing_field_and_bad_json_are_400(served):
+    assert error_of(post(served[0], "/v1/completions", {"model": MODEL}), 400)["param"] == "prompt"
+    assert error_of(post(served[0], "/v1/completions", "{not json"), 400)["param"] is None
+
+
+def test_openai_client_raises_bad_request_with_the_param(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-3)
+    assert raised.value.status_code == 400 and raised.value.param == "max_tokens"
+
+
+def test_prompt_beyond_the_context_is_400_context_length_exceeded(served, tokenizer):
+    long_prompt = " ".join(["word"] * (MAX_MODEL_LEN + 10))
+    assert len(tokenizer.encode(long_prompt, add_special_tokens=False)) >= MAX_MODEL_LEN
+    error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN}
+    error = error_of(post(served[0], "/v1/completions", body), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+
+
+def test_wrong_or_missing_api_key_is_401(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    for key in ("wrong", None):
+        assert error_of(post(served[0], "/v1/completions", body, key=key), 401)["code"] == "invalid_api_key"
+    assert httpx.get(served[0] + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_unknown_model_is_404(served):
+    body = {"model": "gpt-9", "prompt": "Hello", "max_tokens": 2}
+    assert error_of(post(served[0], "/v1/completions", body), 404)["code"] == "model_not_found"
+
+
+def test_admission_rejection_is_429_with_retry_after(served, client, tokenizer):
+    # Prompt tokens alone exceed the queue bound, whatever the predicted output length.
+    prompt = " ".join(["word"] * (MAX_QUEUED_TOKENS + 20))
+    assert MAX_QUEUED_TOKENS < len(tokenizer.encode(prompt, add_special_tokens=False)) < MAX_MODEL_LEN - 10
+    before = metric(scrape(served[0]), "lengthwise:admission_rejections_total")
+    response = post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                   "service_tier": "flex"})
+    error = error_of(response, 429)
+    assert error["code"] == "rate_limit_exceeded" and "queue full" in error["message"]
+    assert int(response.headers["Retry-After"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    after = scrape(served[0])
+    assert metric(after, "lengthwise:admission_rejections_total") - before == 2
+    assert metric(after, "lengthwise:admission_rejections_total", tier="batch") >= 1
+
+
+def test_server_keeps_serving_after_bad_requests(served, client):
+    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": []}, {"prompt": [10**9]}, {}):
+        assert post(served[0], "/v1/completions", {"model": MODEL, **body}).status_code == 400
+    reply = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == 3
+
+
+# ---- disconnects and metrics -----------------------------------------------------------------
+def test_disconnect_mid_stream_aborts_and_frees_every_block(served, client):
+    base_url, async_engine = served
+    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    stream = client.completions.create(model=MODEL, prompt="Tell me a long story", max_tokens=500,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    stream.close()  # hangs up mid-stream
+    engine_idle_and_intact(async_engine)
+    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    assert aborted - aborted_before == 1
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_metrics_parse_with_vllm_like_names(served, client):
+    for _ in range(2):  # two finished requests with predictions give Kendall's tau a value
+        client.completions.create(model=MODEL, prompt="A short one" * (_ + 1), max_tokens=3)
+    samples = scrape(served[0])
+    names = {name for name, _ in samples}
+    for expected in ("lengthwise:num_requests_running", "lengthwise:num_requests_waiting",
+                     "lengthwise:kv_cache_usage_perc", "lengthwise:num_preemptions_total",
+                     "lengthwise:prompt_tokens_total", "lengthwise:generation_tokens_total",
+                     "lengthwise:time_to_first_token_seconds_bucket", "lengthwise:time_per_output_token_seconds_bucket",
+                     "lengthwise:e2e_request_latency_seconds_bucket", "lengthwise:admission_rejections_total",
+                     "lengthwise:predictor_latency_seconds_count", "lengthwise:predictor_kendall_tau"):
+        assert expected in names, expected
+    assert metric(samples, "lengthwise:num_requests_running") == 0
+    assert metric(samples, "lengthwise:prompt_tokens_total") > 0
+    assert metric(samples, "lengthwise:predictor_latency_seconds_count") >= 1
+    assert -1.0 <= metric(samples, "lengthwise:predictor_kendall_tau") <= 1.0

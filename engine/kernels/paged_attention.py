@@ -47,6 +47,14 @@ __all__ = ["triton_paged_attention", "triton_write_kv", "reference_paged_attenti
 
 LOG2_E = 1.4426950408889634
 
+# Kernels call only Triton builtins plus these two standard combine functions through tl.reduce:
+# tl.max, tl.sum, tl.zeros and tl.cdiv are themselves @jit functions, and they break under the
+# interpreter whenever triton.language was imported before TRITON_INTERPRET=1 was set (importing
+# HF transformers' Llama does that), while the interpreter runs tl.reduce with these combine
+# functions through numpy, whatever the import order.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -106,13 +114,13 @@ def _paged_attention_kernel(
 
     # Keys this tile can see end after its last query; splits take equal BLOCK_N-aligned slices.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         offs_kv = start + offs_n  # absolute key positions
         kv_ok = offs_kv < kv_hi
@@ -131,12 +139,12 @@ def _paged_attention_kernel(
         s = tl.dot(q, k, input_precision="ieee") * qk_scale
         visible = (offs_kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         m_i = m_new
 
@@ -175,9 +183,9 @@ def _merge_splits_kernel(
     l_s = tl.load(part_ml_ptr + (row + offs_s) * 2 + 1)
     acc_s = tl.load(part_acc_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
     # Split 0 always holds key 0, so m_max is finite; empty splits (m = -inf) weigh 0.
-    m_max = tl.max(m_s, 0)
+    m_max = tl.reduce(m_s, 0, _MAX)
     weight = tl.exp2(m_s - m_max)
-    out = tl.sum(acc_s * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    out = tl.reduce(acc_s * weight[:, None], 0, _SUM) / tl.reduce(l_s * weight, 0, _SUM)
     o_row = token.to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(out_ptr + o_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+# Re-exported: callers import the stream types from here.
+from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
+                                 NullListener, RequestStream, StreamEnd)
 from predictor.base import Prediction, Predictor
 from scheduler.request import SamplingParams, Tier
 
@@ -32,41 +34,6 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-class EngineState(enum.Enum):
-    RUNNING = "running"
-    DRAINING = "draining"  # finishing in-flight requests; new ones are refused
-    STOPPED = "stopped"
-    FAILED = "failed"  # the step loop raised; every stream was ended with an error
-
-
-class EngineShuttingDown(RuntimeError):
-    """A request arrived after shutdown began."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread failed; the message says why."""
-
-
-class EngineListener(Protocol):
-    """What the async engine reports as requests move; the server's metrics implement it."""
-
-    def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
-    def on_rejected(self, tier: Tier, error: Exception) -> None: ...
-    def on_tokens(self, num_new_tokens: int) -> None: ...
-    def on_aborted(self, tier: Tier) -> None: ...
-    def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
-    def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
-
-
-class _NullListener:
-    def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None: ...
-    def on_rejected(self, tier: Tier, error: Exception) -> None: ...
-    def on_tokens(self, num_new_tokens: int) -> None: ...
-    def on_aborted(self, tier: Tier) -> None: ...
-    def on_prediction(self, latency_s: float, batch_size: int) -> None: ...
-    def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None: ...
 
 
 @dataclass
@@ -100,44 +67,12 @@ class _Stop:
     pass
 
 
-@dataclass(frozen=True)
-class StreamEnd:
-    """Last item of a stream that ended without a finished output (abort at shutdown, failure)."""
-
-    reason: str  # "abort" | "error"
-    message: str = ""
-
-
-class RequestStream:
-    """Async iterator over one request's RequestOutputs; ends after the finished one."""
-
-    def __init__(self, request_id: str, tier: Tier) -> None:
-        self.request_id = request_id
-        self.tier = tier
-        self.prediction: Prediction | None = None
-        self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | StreamEnd] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | StreamEnd) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput | StreamEnd:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        self.finished = isinstance(item, StreamEnd) or item.finished
-        return item
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: Any, predictor: Predictor | None = None, *,
                  listener: EngineListener | None = None, max_predict_batch: int = 64) -> None:
         self.engine = engine  # touched by the engine thread only, after start()
         self.predictor = predictor
-        self.listener: EngineListener = listener or _NullListener()
+        self.listener: EngineListener = listener or NullListener()
         self.max_predict_batch = max_predict_batch
         self.state = EngineState.STOPPED
         self.failure: str | None = None

@@ -1,0 +1,175 @@
+"""The async engine's life: batched predictions at admission, draining (503), graceful shutdown
+that finishes or aborts in-flight requests, engine failure ending every stream, and the serve
+CLI's predictor resolution. Real tiny engine throughout; the predictors are real saved kinds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from engine.async_engine import AsyncLLMEngine, EngineShuttingDown, StreamEnd
+from engine.server import serve_cli
+from engine.server.app import ServerSettings, create_app
+from predictor.saved import save
+from scheduler.request import SamplingParams
+from test_server import MODEL, chars_predictor, running_server, tiny_engine
+
+
+class BatchRecorder:
+    """Wraps a real predictor; the first call waits until the test lets it go, so later arrivals
+    pile up and must be scored together."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.batches: list[list[str]] = []
+        self.release = threading.Event()
+
+    def predict(self, prompts):
+        self.batches.append(list(prompts))
+        self.release.wait(timeout=60)
+        return self.inner.predict(prompts)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return tiny_engine(tiny_model_dir)
+
+
+def prompt_ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def free_and_total(engine) -> tuple[int, int]:
+    manager = engine.scheduler.block_manager
+    manager.check_integrity()
+    return manager.num_free_blocks, manager.num_total_blocks
+
+
+async def drain(stream) -> list:
+    return [item async for item in stream]
+
+
+def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine):
+    recorder = BatchRecorder(chars_predictor())
+    texts = [f"prompt number {i} " * (i + 1) for i in range(5)]
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, recorder)
+        await async_engine.start()
+        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+        submits = [asyncio.ensure_future(async_engine.submit(f"r{i}", prompt_ids(engine, t), t, params))
+                   for i, t in enumerate(texts)]
+        await asyncio.sleep(0)  # every submission is now queued for the predictor
+        recorder.release.set()
+        streams = await asyncio.gather(*submits)
+        # Commands run before each step, so r4 is still live when this call runs.
+        predicted = await asyncio.wrap_future(async_engine.call_in_engine(
+            lambda e: e.scheduler.get_request("r4").predicted_len))
+        outputs = await asyncio.gather(*(drain(s) for s in streams))
+        await async_engine.shutdown()
+        return streams, predicted, outputs
+
+    streams, predicted, outputs = asyncio.run(scenario())
+    assert sorted(p for batch in recorder.batches for p in batch) == sorted(texts)
+    assert len(recorder.batches) <= 2 and len(recorder.batches[-1]) >= len(texts) - 1
+    expected = chars_predictor().predict(texts)
+    assert [s.prediction for s in streams] == expected
+    assert predicted == pytest.approx(expected[4].point)
+    assert all(out[-1].finished and len(out[-1].token_ids) == 40 for out in outputs)
+    free, total = free_and_total(engine)
+    assert free == total
+
+
+def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        stream = await async_engine.submit("long", prompt_ids(engine, "Tell a story"), "Tell a story",
+                                           SamplingParams(max_tokens=900, ignore_eos=True))
+        first = await stream.__anext__()
+        await async_engine.shutdown(grace_s=0)
+        rest = await drain(stream)
+        with pytest.raises(EngineShuttingDown):
+            await async_engine.submit("late", [1, 2], "x", SamplingParams(max_tokens=2))
+        return first, rest
+
+    first, rest = asyncio.run(scenario())
+    assert not first.finished
+    assert isinstance(rest[-1], StreamEnd) and rest[-1].reason == "abort"
+    assert not engine.has_unfinished_requests()
+    free, total = free_and_total(engine)
+    assert free == total
+
+
+def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with running_server(app) as (base_url, _):
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            async_engine.begin_drain()
+            refused = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+            health = httpx.get(base_url + "/health")
+            rest = [line for line in lines if line]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert health.status_code == 503
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+    free, total = free_and_total(engine)
+    assert free == total
+
+
+def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model_dir, monkeypatch):
+    broken = tiny_engine(tiny_model_dir)
+    steps = {"n": 0}
+    real_step = broken.step
+
+    def failing_step():
+        steps["n"] += 1
+        if steps["n"] > 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(broken, "step", failing_step)
+    async_engine = AsyncLLMEngine(broken)
+    app = create_app(async_engine, broken.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 50, "ignore_eos": True}
+    with running_server(app) as (base_url, _):
+        with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        after = httpx.post(base_url + "/v1/completions", json=body)
+        health = httpx.get(base_url + "/health")
+    assert "device lost" in lines[-2] and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
+    assert health.status_code == 500
+
+
+def test_predictor_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no mlruns/ and no data/predictors/ here
+    assert serve_cli.resolve_predictor("none") is None
+    assert serve_cli.resolve_predictor("champion") is None
+    with pytest.raises(SystemExit):
+        serve_cli.resolve_predictor(str(tmp_path))
+    folder = save(chars_predictor(), tmp_path / serve_cli.DEFAULT_PREDICTOR)
+    assert serve_cli.resolve_predictor("champion") == serve_cli.DEFAULT_PREDICTOR
+    assert serve_cli.resolve_predictor(str(folder)) == str(folder)
+
+
+def test_serve_arguments_build_the_engine_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--policy", "sjf", "--max-num-seqs", "7",
+                              "--kv-cache-memory", "0.25", "--admission", "--max-queued-tokens", "5000",
+                              "--attention-backend", "torch"])
+    config = serve_cli.build_engine_config(args)
+    assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "sjf", 7, 0.25)
+    assert config.attention_backend == "torch" and config.predictor is None
+    assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000}
+    assert args.host == "127.0.0.1" and args.port == 8000

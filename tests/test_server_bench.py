@@ -1,0 +1,77 @@
+"""`lengthwise bench serve`: arrivals, goodput and summaries, and a short real load on a tiny server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.server.app import ServerSettings, create_app
+from test_server import MODEL, running_server, tiny_engine
+from training import bench_serve
+from training.bench_serve_report import RequestResult, meets_slos, parse_goodput, summarize
+
+
+def bench_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_inf_sends_at_once():
+    offsets = bench_serve.arrival_offsets(4000, rate=8.0, burstiness=1.0, seed=1)
+    gaps = np.diff(offsets)
+    assert np.all(gaps >= 0) and offsets[0] == 0.0
+    assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)  # exponential: CV 1
+    bursty = np.diff(bench_serve.arrival_offsets(4000, rate=8.0, burstiness=0.25, seed=1))
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.15)  # gamma: CV 1/sqrt(shape)
+    assert bench_serve.arrival_offsets(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    slos = parse_goodput(["ttft:2000", "e2el:30000"])
+    assert slos == {"ttft": 2.0, "e2el": 30.0}
+    fast = RequestResult(0, "standard", 10, 5, 0.0, success=True, output_tokens=5, ttft_s=0.5, e2e_s=3.0)
+    slow_start = RequestResult(1, "standard", 10, 5, 0.0, success=True, output_tokens=5, ttft_s=2.5, e2e_s=3.0)
+    failed = RequestResult(2, "batch", 10, 5, 0.0, success=False, status=429, error="HTTP 429")
+    assert meets_slos(fast, slos) and not meets_slos(slow_start, slos)
+    summary = summarize([fast, slow_start, failed], duration_s=2.0, slos=slos)
+    assert (summary["completed"], summary["failed"], summary["rejected_429"]) == (2, 1, 1)
+    assert summary["goodput_rps"] == pytest.approx(0.5)
+    assert summary["mean_ttft_s"] == pytest.approx(1.5) and summary["mean_e2e_s"] == pytest.approx(3.0)
+    assert fast.tpot_s == pytest.approx((3.0 - 0.5) / 4)
+    assert set(summary["per_tier"]) == {"standard", "batch"}
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_tier_mix_parsing():
+    assert bench_serve.parse_tier_mix("interactive:1,batch:3") == {"interactive": 1.0, "batch": 3.0}
+    assert bench_serve.parse_tier_mix(None) == {"standard": 1.0}
+    with pytest.raises(ValueError):
+        bench_serve.parse_tier_mix("gold:1")
+
+
+def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    app = create_app(AsyncLLMEngine(engine), engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    items = [bench_serve.WorkItem(i, f"Question {i}: why?", 6, 4 + i, tier)
+             for i, tier in enumerate(["interactive", "standard", "batch", "standard"])]
+    with running_server(app) as (base_url, _):
+        args = bench_args(base_url=base_url, request_rate=50.0, ignore_eos=True)
+        results, duration = asyncio.run(bench_serve.run_load(args, items, MODEL))
+    assert all(r.success and r.error == "" for r in results)
+    assert [r.output_tokens for r in results] == [item.max_tokens for item in items]
+    assert all(0 < r.ttft_s <= r.e2e_s for r in results)
+    assert all(len(r.itl_s) >= 1 for r in results)
+    summary = summarize(results, duration, parse_goodput(["e2el:3600000"]))
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["goodput_rps"] == pytest.approx(summary["request_throughput_rps"])
+    assert summary["output_tokens_per_s"] == pytest.approx(sum(i.max_tokens for i in items) / duration)

@@ -8,8 +8,8 @@ preemption); otherwise the block count follows from `kv_cache_memory_gib`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -38,6 +38,8 @@ class EngineConfig:
     predictor: str | None = None  # path of a saved length predictor, or None
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     num_threads: int | None = 2  # torch CPU threads; None leaves torch's default
+    # Extra SchedulerConfig fields (aging, admission control, ...) passed through unchanged.
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -65,5 +67,9 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        reserved = {"num_gpu_blocks", "num_cpu_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                    "max_model_len", "enable_chunked_prefill", "preemption_mode", "policy"}
+        if reserved & set(self.scheduler_options):
+            raise ValueError(f"set {sorted(reserved & set(self.scheduler_options))} through EngineConfig fields")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive or None, got {self.num_threads!r}")

@@ -1,0 +1,55 @@
+"""Incremental detokenization and stop strings.
+
+Decoding a single new token is not enough: byte-level BPE may split a character over several
+tokens, and some tokenizers drop a leading space at the start of a decode. So each step decodes a
+short window (a few tokens before the unread ones plus the new ones) and keeps only the text beyond
+the window's already-emitted prefix; a trailing U+FFFD means an unfinished character, and the
+tokens wait for the next step. The window starts with a few prompt tokens for the same reason.
+
+A stop string is searched only where it could newly end: in the emitted text from
+len(stop) - 1 characters before this step's new text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMPT_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class DetokenizerState:
+    token_ids: list[int]  # a few prompt tokens, then every output token
+    prefix_offset: int  # start of the decode window
+    read_offset: int  # tokens before this one are already in `text`
+    text: str = ""
+    stopped: bool = field(default=False)
+
+    @classmethod
+    def for_prompt(cls, prompt_token_ids: list[int]) -> "DetokenizerState":
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        return cls(token_ids=context, prefix_offset=0, read_offset=len(context))
+
+
+def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int]) -> str:
+    """Add tokens; returns the text they complete (possibly empty)."""
+    state.token_ids.extend(new_token_ids)
+    prefix = tokenizer.decode(state.token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(state.token_ids[state.prefix_offset:], skip_special_tokens=True)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""
+    new_text = full[len(prefix):]
+    state.prefix_offset, state.read_offset = state.read_offset, len(state.token_ids)
+    state.text += new_text
+    return new_text
+
+
+def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string newly found in `text` begins, or None."""
+    found = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        index = text.find(stop, start)
+        if index >= 0 and (found is None or index < found):
+            found = index
+    return found

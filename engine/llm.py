@@ -1,0 +1,76 @@
+"""Offline API: `LLM(...).generate(prompts, params) -> list[RequestOutput]`.
+
+All prompts are queued at once and the engine steps until every one has finished, so they share
+batches through continuous batching; results come back in the order of the prompts. Every prompt is
+validated before any is run: bad input raises ValueError and leaves nothing queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from scheduler.request import SamplingParams
+
+Prompt = str | list[int]
+ParamsLike = SamplingParams | Mapping[str, Any]
+
+
+def _as_params(params: ParamsLike | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams(**params)  # SamplingParams validates (ValueError)
+    raise ValueError(f"sampling params must be SamplingParams or a mapping, got {type(params).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **config_fields: Any) -> None:
+        if config is None:
+            if model is not None:
+                config_fields["model"] = model
+            config = EngineConfig(**config_fields)
+        elif model is not None or config_fields:
+            raise ValueError("pass either an EngineConfig or config fields, not both")
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _normalise(self, prompts: Prompt | Sequence[Prompt],
+                   params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+            return prompts, [_as_params(p) for p in params]
+        return prompts, [_as_params(params)] * len(prompts)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: ParamsLike | Sequence[ParamsLike] | None = None) -> list[RequestOutput]:
+        prompts, params_list = self._normalise(prompts, params)
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
+                self.engine.add_request(request_id, prompt, request_params)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,208 @@
+"""The engine's step loop: schedule -> execute -> update, plus detokenization and stop strings.
+
+`LLMEngine` owns the tokenizer, the model runner (model, KV cache, attention backend, sampler) and
+the scheduler. One `step()`:
+1. `scheduler.schedule(now)` picks the chunks of this step (decodes first, prefill chunks after);
+2. `runner.execute(...)` runs them as one flat batch and samples where a chunk reaches the end;
+3. `scheduler.update_from_output(...)` appends tokens and finishes on eos / stop ids / length;
+4. the engine detokenizes the new tokens and finishes requests whose text hit a stop string.
+Times come from `time.monotonic` (`LLMEngine.now`), so arrival times given by callers must too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import create_backend
+from engine.config import EngineConfig
+from engine.detokenizer import DetokenizerState, append_tokens, find_stop
+from engine.kv_cache import CacheGeometry, KVCache
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from predictor.base import Prediction
+from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
+from scheduler.request import Request, RequestStatus, SamplingParams, Tier
+from scheduler.scheduler import Scheduler
+from scheduler.step import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    step_time_s: float  # cumulative wall time inside step()
+    forward_time_s: float  # cumulative model forward time (the rest is overhead)
+    num_generated_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.tokenizer = _load_tokenizer(config.model)
+        model = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        self.arch = model.arch
+        if config.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"{self.arch.max_position_embeddings} positions")
+        self.kv_cache = self._make_cache(model.embed_tokens.weight.dtype)
+        self.runner = ModelRunner(model, self.kv_cache, create_backend(config.attention_backend, self.device),
+                                  Sampler(self.device, config.seed), self.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_gpu_blocks=self.kv_cache.num_gpu_blocks, num_cpu_blocks=self.kv_cache.num_cpu_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
+            policy=config.policy, **config.scheduler_options))
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.predictor = None
+        if config.predictor is not None:
+            from predictor.saved import load as load_predictor
+
+            self.predictor = load_predictor(config.predictor)
+        self._detokenizers: dict[str, DetokenizerState] = {}
+        self._num_reported: dict[str, int] = {}
+        self._num_steps, self._step_time_s, self._forward_time_s, self._num_generated = 0, 0.0, 0.0, 0
+        log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
+
+    def _make_cache(self, dtype: torch.dtype) -> KVCache:
+        config = self.config
+        geometry = CacheGeometry(self.arch.num_layers, config.block_size, self.arch.num_kv_heads,
+                                 self.arch.head_dim, dtype)
+        num_gpu_blocks = config.num_gpu_blocks or geometry.blocks_for(config.kv_cache_memory_gib)
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"kv_cache_memory_gib {config.kv_cache_memory_gib} holds no KV block")
+        num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if config.preemption_mode == "swap" else 0
+        cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, self.device)
+        cache.log_capacity(config.max_model_len)
+        return cache
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text the model expects for a chat, ending with the assistant's turn."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the context: it must be "
+                             f"shorter than max_model_len {self.config.max_model_len}")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    tier: Tier = Tier.STANDARD, priority: int = 0, arrival_time: float | None = None,
+                    prediction: Prediction | None = None, true_len: int | None = None) -> None:
+        """Queue a request; ValueError on bad input (AdmissionRejected when shed by admission control)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_ids(prompt)
+        if prediction is None and self.predictor is not None:
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
+            prediction = self.predictor.predict([text])[0]
+        now = self.now()
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+            arrival_time=now if arrival_time is None else arrival_time, eos_token_id=self.eos_token_id,
+            tier=Tier(tier), priority=priority, true_len=true_len,
+            predicted_len=None if prediction is None else prediction.point,
+            predicted_p50=None if prediction is None else prediction.p50,
+            predicted_p90=None if prediction is None else prediction.p90,
+            rank_score=None if prediction is None else prediction.score)
+        self.scheduler.add_request(request, now)
+        self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids)
+        self._num_reported[request_id] = 0
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort_request(request_id, self.now())
+        self._release(request_id)
+        return aborted
+
+    def _release(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self._num_reported.pop(request_id, None)
+        self.runner.sampler.free(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = self.now()
+        output: SchedulerOutput = self.scheduler.schedule(start)
+        runner_output = self.runner.execute(output, self._sampling_params_of)
+        done = self.now()
+        progressed = self.scheduler.update_from_output(output, runner_output, done)
+        self.scheduler.record_step(done, output.num_batched_tokens, done - start)
+        outputs = [self._report(request, done) for request in progressed]
+        self._num_steps += 1
+        self._step_time_s += self.now() - start
+        self._forward_time_s += self.runner.last_times.forward_s
+        return outputs
+
+    def _sampling_params_of(self, request_id: str) -> SamplingParams:
+        return self.scheduler.get_request(request_id).sampling_params
+
+    def _report(self, request: Request, now: float) -> RequestOutput:
+        request_id = request.request_id
+        state = self._detokenizers[request_id]
+        new_ids = request.output_token_ids[self._num_reported[request_id]:]
+        self._num_reported[request_id] = request.num_output_tokens
+        self._num_generated += len(new_ids)
+        before = len(state.text)
+        new_text = append_tokens(self.tokenizer, state, new_ids)
+        stops = request.sampling_params.stop
+        if stops and new_text:
+            cut = find_stop(state.text, len(new_text), stops)
+            if cut is not None:
+                state.text = state.text[:cut]
+                new_text = state.text[before:]
+                if not request.is_finished:
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        if request.is_finished:
+            self._release(request_id)
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+            token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text,
+            new_text=new_text, finished=request.is_finished, finish_reason=request.status.finish_reason,
+            arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+            finish_time=request.finish_time, num_preemptions=request.num_preemptions)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
+                           self._forward_time_s, self._num_generated)

@@ -1,0 +1,54 @@
+"""The architecture numbers of a Llama-family checkpoint, read from its config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "LlamaArch":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        if raw.get("model_type") != "llama":
+            raise ValueError(f"only Llama-family models are supported, got {raw.get('model_type')!r}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=float(theta),
+            max_position_embeddings=raw["max_position_embeddings"],
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            eos_token_ids=eos_ids,
+        )

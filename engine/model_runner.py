@@ -1,0 +1,108 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples.
+
+Per step: apply the swap copies (out before in, so a block freed by a swap-out may be refilled by
+a swap-in of the same step), flatten every chunk into one [N] token batch with positions and slot
+mapping, build the AttentionMetadata once (every layer shares it), run the forward, and compute
+logits only at the last row of each chunk that samples. Tensors are built from a handful of
+vectorised ops per step, never per token or per layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.model.llama import LlamaModel
+from engine.sampler import Sampler
+from scheduler.output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from scheduler.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # int64 [S] rows of the flat batch whose logits are sampled
+    sample_request_ids: tuple[str, ...]  # [S]
+
+
+@dataclass
+class StepTimes:
+    """Seconds of the last step, split so the benchmark can report the overhead share."""
+
+    prepare_s: float = 0.0  # swaps and tensor building
+    forward_s: float = 0.0  # the model forward (including attention)
+    sample_s: float = 0.0  # logits and sampling
+
+
+def build_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> StepBatch:
+    q_lens = [len(c.token_ids) for c in chunks]
+    starts = [c.start_position for c in chunks]
+    query_start_loc = tuple(itertools.accumulate(q_lens, initial=0))
+    seq_lens = tuple(s + n for s, n in zip(starts, q_lens))
+    width = max(len(c.block_ids) for c in chunks)
+    table_rows = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in chunks]
+    block_tables = torch.tensor(table_rows, dtype=torch.int32, device=device)
+    positions = torch.tensor(list(itertools.chain.from_iterable(range(s, e) for s, e in zip(starts, seq_lens))),
+                             dtype=torch.int64, device=device)
+    seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                        torch.tensor(q_lens, device=device))
+    blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size,
+        query_start_loc_host=query_start_loc, seq_lens_host=seq_lens)
+    sampling = [(query_start_loc[b + 1] - 1, c.request_id) for b, c in enumerate(chunks) if c.sample]
+    input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
+                             dtype=torch.int64, device=device)
+    return StepBatch(input_ids, positions, metadata,
+                     torch.tensor([row for row, _ in sampling], dtype=torch.int64, device=device),
+                     tuple(request_id for _, request_id in sampling))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend, sampler: Sampler,
+                 device: torch.device) -> None:
+        self.model, self.kv_cache, self.backend, self.sampler = model, kv_cache, backend, sampler
+        self.device = device
+        self.block_size = kv_cache.geometry.block_size
+        self.last_times = StepTimes()
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput,
+                params_of: Callable[[str], SamplingParams]) -> ModelRunnerOutput:
+        start = self._clock()
+        for request_id in output.finished_ids:
+            self.sampler.free(request_id)
+        self.kv_cache.swap_out(output.swap_out)
+        self.kv_cache.swap_in(output.swap_in)
+        if output.is_empty:
+            self.last_times = StepTimes(prepare_s=self._clock() - start)
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = build_batch(output.chunks, self.block_size, self.device)
+        prepared = self._clock()
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.metadata, self.backend)
+        forwarded = self._clock()
+        sampled: dict[str, int] = {}
+        if batch.sample_request_ids:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            params = [params_of(request_id) for request_id in batch.sample_request_ids]
+            tokens = self.sampler.sample(logits, batch.sample_request_ids, params)
+            sampled = dict(zip(batch.sample_request_ids, tokens))
+        self.last_times = StepTimes(prepared - start, forwarded - prepared, self._clock() - forwarded)
+        return ModelRunnerOutput(sampled_token_ids=sampled)

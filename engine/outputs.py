@@ -1,0 +1,24 @@
+"""What the engine reports for a request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # every generated token so far
+    new_token_ids: tuple[int, ...]  # generated this step
+    text: str  # detokenized output so far (a matched stop string and what follows are cut)
+    new_text: str  # text added this step
+    finished: bool
+    finish_reason: FinishReason | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0

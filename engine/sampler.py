@@ -1,0 +1,77 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Rows with temperature 0 take the argmax. The other rows are scaled by their temperature, then
+top-k and top-p are applied together on one descending sort (top-p keeps the smallest prefix whose
+mass reaches p, and always the first token). A token is drawn with the exponential-race trick
+(argmax of p / E, E ~ Exp(1)), which equals sampling from p and needs one random vector per row,
+drawn from the request's own torch.Generator when it brings a seed (so its tokens do not depend
+on what else is in the batch), else from the engine's generator. Seeded generators live until the
+request finishes (`free`); preemption keeps them, so a resumed request continues its stream.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from scheduler.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self._engine_generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    @property
+    def num_live_generators(self) -> int:
+        return len(self._request_generators)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._engine_generator
+        generator = self._request_generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._request_generators[request_id] = generator
+        return generator
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
+               params: Sequence[SamplingParams]) -> list[int]:
+        """logits float32 [R, vocab], one row per request; returns one token id per row."""
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            chosen = [params[i] for i in random_rows]
+            probs = _filtered_probs(logits[random_rows], chosen)
+            for row, probs_row in zip(random_rows, probs):
+                generator = self._generator(request_ids[row], params[row])
+                noise = torch.empty_like(probs_row).exponential_(generator=generator)
+                tokens[row] = (probs_row / noise).argmax()
+        return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, [R, vocab]."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / temperature
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits.softmax(dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=device)[None, :]
+    k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=device)[:, None]
+    drop = ranks >= k
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

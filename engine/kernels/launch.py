@@ -40,7 +40,7 @@ class LaunchConfig:
     block_n: int = 64  # keys per loop iteration (may span several cache blocks or part of one)
     block_m: int | None = None  # query rows per program (tokens x padded GQA group)
     num_splits: int | None = None  # KV splits per (sequence, KV head, query tile)
-    num_warps: int = 4
+    num_warps: int | None = None  # 4 for 16-row tiles, 8 for larger (keeps fp32 tiles unspilled)
     num_stages: int = 2
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ def resolve(
         block_n=config.block_n,
         num_splits=num_splits,
         num_q_blocks=num_q_blocks,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps or (4 if block_m <= 16 else 8),
         num_stages=config.num_stages,
     )
 

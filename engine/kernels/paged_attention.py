@@ -57,6 +57,15 @@ _SUM = tl.standard._sum_combine
 
 
 @triton.jit
+def _mma(a, b, DOT_DTYPE: tl.constexpr):
+    """a @ b with fp32 accumulation; fp32 operands in full precision (no TF32)."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; written when NUM_SPLITS == 1
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32; NUM_SPLITS > 1
@@ -81,7 +90,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # operand dtype of both matmuls: fp32, or the cache's 16-bit dtype
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,7 +105,6 @@ def _paged_attention_kernel(
     context_len = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    DOT_DTYPE: tl.constexpr = tl.float32 if FP32_DOT else k_cache_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_q = q_block * BLOCK_Q + offs_m // GROUP_PAD  # query index inside the sequence
     offs_g = offs_m % GROUP_PAD  # query head inside the GQA group
@@ -136,7 +144,7 @@ def _paged_attention_kernel(
         k = k.to(tl.float32).to(DOT_DTYPE)
         v = v.to(tl.float32).to(DOT_DTYPE)
 
-        s = tl.dot(q, k, input_precision="ieee") * qk_scale
+        s = _mma(q, k, DOT_DTYPE) * qk_scale
         visible = (offs_kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -145,7 +153,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + _mma(p.to(DOT_DTYPE), v, DOT_DTYPE)
         m_i = m_new
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
@@ -193,6 +201,12 @@ def _merge_splits_kernel(
 def kernels_interpreted() -> bool:
     """True when this module was imported under TRITON_INTERPRET=1: the kernels run on the CPU."""
     return isinstance(_paged_attention_kernel, InterpretedFunction)
+
+
+def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
+    if cache_dtype == torch.float32 or kernels_interpreted():
+        return tl.float32
+    return tl.float16 if cache_dtype == torch.float16 else tl.bfloat16
 
 
 def _max_lengths(seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -253,7 +267,7 @@ def triton_paged_attention(
         HEAD_DIM=shape.head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         GROUP_PAD=plan.group_pad, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
         BLOCK_SIZE=shape.block_size, NUM_SPLITS=splits,
-        FP32_DOT=k_cache.dtype == torch.float32 or kernels_interpreted(),
+        DOT_DTYPE=_dot_dtype(k_cache.dtype),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:

@@ -5,9 +5,9 @@ Layout
     k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping    [num_tokens] int64   slot = block_id * block_size + offset; < 0 means skip
 Algorithm
-    One program per BLOCK_T tokens. Each token's (kv head, dim) plane is one row of
-    HEADS_DIM_PAD = KV_HEADS_PAD * HEAD_DIM_PAD lanes; the slot gives the destination block and
-    offset. Values are converted to the cache dtype on store.
+    One program per BLOCK_T tokens (BLOCK_T x heads x dims ~ ELEMENTS_PER_PROGRAM). Each token's
+    (kv head, dim) plane is one row of KV_HEADS_PAD * HEAD_DIM_PAD lanes; the slot gives the
+    destination block and offset. Values are converted to the cache dtype on store.
 
 Reference: `reference_write_kv` (engine/attention/reference.py, re-exported here).
 """
@@ -24,7 +24,10 @@ from engine.kernels.validate import check_write_inputs
 
 __all__ = ["triton_write_kv", "reference_write_kv"]
 
-BLOCK_T = 16
+# Elements one program moves: enough to amortise a program under the interpreter, few enough
+# per thread on a GPU (BLOCK_T tokens x heads x dims).
+ELEMENTS_PER_PROGRAM = 2048
+MAX_BLOCK_T = 16
 
 
 @triton.jit
@@ -85,7 +88,9 @@ def triton_write_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    grid = (triton.cdiv(num_tokens, BLOCK_T),)
+    lanes = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
+    block_t = max(1, min(MAX_BLOCK_T, ELEMENTS_PER_PROGRAM // lanes))
+    grid = (triton.cdiv(num_tokens, block_t),)
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -93,5 +98,5 @@ def triton_write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=next_power_of_2(head_dim), KV_HEADS_PAD=next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_T=BLOCK_T,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t,
     )

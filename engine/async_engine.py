@@ -1,12 +1,13 @@
 """AsyncLLMEngine: the synchronous LLMEngine driven from its own thread beside an asyncio loop.
 
-Three threads share the work:
-- the event loop (HTTP handlers) calls `submit`, which registers a per-request asyncio.Queue and
-  returns a `RequestStream` once the engine has admitted the request (or raises its rejection);
-- a predictor thread takes every submission waiting for it, scores their prompts in one batch
-  (so the predicted length is computed once, at admission, off the event loop), and passes them on;
-- the engine thread drains a command queue between steps (add, abort, call, stop), runs
+- The event loop (HTTP handlers) calls `submit`, which registers a per-request asyncio.Queue and
+  returns a `RequestStream` once the engine has admitted the request (or raises its rejection).
+- The engine thread drains a command queue between steps (add, abort, call, stop), runs
   `LLMEngine.step()`, and hands each step's outputs to the loop with one `call_soon_threadsafe`.
+- Length prediction happens once per request, at admission, off the event loop, for every
+  arrival waiting at that moment in one batch: on the engine thread between steps (default, so
+  predictor and model never compete for the CPU cores), or with `overlap_prediction` on a
+  predictor thread that runs while the engine steps (a GPU engine leaves the CPU idle).
 
 Only the engine thread touches the LLMEngine; only the loop touches the stream table. A request
 cancelled before the engine thread reaches it is skipped there, because its admission future is
@@ -69,11 +70,16 @@ class _Stop:
 
 class AsyncLLMEngine:
     def __init__(self, engine: Any, predictor: Predictor | None = None, *,
-                 listener: EngineListener | None = None, max_predict_batch: int = 64) -> None:
+                 listener: EngineListener | None = None, max_predict_batch: int = 64,
+                 overlap_prediction: bool = False) -> None:
         self.engine = engine  # touched by the engine thread only, after start()
         self.predictor = predictor
         self.listener: EngineListener = listener or NullListener()
         self.max_predict_batch = max_predict_batch
+        # Without overlap (the CPU default) the engine thread scores each drained group of arrivals
+        # between steps: LightGBM's and torch's thread pools fighting over the same cores would
+        # slow both. With overlap (a GPU engine) a predictor thread scores them during steps.
+        self.overlap_prediction = overlap_prediction and predictor is not None
         self.state = EngineState.STOPPED
         self.failure: str | None = None
         self.stats: Any = None  # latest engine.stats(), replaced (never mutated) after each step
@@ -93,7 +99,7 @@ class AsyncLLMEngine:
         self.stats = self.engine.stats()
         self.state = EngineState.RUNNING
         workers = [("lengthwise-engine", self._engine_loop)]
-        if self.predictor is not None:
+        if self.overlap_prediction:
             workers.append(("lengthwise-predictor", self._predict_loop))
         self._threads = [threading.Thread(target=fn, name=name, daemon=True) for name, fn in workers]
         for thread in self._threads:
@@ -156,7 +162,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, tier)
         self._streams[request_id] = stream
         self._no_streams.clear()
-        (self._to_predict if self.predictor is not None else self._commands).put(submission)
+        (self._to_predict if self.overlap_prediction else self._commands).put(submission)
         try:
             await asyncio.wrap_future(submission.admitted)
         except BaseException as exc:
@@ -266,6 +272,10 @@ class AsyncLLMEngine:
         commands = [self._commands.get()] if block else []
         while not self._commands.empty():
             commands.append(self._commands.get_nowait())
+        if self.predictor is not None and not self.overlap_prediction:
+            arrivals = [c for c in commands if isinstance(c, _Submission) and not c.admitted.cancelled()]
+            if arrivals:
+                self._predict_batch(arrivals)
         for command in commands:
             if isinstance(command, _Stop):
                 for request_id in list(self._live):

@@ -320,6 +320,18 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(served, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served):
+    base_url, async_engine = served
+    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+        httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=0.5))
+    engine_idle_and_intact(async_engine)
+    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    assert aborted - aborted_before == 1
+
+
 def test_metrics_parse_with_vllm_like_names(served, client):
     for _ in range(2):  # two finished requests with predictions give Kendall's tau a value
         client.completions.create(model=MODEL, prompt="A short one" * (_ + 1), max_tokens=3)

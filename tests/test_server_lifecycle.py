@@ -53,22 +53,23 @@ async def drain(stream) -> list:
     return [item async for item in stream]
 
 
-def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine):
+@pytest.mark.parametrize("overlap", [False, True], ids=["between-steps", "predictor-thread"])
+def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overlap):
     recorder = BatchRecorder(chars_predictor())
     texts = [f"prompt number {i} " * (i + 1) for i in range(5)]
 
     async def scenario():
-        async_engine = AsyncLLMEngine(engine, recorder)
+        async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=overlap)
         await async_engine.start()
         params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
-        submits = [asyncio.ensure_future(async_engine.submit(f"r{i}", prompt_ids(engine, t), t, params))
+        submits = [asyncio.ensure_future(async_engine.submit(f"{overlap}-r{i}", prompt_ids(engine, t), t, params))
                    for i, t in enumerate(texts)]
         await asyncio.sleep(0)  # every submission is now queued for the predictor
         recorder.release.set()
         streams = await asyncio.gather(*submits)
         # Commands run before each step, so r4 is still live when this call runs.
         predicted = await asyncio.wrap_future(async_engine.call_in_engine(
-            lambda e: e.scheduler.get_request("r4").predicted_len))
+            lambda e: e.scheduler.get_request(f"{overlap}-r4").predicted_len))
         outputs = await asyncio.gather(*(drain(s) for s in streams))
         await async_engine.shutdown()
         return streams, predicted, outputs

@@ -130,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model).name
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
                               model_aliases=(args.model,), shutdown_grace_s=args.shutdown_grace)
-    async_engine = AsyncLLMEngine(engine, length_predictor)
+    # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
+    async_engine = AsyncLLMEngine(engine, length_predictor,
+                                  overlap_prediction=engine.device.type == "cuda")
     app = create_app(async_engine, engine.tokenizer, settings)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace)),

@@ -70,7 +70,8 @@ def served(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
     async_engine = AsyncLLMEngine(engine, chars_predictor())
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
+    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
+                              info=(("policy", "fcfs"),))
     app = create_app(async_engine, engine.tokenizer, settings)
     with running_server(app) as (base_url, _):
         yield base_url, async_engine
@@ -344,6 +345,7 @@ def test_metrics_parse_with_vllm_like_names(served, client):
                      "lengthwise:e2e_request_latency_seconds_bucket", "lengthwise:admission_rejections_total",
                      "lengthwise:predictor_latency_seconds_count", "lengthwise:predictor_kendall_tau"):
         assert expected in names, expected
+    assert metric(samples, "lengthwise:server_info", policy="fcfs", model_name=MODEL) == 1
     assert metric(samples, "lengthwise:num_requests_running") == 0
     assert metric(samples, "lengthwise:prompt_tokens_total") > 0
     assert metric(samples, "lengthwise:predictor_latency_seconds_count") >= 1

@@ -61,12 +61,15 @@ def test_tier_mix_parsing():
 
 def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir)
-    app = create_app(AsyncLLMEngine(engine), engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    settings = ServerSettings(model_name=MODEL, max_model_len=1024, info=(("policy", "sjf"),))
+    app = create_app(AsyncLLMEngine(engine), engine.tokenizer, settings)
     items = [bench_serve.WorkItem(i, f"Question {i}: why?", 6, 4 + i, tier)
              for i, tier in enumerate(["interactive", "standard", "batch", "standard"])]
     with running_server(app) as (base_url, _):
         args = bench_args(base_url=base_url, request_rate=50.0, ignore_eos=True)
         results, duration = asyncio.run(bench_serve.run_load(args, items, MODEL))
+        info, preemptions = bench_serve.server_state(base_url)
+    assert info["policy"] == "sjf" and preemptions == 0
     assert all(r.success and r.error == "" for r in results)
     assert [r.output_tokens for r in results] == [item.max_tokens for item in items]
     assert all(0 < r.ttft_s <= r.e2e_s for r in results)

@@ -188,18 +188,42 @@ def server_model(args: argparse.Namespace) -> str:
     return response.json()["data"][0]["id"]
 
 
+def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
+    """The server's lengthwise:server_info labels and its cumulative preemptions (empty, None
+    when the server exposes no such metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30.0).text
+    except httpx.HTTPError:
+        return {}, None
+    info, preemptions = {}, None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "lengthwise:server_info":
+                info = dict(sample.labels)
+            elif sample.name == "lengthwise:num_preemptions_total":
+                preemptions = sample.value
+    return info, preemptions
+
+
 def run(args: argparse.Namespace) -> int:
     slos = report.parse_goodput(args.goodput)
     model = args.model or server_model(args)
     items = sample_workload(args)
-    label = args.label or f"rate{args.request_rate:g}"
+    info, preemptions_before = server_state(args.base_url)
+    label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
     results, duration = asyncio.run(run_load(args, items, model))
     summary = report.summarize(results, duration, slos)
+    preemptions_after = server_state(args.base_url)[1]
+    if preemptions_before is not None and preemptions_after is not None:
+        summary["server_preemptions"] = preemptions_after - preemptions_before
     report.print_summary(summary, label)
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
     config["model"] = model
+    config.update({f"server_{key}": value for key, value in info.items()})
     json_path, plot_path = out / f"{label}.json", out / f"{label}.png"
     report.write_json(json_path, summary, config, results)
     report.plot(plot_path, results, label)

@@ -30,6 +30,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
     model_aliases: tuple[str, ...] = ()  # other names accepted for the same model (its path)
     shutdown_grace_s: float = 30.0
+    info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -41,7 +42,7 @@ class ServerSettings:
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(settings.model_name, lambda: engine.stats)
+    metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
     engine.listener = metrics
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len)
 

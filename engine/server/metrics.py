@@ -16,7 +16,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -98,8 +98,11 @@ class _EngineStateCollector(Collector):
 class ServerMetrics:
     """The app's metrics; implements the async engine's EngineListener."""
 
-    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any], info: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # How the server runs (policy, predictor, backend), so a benchmark can record it.
+        Info(PREFIX + "server", "Server configuration.", registry=self.registry).info(
+            {"model_name": model_name, **(info or {})})
         self._model_name = model_name
         self._tau_pairs: deque[tuple[float, float]] = deque(maxlen=TAU_WINDOW)
         self.registry.register(_EngineStateCollector(model_name, stats, self._tau_pairs))

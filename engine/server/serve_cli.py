@@ -128,8 +128,13 @@ def run(args: argparse.Namespace) -> int:
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
     name = args.served_model_name or Path(args.model).name
+    info = {"policy": config.policy, "predictor": predictor_path or "none",
+            "attention_backend": attention_backend_name(engine), "max_num_seqs": str(config.max_num_seqs),
+            "max_num_batched_tokens": str(config.max_num_batched_tokens),
+            "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
-                              model_aliases=(args.model,), shutdown_grace_s=args.shutdown_grace)
+                              model_aliases=(args.model,), shutdown_grace_s=args.shutdown_grace,
+                              info=tuple(info.items()))
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
                                   overlap_prediction=engine.device.type == "cuda")

@@ -47,6 +47,8 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
     payload = chunk.model_dump(mode="json")
     if not include_usage:
         payload.pop("usage", None)
+    if payload.get("service_tier", "") is None:
+        payload.pop("service_tier")
     for choice in payload.get("choices", ()):
         if "delta" in choice:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}

@@ -24,6 +24,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     policy: str = "fcfs"
+    # A new (or recompute-resumed) request is admitted only if this share of the device blocks stays
+    # free after its first chunk, so running requests can grow a while before anyone is preempted:
+    # without it, a full cache admits a prefill that the next decode step preempts again.
+    kv_watermark: float = 0.05
 
     # sjf / srpt / oracle anti-starvation: a waiting request's length score falls by this many
     # tokens per second waited, so its order equals arrival_time + predicted_len / rate and a
@@ -75,6 +79,8 @@ class SchedulerConfig:
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if not 0.0 <= self.srpt_max_preempt_share <= 1.0:
             raise ValueError(f"srpt_max_preempt_share must be in [0, 1], got {self.srpt_max_preempt_share}")
         if self.srpt_preempt_ratio < 1.0:

@@ -210,13 +210,22 @@ class Scheduler:
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
             num_new = self._num_new_tokens(request, plan.budget)
-            if num_new == 0 or self.block_manager.allocate_slots(request, num_new) is None:
+            if num_new == 0 or not self._above_watermark(request, num_new):
+                break
+            if self.block_manager.allocate_slots(request, num_new) is None:
                 break
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(request, num_new)
             admitted += 1
         del self.waiting[:admitted]
+
+    def _above_watermark(self, request: Request, num_new: int) -> bool:
+        if not self.running:
+            return True  # an empty cache always takes the request (it fits: checked on add)
+        needed = self.block_manager.num_new_blocks_needed(request, num_new)
+        reserve = self.config.kv_watermark * self.config.num_gpu_blocks
+        return self.block_manager.num_free_blocks - needed >= reserve
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput,

@@ -1,0 +1,160 @@
+"""Clock-free discrete-event core of the scheduling simulator.
+
+It drives the real `Scheduler` (policy, block manager, admission control) with a step-cost model
+instead of a model: each step's duration is `a + b * batched_tokens + c * sum of context lengths`
+(the context of a chunk is its end position, which its attention reads). Every request carries its
+true output length as `max_tokens` with `ignore_eos`, so it finishes exactly there; the policy sees
+only the predicted length (the oracle policy reads `true_len`). Time advances step by step; when
+nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
+
+The file names the step cost coefficients as JSON keys (`a_s`, `b_s_per_token`,
+`c_s_per_context_token`); `lengthwise bench engine --calibrate` writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+from scheduler.admission import AdmissionRejected
+from scheduler.config import SchedulerConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.policy import SchedulingPolicy
+from scheduler.request import Request, SamplingParams, Tier
+from scheduler.scheduler import Scheduler
+
+SIMULATED_TOKEN = 1  # what the stand-in model emits; never an end-of-sequence token
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    a_s: float  # fixed cost of a step (launch, scheduling, sampling)
+    b_s_per_token: float  # per token fed (prefill chunk tokens and decode tokens)
+    c_s_per_context_token: float  # per context token attended to, summed over the batch
+
+    def __post_init__(self) -> None:
+        if min(self.a_s, self.b_s_per_token, self.c_s_per_context_token) < 0 or self.a_s <= 0:
+            raise ValueError(f"step cost coefficients must be >= 0 with a_s > 0, got {self}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:
+        return cls(float(data["a_s"]), float(data["b_s_per_token"]), float(data["c_s_per_context_token"]))
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def step_time(self, output: SchedulerOutput) -> float:
+        context = sum(chunk.start_position + len(chunk.token_ids) for chunk in output.chunks)
+        return self.a_s + self.b_s_per_token * output.num_batched_tokens + self.c_s_per_context_token * context
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: str
+    arrival_time: float
+    prompt_tokens: int
+    output_tokens: int  # the true length
+    predicted_len: float
+    predicted_p50: float | None = None
+    predicted_p90: float | None = None
+    tier: Tier = Tier.STANDARD
+
+    def to_request(self) -> Request:
+        return Request(
+            request_id=self.request_id, prompt_token_ids=[SIMULATED_TOKEN] * self.prompt_tokens,
+            sampling_params=SamplingParams(max_tokens=self.output_tokens, ignore_eos=True),
+            arrival_time=self.arrival_time, tier=self.tier, predicted_len=self.predicted_len,
+            predicted_p50=self.predicted_p50, predicted_p90=self.predicted_p90, true_len=self.output_tokens)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    tier: Tier
+    arrival_time: float
+    output_tokens: int
+    rejected: bool
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def e2e_s(self) -> float:
+        return (self.finish_time or 0.0) - self.arrival_time
+
+    @property
+    def wait_s(self) -> float:
+        """Queueing delay before the first scheduled chunk."""
+        return (self.first_scheduled_time or 0.0) - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token_time or 0.0) - self.arrival_time
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    records: tuple[RequestRecord, ...]
+    makespan_s: float  # from the first arrival to the last finish
+    num_steps: int
+    num_preemptions: int
+    peak_kv_usage: float
+    max_stability_margin: float | None
+    leaked_blocks: int  # device blocks still held when everything finished; must be 0
+
+
+def _record(request: Request, rejected: bool = False) -> RequestRecord:
+    return RequestRecord(
+        request_id=request.request_id, tier=request.tier, arrival_time=request.arrival_time,
+        output_tokens=request.num_output_tokens, rejected=rejected,
+        first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
+        finish_time=request.finish_time, num_preemptions=request.num_preemptions)
+
+
+def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: StepCostModel,
+             policy: SchedulingPolicy | None = None, max_steps: int = 10_000_000) -> SimulationResult:
+    """Run the workload to completion under `config` (and `policy`, else config.policy)."""
+    scheduler = Scheduler(config, policy)
+    pending = sorted(workload, key=lambda r: (r.arrival_time, r.request_id))
+    records: list[RequestRecord] = []
+    now, next_arrival, steps, peak_usage, margin = 0.0, 0, 0, 0.0, None
+    while next_arrival < len(pending) or scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests():
+            now = max(now, pending[next_arrival].arrival_time)
+        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
+            request = pending[next_arrival].to_request()
+            next_arrival += 1
+            try:
+                scheduler.add_request(request, now)
+            except AdmissionRejected:
+                records.append(_record(request, rejected=True))
+        output = scheduler.schedule(now)
+        if output.is_empty:
+            if next_arrival >= len(pending) and scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests left and no arrivals")
+            if next_arrival < len(pending):
+                now = max(now, pending[next_arrival].arrival_time)
+            continue
+        step_time = cost.step_time(output)
+        now += step_time
+        sampled = {chunk.request_id: SIMULATED_TOKEN for chunk in output.chunks if chunk.sample}
+        peak_usage = max(peak_usage, scheduler.block_manager.usage)
+        for request in scheduler.update_from_output(output, ModelRunnerOutput(sampled), now):
+            if request.is_finished:
+                records.append(_record(request))
+        scheduler.record_step(now, output.num_batched_tokens, step_time)
+        steps += 1
+        if steps % 64 == 0:
+            value = scheduler.admission.stability_margin(now)
+            margin = value if margin is None or (value is not None and value > margin) else margin
+        if steps >= max_steps:
+            raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+    served = [r for r in records if not r.rejected]
+    start = min((r.arrival_time for r in records), default=0.0)
+    end = max((r.finish_time or 0.0 for r in served), default=start)
+    stats = scheduler.stats()
+    return SimulationResult(
+        records=tuple(sorted(records, key=lambda r: r.arrival_time)), makespan_s=end - start,
+        num_steps=steps, num_preemptions=stats.num_preemptions, peak_kv_usage=peak_usage,
+        max_stability_margin=margin, leaked_blocks=stats.num_total_blocks - stats.num_free_blocks)

@@ -1,0 +1,104 @@
+"""Latency and throughput figures of one simulated run, and the goal checks across policies.
+
+Percentiles interpolate linearly between order statistics. "Longest 10%" means the requests
+whose true output length is in the top decile, the ones SJF is suspected of starving.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from scheduler.request import Tier
+from scheduler.simulation import RequestRecord, SimulationResult
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    threshold = percentile([r.output_tokens for r in records], 90)
+    return [r for r in records if r.output_tokens >= threshold]
+
+
+def tier_figures(records: Sequence[RequestRecord], slo_ttft_s: float, slo_e2e_s: float) -> dict:
+    figures = {}
+    for tier in Tier:
+        mine = [r for r in records if r.tier == tier]
+        if not mine:
+            continue
+        entry = {"count": len(mine), "mean_e2e_s": mean([r.e2e_s for r in mine]),
+                 "p99_ttft_s": percentile([r.ttft_s for r in mine], 99)}
+        if tier == Tier.INTERACTIVE:
+            entry["slo_attainment"] = mean([1.0 if r.ttft_s <= slo_ttft_s else 0.0 for r in mine])
+        elif tier == Tier.STANDARD:
+            entry["slo_attainment"] = mean([1.0 if r.e2e_s <= slo_e2e_s else 0.0 for r in mine])
+        figures[tier.name.lower()] = entry
+    return figures
+
+
+def summarize(result: SimulationResult, slo_ttft_s: float = 0.5, slo_e2e_s: float = 10.0) -> dict:
+    served = [r for r in result.records if not r.rejected]
+    e2e = [r.e2e_s for r in served]
+    longest = longest_decile(served)
+    output_tokens = sum(r.output_tokens for r in served)
+    return {
+        "num_served": len(served),
+        "num_rejected": len(result.records) - len(served),
+        "mean_e2e_s": mean(e2e),
+        "p50_e2e_s": percentile(e2e, 50),
+        "p99_e2e_s": percentile(e2e, 99),
+        "p99_e2e_longest10pct_s": percentile([r.e2e_s for r in longest], 99),
+        "mean_ttft_s": mean([r.ttft_s for r in served]),
+        "p99_ttft_s": percentile([r.ttft_s for r in served], 99),
+        "mean_wait_s": mean([r.wait_s for r in served]),
+        "max_wait_s": max((r.wait_s for r in served), default=float("nan")),
+        "output_tokens_per_s": output_tokens / result.makespan_s if result.makespan_s > 0 else float("nan"),
+        "makespan_s": result.makespan_s,
+        "num_steps": result.num_steps,
+        "num_preemptions": result.num_preemptions,
+        "peak_kv_usage": result.peak_kv_usage,
+        "max_stability_margin": result.max_stability_margin,
+        "leaked_blocks": result.leaked_blocks,
+        "tiers": tier_figures(served, slo_ttft_s, slo_e2e_s),
+    }
+
+
+def goal_checks(policies: Mapping[str, dict], aging_bound_s: float | None) -> dict:
+    """The issue's goals at one load, from the fcfs, sjf and oracle summaries (when present)."""
+    if not {"fcfs", "sjf"} <= set(policies):
+        return {}
+    fcfs, sjf = policies["fcfs"], policies["sjf"]
+    checks: dict[str, float | bool | None] = {
+        "fcfs_over_sjf_mean_e2e": fcfs["mean_e2e_s"] / sjf["mean_e2e_s"],
+        "longest10pct_p99_sjf_over_fcfs": sjf["p99_e2e_longest10pct_s"] / fcfs["p99_e2e_longest10pct_s"],
+        "throughput_sjf_over_fcfs": sjf["output_tokens_per_s"] / fcfs["output_tokens_per_s"],
+        "sjf_max_wait_s": sjf["max_wait_s"],
+        "fcfs_max_wait_s": fcfs["max_wait_s"],
+        "aging_bound_s": aging_bound_s,
+    }
+    if "oracle" in policies:
+        oracle_gain = math.log(fcfs["mean_e2e_s"] / policies["oracle"]["mean_e2e_s"])
+        sjf_gain = math.log(fcfs["mean_e2e_s"] / sjf["mean_e2e_s"])
+        checks["sjf_share_of_oracle_gain"] = sjf_gain / oracle_gain if oracle_gain > 0 else None
+    checks["meets_mean_ratio_3x"] = checks["fcfs_over_sjf_mean_e2e"] >= 3.0
+    checks["meets_longest10pct_2x"] = checks["longest10pct_p99_sjf_over_fcfs"] <= 2.0
+    checks["meets_throughput_5pct"] = abs(checks["throughput_sjf_over_fcfs"] - 1.0) <= 0.05
+    share = checks.get("sjf_share_of_oracle_gain")
+    checks["meets_oracle_share_60pct"] = share is not None and share >= 0.6
+    if aging_bound_s is not None:
+        # Aging guarantees no arrival later than the bound overtakes a request, so its wait exceeds
+        # FCFS's longest wait by at most about the bound.
+        checks["meets_wait_within_aging_bound"] = sjf["max_wait_s"] <= fcfs["max_wait_s"] + aging_bound_s
+    return checks

@@ -1,0 +1,124 @@
+"""The simulator's workload: ShareGPT test-split turns with true and predicted lengths, arrivals.
+
+Turns come from `training.dataset.load_turns("test")`, kept when the prompt has at most
+`max_prompt_tokens` tokens and the reply at least one; the true output length is the ShareGPT reply
+length in SmolLM2 tokens, capped at `max_output_tokens` (the requests' max_tokens). Predictions come
+from a saved predictor (`predictor.load`), cached per predictor and table under data/cache/ so a
+rerun does not recompute them, or, for development only, from a noisy oracle (true length times
+lognormal noise). Arrivals are Poisson or gamma (bursty: coefficient of variation above 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+from scheduler.request import Tier
+from scheduler.simulation import SimRequest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO_ROOT / "data" / "cache" / "sim_predictions"
+NOISY_ORACLE = "noisy-oracle"
+NOISY_ORACLE_SIGMA = 0.6  # log-space noise of the development predictions
+Z90 = 1.2815515655446004
+
+ArrivalProcess = Literal["poisson", "gamma"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    key: str  # conversation_id:turn_index
+    prompt: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Predicted:
+    point: float
+    p50: float
+    p90: float
+
+
+def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_output_tokens: int) -> list[Turn]:
+    from training.dataset import load_turns
+
+    table = load_turns("test")
+    rows = [
+        Turn(f"{cid}:{turn}", prompt, p, min(r, max_output_tokens))
+        for cid, turn, prompt, p, r in zip(table["conversation_id"], table["turn_index"], table["prompt"],
+                                           table["prompt_tokens"], table["response_tokens"])
+        if p <= max_prompt_tokens and r >= 1
+    ]
+    rng = random.Random(seed)
+    if num_requests <= len(rows):
+        return rng.sample(rows, num_requests)
+    return [rng.choice(rows) for _ in range(num_requests)]
+
+
+def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
+    rng = random.Random(seed + 1)
+    out = []
+    for turn in turns:
+        point = max(1.0, turn.output_tokens * math.exp(rng.gauss(0.0, NOISY_ORACLE_SIGMA)))
+        out.append(Predicted(point, point, point * math.exp(Z90 * NOISY_ORACLE_SIGMA)))
+    return out
+
+
+def _cache_path(predictor_path: Path) -> Path:
+    spec = (predictor_path / "predictor.json").read_text()
+    digest = hashlib.sha256((str(predictor_path.resolve()) + spec).encode()).hexdigest()[:16]
+    return CACHE_DIR / f"{predictor_path.name}_{digest}.json"
+
+
+def predictor_predictions(turns: Sequence[Turn], predictor_path: Path) -> list[Predicted]:
+    """The saved predictor's predictions, computed once per distinct prompt and cached."""
+    cache_file = _cache_path(predictor_path)
+    cache: dict[str, list[float]] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    missing = sorted({t.key: t.prompt for t in turns if t.key not in cache}.items())
+    if missing:
+        import predictor
+        from predictor.batching import predict_in_batches
+
+        model = predictor.load(predictor_path)
+        predictions = predict_in_batches(model, [prompt for _, prompt in missing], progress=True)
+        for (key, _), p in zip(missing, predictions):
+            cache[key] = [float(p.point), float(p.p50), float(p.p90)]
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps(cache))
+    return [Predicted(*cache[t.key]) for t in turns]
+
+
+def arrival_times(count: int, rate_per_s: float, process: ArrivalProcess, cv: float, seed: int) -> list[float]:
+    """Cumulative inter-arrival gaps with mean 1/rate: exponential, or gamma with the given CV."""
+    rng = random.Random(seed + 2)
+    shape = 1.0 / (cv * cv)
+    now, times = 0.0, []
+    for _ in range(count):
+        if process == "poisson":
+            now += rng.expovariate(rate_per_s)
+        else:
+            now += rng.gammavariate(shape, 1.0 / (shape * rate_per_s))
+        times.append(now)
+    return times
+
+
+def assign_tiers(count: int, mix: Sequence[float], seed: int) -> list[Tier]:
+    """Tiers drawn with weights (interactive, standard, batch)."""
+    rng = random.Random(seed + 3)
+    return rng.choices([Tier.INTERACTIVE, Tier.STANDARD, Tier.BATCH], weights=mix, k=count)
+
+
+def build_workload(turns: Sequence[Turn], predictions: Sequence[Predicted], arrivals: Sequence[float],
+                   tiers: Sequence[Tier]) -> list[SimRequest]:
+    return [
+        SimRequest(request_id=f"req{i}", arrival_time=arrival, prompt_tokens=turn.prompt_tokens,
+                   output_tokens=turn.output_tokens, predicted_len=max(1.0, pred.point),
+                   predicted_p50=max(1.0, pred.p50), predicted_p90=max(1.0, pred.p90), tier=tier)
+        for i, (turn, pred, arrival, tier) in enumerate(zip(turns, predictions, arrivals, tiers))
+    ]

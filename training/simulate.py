@@ -1,0 +1,152 @@
+"""`lengthwise simulate`: compare scheduling policies on a simulated server.
+
+Drives the real scheduler (scheduler.simulation) with a step-cost model and a binding KV budget on
+ShareGPT test-split turns. `--load` is the offered load as a share of the saturated output-token
+throughput, which the simulator measures itself: the same requests all present at t=0 under FCFS.
+The arrival rate is then load * saturated throughput / mean output tokens per request. Every policy
+sees the same requests and arrival times. Writes JSON (load, policies, goals, KV budget, cost
+model, optional load sweep) and plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from scheduler.config import SchedulerConfig
+from scheduler.policies import POLICIES, SJFPolicy
+from scheduler.simulation import SimRequest, StepCostModel, simulate
+from training.sim_metrics import goal_checks, mean, summarize
+from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
+from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,
+                                   load_test_turns, noisy_oracle, predictor_predictions)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEP_COST = Path("data/step_cost.json")
+DEFAULT_PREDICTOR = Path("data/predictors/default")
+# Placeholder coefficients for the CPU engine until `lengthwise bench engine --calibrate` writes
+# data/step_cost.json: 30 ms per step, 0.8 ms per fed token, 1 us per attended context token.
+DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
+KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head dim 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policies", default="fcfs,sjf,srpt,oracle", help="comma-separated: " + ",".join(POLICIES))
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--load", type=float, default=0.9, help="offered load, share of saturated throughput")
+    parser.add_argument("--sweep-loads", default="", help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
+    parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    parser.add_argument("--arrival-cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
+    parser.add_argument("--tier-mix", default="0,1,0", help="weights of interactive,standard,batch")
+    parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
+    parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
+    parser.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST)
+    parser.add_argument("--kv-blocks", type=int, default=1024, help="device KV blocks (the binding budget)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-output-tokens", type=int, default=1024)
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--aging-tokens-per-s", type=float, default=SchedulerConfig.aging_tokens_per_s)
+    parser.add_argument("--admission", action="store_true", help="enable token admission control")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))
+    parser.add_argument("--no-plots", action="store_true")
+
+
+def load_cost_model(path: Path) -> tuple[StepCostModel, str]:
+    if path.exists():
+        return StepCostModel.from_dict(json.loads(path.read_text())), f"calibrated ({path})"
+    return DEFAULT_COST, f"default placeholder coefficients ({path} not found; run `lengthwise bench engine --calibrate`)"
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
+        num_cpu_blocks=4 * args.kv_blocks if args.preemption_mode == "swap" else 0,
+        aging_tokens_per_s=args.aging_tokens_per_s, enable_admission=args.admission)
+
+
+def saturated_throughput(config: SchedulerConfig, workload: list[SimRequest], cost: StepCostModel) -> float:
+    """Output tokens per second with every request present at t=0 under FCFS."""
+    at_once = [replace(r, arrival_time=0.0) for r in workload]
+    result = simulate(replace(config, policy="fcfs", enable_admission=False), at_once, cost)
+    return sum(r.output_tokens for r in result.records) / result.makespan_s
+
+
+def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostModel, policies: list[str],
+             load: float, saturated: float, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Summaries per policy at one load, and the e2e latencies for the CDF plot."""
+    rate = load * saturated / mean([r.output_tokens for r in base])
+    times = arrival_times(len(base), rate, args.arrival, args.arrival_cv, args.seed)
+    workload = [replace(r, arrival_time=t) for r, t in zip(base, times)]
+    summaries, latencies = {}, {}
+    for name in policies:
+        started = time.perf_counter()
+        result = simulate(replace(config, policy=name), workload, cost)
+        summaries[name] = summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
+        latencies[name] = [r.e2e_s for r in result.records if not r.rejected]
+        logger.info("load %.2f %-8s mean %.2fs p99 %.2fs (%.1fs wall)", load, name,
+                    summaries[name]["mean_e2e_s"], summaries[name]["p99_e2e_s"], time.perf_counter() - started)
+    return {"load": load, "arrival_rate_per_s": rate, "policies": summaries}, latencies
+
+
+def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str]:
+    turns = load_test_turns(args.num_requests, args.seed, args.max_prompt_tokens, args.max_output_tokens)
+    if args.predictions == NOISY_ORACLE:
+        predictions, source = noisy_oracle(turns, args.seed), "noisy oracle (development only)"
+    else:
+        predictions, source = predictor_predictions(turns, args.predictor), f"predictor {args.predictor}"
+    mix = [float(x) for x in args.tier_mix.split(",")]
+    tiers = assign_tiers(len(turns), mix, args.seed)
+    return build_workload(turns, predictions, [0.0] * len(turns), tiers), source
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    cost, cost_source = load_cost_model(args.step_cost)
+    config = scheduler_config(args)
+    base, prediction_source = build_base_workload(args)
+    saturated = saturated_throughput(config, base, cost)
+    logger.info("saturated output throughput %.1f tokens/s", saturated)
+    main, latencies = run_load(config, base, cost, policies, args.load, saturated, args)
+    aging_bound = max(SJFPolicy(config).aging_bound_s(r.to_request()) for r in base)
+    sweep = [main]
+    for load in [float(x) for x in args.sweep_loads.split(",") if x.strip()]:
+        sweep.append(run_load(config, base, cost, policies, load, saturated, args)[0])
+    sweep.sort(key=lambda entry: entry["load"])
+    report = {
+        "load": args.load, "arrival_rate_per_s": main["arrival_rate_per_s"], "arrival": args.arrival,
+        "num_requests": len(base), "saturated_output_tokens_per_s": saturated,
+        "predictions": prediction_source, "policies": main["policies"],
+        "goals": goal_checks(main["policies"], aging_bound),
+        "kv_budget": {"num_gpu_blocks": config.num_gpu_blocks, "block_size": config.block_size,
+                      "tokens": config.num_gpu_blocks * config.block_size,
+                      "smollm2_fp32_gib": config.num_gpu_blocks * config.block_size
+                      * KV_BYTES_PER_TOKEN_SMOLLM2_FP32 / 2**30},
+        "cost_model": {**cost.to_dict(), "source": cost_source},
+        "scheduler": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                      "max_model_len": config.max_model_len, "preemption_mode": config.preemption_mode,
+                      "aging_tokens_per_s": config.aging_tokens_per_s, "admission": config.enable_admission},
+        "sweep": sweep if len(sweep) > 1 else [],
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_plots:
+        plot_latency_cdf(latencies, args.load, args.json.with_name(args.json.stem + "_cdf.png"))
+        if len(sweep) > 1:
+            plot_latency_vs_rate(sweep, args.json.with_name(args.json.stem + "_vs_rate.png"))
+    print(json.dumps({"goals": report["goals"], "saturated_output_tokens_per_s": saturated}, indent=2))
+    return 0

@@ -7,34 +7,12 @@ served together in one continuous batch (prefill chunks and decodes mixed in the
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.llm import LLM
+from hf_reference import hf_greedy, random_prompts
 from scheduler.request import SamplingParams
 
 NUM_TOKENS = 32
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """Reference tokens: HF eager attention, one prompt at a time, eos ignored."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
-            tokens = [int(out.logits[0, -1].argmax())]
-            for _ in range(num_tokens - 1):
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
-            results.append(tokens)
-    return results
-
-
-def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
 
 
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)

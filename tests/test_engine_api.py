@@ -1,0 +1,101 @@
+"""The offline API's input validation, stop conditions, seeds and request lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from scheduler.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=64, num_gpu_blocks=64)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "empty"),
+    ("word " * 200, SamplingParams(), "longer than the context"),
+    ([5] * 128, SamplingParams(), "longer than the context"),
+    ([49152], SamplingParams(), "token ids"),
+    (PROMPT, {"max_tokens": 0}, "max_tokens"),
+    (PROMPT, {"max_tokens": -3}, "max_tokens"),
+    (PROMPT, {"top_p": 0.0}, "top_p"),
+    (PROMPT, {"top_p": 1.5}, "top_p"),
+])
+def test_bad_input_raises_a_clear_value_error(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPT, prompt], params)
+    # Nothing of the rejected batch stays queued.
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_reject_bad_values_directly():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.01)
+
+
+def greedy(max_tokens: int = 24, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
+
+
+def test_stop_string_cuts_text_and_finishes(llm):
+    full = llm.generate(PROMPT, greedy())[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 24
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop
+    stopped = llm.generate(PROMPT, greedy(stop=(stop,)))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index(stop)]
+    assert list(stopped.token_ids) == list(full.token_ids[:len(stopped.token_ids)])
+
+
+def test_stop_token_id_finishes_at_its_first_occurrence(llm):
+    full = llm.generate(PROMPT, greedy())[0]
+    stop_token = full.token_ids[5]
+    stopped = llm.generate(PROMPT, greedy(stop_token_ids=(stop_token,)))[0]
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids) == list(full.token_ids[:full.token_ids.index(stop_token) + 1])
+
+
+def test_text_is_the_decoded_tokens(llm):
+    out = llm.generate(PROMPT, greedy())[0]
+    assert out.text == llm.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    in_batch = llm.generate(["Hello there", PROMPT, "Another prompt"], [others, seeded, others])[1].token_ids
+    assert alone == in_batch
+    different = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))
+    assert different[0].token_ids != alone
+    assert llm.engine.runner.sampler.num_live_generators == 0  # freed on finish
+
+
+def test_top_k_one_is_greedy(llm):
+    sampled = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.5, top_k=1, ignore_eos=True))
+    assert sampled[0].token_ids == llm.generate(PROMPT, greedy(16))[0].token_ids
+
+
+def test_abort_frees_everything(llm):
+    engine = llm.engine
+    engine.add_request("a", PROMPT, greedy(50))
+    engine.add_request("b", PROMPT, greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert {o.request_id for o in outputs} == {"b"}
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 50
+    stats = engine.stats().scheduler
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -1,0 +1,60 @@
+"""Sampler filters (top-k, top-p, temperature) and draws against exact distributions."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import Sampler, _filtered_probs
+from scheduler.request import SamplingParams
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+
+def test_top_k_keeps_the_k_most_likely():
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_k=2)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.8)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.81)])
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    # The most likely token always survives.
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.1)])
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_scales_logits():
+    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=0.5)])
+    expected = torch.tensor([[0.5, 0.3, 0.15, 0.05]]) ** 2
+    torch.testing.assert_close(probs, expected / expected.sum())
+
+
+def test_rows_get_their_own_filters():
+    logits = LOGITS.repeat(2, 1)
+    probs = _filtered_probs(logits, [SamplingParams(top_k=1), SamplingParams()])
+    torch.testing.assert_close(probs[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def test_draws_follow_the_distribution():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens = sampler.sample(LOGITS.repeat(4000, 1), [f"r{i}" for i in range(4000)], params)
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    torch.testing.assert_close(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+
+
+def test_greedy_rows_take_the_argmax_and_seeds_are_per_request():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(seed=3)]
+    tokens = sampler.sample(logits, ["a", "b", "c"], params)
+    assert tokens[0] == int(logits[0].argmax())
+    fresh = Sampler(torch.device("cpu"), seed=123)
+    assert fresh.sample(logits[1:2], ["x"], [SamplingParams(seed=3)]) == [tokens[1]]
+    assert sampler.num_live_generators == 2
+    sampler.free("b")
+    sampler.free("c")
+    assert sampler.num_live_generators == 0

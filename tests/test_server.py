@@ -334,8 +334,9 @@ def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served):
 
 
 def test_metrics_parse_with_vllm_like_names(served, client):
-    for _ in range(2):  # two finished requests with predictions give Kendall's tau a value
-        client.completions.create(model=MODEL, prompt="A short one" * (_ + 1), max_tokens=3)
+    for length in (2, 4):  # finished requests of different lengths, with predictions, give tau a value
+        client.completions.create(model=MODEL, prompt="A short one" * length, max_tokens=length,
+                                  extra_body={"ignore_eos": True})
     samples = scrape(served[0])
     names = {name for name, _ in samples}
     for expected in ("lengthwise:num_requests_running", "lengthwise:num_requests_waiting",
@@ -349,4 +350,13 @@ def test_metrics_parse_with_vllm_like_names(served, client):
     assert metric(samples, "lengthwise:num_requests_running") == 0
     assert metric(samples, "lengthwise:prompt_tokens_total") > 0
     assert metric(samples, "lengthwise:predictor_latency_seconds_count") >= 1
-    assert -1.0 <= metric(samples, "lengthwise:predictor_kendall_tau") <= 1.0
+    tau = [v for (n, _), v in samples.items() if n == "lengthwise:predictor_kendall_tau"]
+    assert len(tau) == 1 and -1.0 <= tau[0] <= 1.0
+
+
+def test_kendall_tau_of_the_metrics_window():
+    from engine.server.metrics import kendall_tau
+
+    assert kendall_tau([(1, 10), (2, 20), (3, 30)]) == pytest.approx(1.0)
+    assert kendall_tau([(1, 30), (2, 20), (3, 10)]) == pytest.approx(-1.0)
+    assert kendall_tau([(1, 5), (2, 5)]) is None and kendall_tau([(1, 5)]) is None

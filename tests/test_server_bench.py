@@ -78,3 +78,4 @@ def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
     assert summary["completed"] == 4 and summary["failed"] == 0
     assert summary["goodput_rps"] == pytest.approx(summary["request_throughput_rps"])
     assert summary["output_tokens_per_s"] == pytest.approx(sum(i.max_tokens for i in items) / duration)
+

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from scipy.stats import kendalltau
 
 from predictor.base import Prediction
 from scheduler.admission import AdmissionRejected
@@ -38,8 +39,6 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float | None:
     """Kendall's tau-b of the pairs, or None when it is undefined (too few, or a constant side)."""
     if len(pairs) < 2:
         return None
-    from scipy.stats import kendalltau  # imported late: scipy.stats is slow to import
-
     tau = kendalltau([p for p, _ in pairs], [a for _, a in pairs]).statistic
     return None if math.isnan(tau) else float(tau)
 

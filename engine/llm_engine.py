@@ -36,6 +36,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """What one step did and cost; the step-cost calibration fits its times."""
+
+    num_batched_tokens: int
+    num_seqs: int
+    sum_context_tokens: int  # context length after the step, summed over its sequences
+    step_time_s: float
+    forward_time_s: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     scheduler: SchedulerStats
     num_steps: int
@@ -86,6 +97,7 @@ class LLMEngine:
         self._detokenizers: dict[str, DetokenizerState] = {}
         self._num_reported: dict[str, int] = {}
         self._num_steps, self._step_time_s, self._forward_time_s, self._num_generated = 0, 0.0, 0.0, 0
+        self.last_step: StepRecord | None = None
         log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
 
     def _make_cache(self, dtype: torch.dtype) -> KVCache:
@@ -170,9 +182,14 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(output, runner_output, done)
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)
         outputs = [self._report(request, done) for request in progressed]
+        step_time = self.now() - start
         self._num_steps += 1
-        self._step_time_s += self.now() - start
+        self._step_time_s += step_time
         self._forward_time_s += self.runner.last_times.forward_s
+        self.last_step = StepRecord(
+            output.num_batched_tokens, len(output.chunks),
+            sum(c.start_position + len(c.token_ids) for c in output.chunks), step_time,
+            self.runner.last_times.forward_s)
         return outputs
 
     def _sampling_params_of(self, request_id: str) -> SamplingParams:

@@ -1,0 +1,175 @@
+"""`lengthwise bench engine`: the engine against HF static and HF continuous batching.
+
+Workload: the first N first-turn ShareGPT prompts of the chosen split with at most
+`--max-prompt-tokens` tokens; each request's `max_tokens` is its ShareGPT response length in SmolLM2
+tokens (capped at `--max-output-tokens`, at least 1) with eos ignored, so all three systems produce
+exactly the same number of useful tokens. The three runs share one process, one model and one
+concurrency (`--max-num-seqs`). The JSON holds useful tokens/s per system, the ratios, the engine's
+overhead share (step time outside the model forward) and the peak RSS; a bar chart goes next to it.
+
+`--calibrate` also fits the engine's step time as a + b * batched_tokens + c * sum_context_tokens by
+least squares over its steps and writes the coefficients (plus the KV budget used) to
+`--step-cost-out` for the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.llm_engine import StepRecord
+from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
+
+BASELINES = ("hf_static", "hf_continuous")
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-output-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip", default="", help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
+    parser.add_argument("--json", type=Path, default=Path("out/bench_engine.json"))
+    parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
+    parser.add_argument("--step-cost-out", type=Path, default=Path("data/step_cost.json"))
+
+
+def load_workload(tokenizer, split: str, num_prompts: int, max_prompt_tokens: int,
+                  max_output_tokens: int) -> list[WorkItem]:
+    from training.dataset import load_turns
+
+    turns = load_turns(split)
+    rows = turns.filter(lambda r: r["turn_index"] == 0 and r["prompt_tokens"] <= max_prompt_tokens)
+    rows = rows.select(range(min(num_prompts, len(rows))))
+    return [WorkItem(tuple(tokenizer.encode(row["prompt"], add_special_tokens=False)),
+                     max(1, min(row["response_tokens"], max_output_tokens))) for row in rows]
+
+
+def fit_step_cost(steps: list[StepRecord]) -> dict[str, float]:
+    """Least squares of step time on [1, batched tokens, summed context]; also its R^2."""
+    times = np.array([s.step_time_s for s in steps])
+    design = np.array([[1.0, s.num_batched_tokens, s.sum_context_tokens] for s in steps])
+    coef, *_ = np.linalg.lstsq(design, times, rcond=None)
+    residual = times - design @ coef
+    total = float(((times - times.mean()) ** 2).sum())
+    r2 = 1.0 - float((residual ** 2).sum()) / total if total > 0 else 1.0
+    return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "r2": r2, "num_steps": len(steps)}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def _ratio(engine: RunResult, other: RunResult | None) -> float | None:
+    if other is None or other.tokens_per_s == 0:
+        return None
+    return engine.tokens_per_s / other.tokens_per_s
+
+
+def summarise(results: dict[str, RunResult], config: EngineConfig, num_prompts: int) -> dict:
+    engine = results["engine"]
+    return {
+        "tokens_per_s": {name: (results[name].tokens_per_s if name in results else None)
+                         for name in ("engine",) + BASELINES},
+        "ratio_vs_hf_static": _ratio(engine, results.get("hf_static")),
+        "ratio_vs_hf_continuous": _ratio(engine, results.get("hf_continuous")),
+        "overhead_share": engine.overhead_share,
+        "peak_rss_mb": _peak_rss_mb(),
+        "useful_tokens": {name: r.useful_tokens for name, r in results.items()},
+        "seconds": {name: r.seconds for name, r in results.items()},
+        "engine_steps": len(engine.steps),
+        "num_prompts": num_prompts,
+        "config": {"model": config.model, "max_num_seqs": config.max_num_seqs,
+                   "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
+                   "kv_cache_memory_gib": config.kv_cache_memory_gib, "threads": config.num_threads,
+                   "dtype": config.dtype},
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, v in summary["tokens_per_s"].items() if v is not None]
+    values = [summary["tokens_per_s"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    bars = ax.bar(names, values, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("useful output tokens / s")
+    ax.set_title(f"{summary['num_prompts']} ShareGPT prompts, {summary['config']['max_num_seqs']} seats")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
+    if skip - set(BASELINES):
+        raise ValueError(f"--skip takes {BASELINES}, got {sorted(skip - set(BASELINES))}")
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    items = load_workload(tokenizer, args.split, args.num_prompts, args.max_prompt_tokens, args.max_output_tokens)
+    results = {"engine": run_engine(items, config)}
+    log.info("engine: %.1f tokens/s", results["engine"].tokens_per_s)
+    if "hf_static" not in skip:
+        results["hf_static"] = run_hf_static(items, args.model, args.max_num_seqs, tokenizer.pad_token_id)
+        log.info("hf_static: %.1f tokens/s", results["hf_static"].tokens_per_s)
+    if "hf_continuous" not in skip:
+        kv_tokens = _kv_cache_tokens(config)
+        results["hf_continuous"] = run_hf_continuous(items, args.model, args.max_num_seqs,
+                                                     args.max_num_batched_tokens, kv_tokens)
+        log.info("hf_continuous: %.1f tokens/s", results["hf_continuous"].tokens_per_s)
+    summary = summarise(results, config, len(items))
+    if args.calibrate:
+        summary["step_cost"] = write_step_cost(results["engine"].steps, config, args.step_cost_out)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, args.json.with_suffix(".png"))
+    print(json.dumps({k: summary[k] for k in ("tokens_per_s", "ratio_vs_hf_static", "ratio_vs_hf_continuous",
+                                              "overhead_share", "peak_rss_mb")}, indent=2))
+    return 0
+
+
+def _kv_cache_tokens(config: EngineConfig) -> int:
+    """The engine's KV capacity in tokens, so HF's continuous batching gets the same memory."""
+    from engine.kv_cache import CacheGeometry
+    from engine.model.arch import LlamaArch
+
+    import torch
+
+    arch = LlamaArch.from_model_dir(config.model)
+    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, torch.float32)
+    return geometry.blocks_for(config.kv_cache_memory_gib) * config.block_size
+
+
+def write_step_cost(steps: list[StepRecord], config: EngineConfig, path: Path) -> dict:
+    fit = fit_step_cost(steps)
+    fit.update(kv_cache_memory_gib=config.kv_cache_memory_gib, num_gpu_blocks=_kv_cache_tokens(config) // config.block_size,
+               block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+               max_num_batched_tokens=config.max_num_batched_tokens, threads=config.num_threads, model=config.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fit, indent=2) + "\n")
+    log.info("step cost: %.4f + %.2e * tokens + %.2e * context (R^2 %.3f) -> %s",
+             fit["a"], fit["b"], fit["c"], fit["r2"], path)
+    return fit

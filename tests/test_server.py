@@ -210,6 +210,17 @@ def test_priority_and_service_tiers_reach_the_scheduler_tiers(served, client):
     assert counts == {"interactive": 1, "batch": 1, "standard": 2}
 
 
+def test_seeded_sampling_repeats_and_top_k_one_is_greedy(client):
+    kwargs = dict(model=MODEL, prompt="Pick a word:", max_tokens=6, extra_body={"ignore_eos": True})
+    first = client.completions.create(temperature=1.0, seed=7, **kwargs).choices[0].text
+    again = client.completions.create(temperature=1.0, seed=7, **kwargs).choices[0].text
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    top_one = client.completions.create(temperature=1.0, extra_body={"ignore_eos": True, "top_k": 1},
+                                        **{k: v for k, v in kwargs.items() if k != "extra_body"})
+    assert first == again
+    assert top_one.choices[0].text == greedy
+
+
 def test_stop_string_cuts_the_text(client):
     free = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -238,7 +249,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 2), ("stop", [""]),
-    ("service_tier", "gold"), ("priority", "high"), ("messages", []),
+    ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}

@@ -38,7 +38,9 @@ class _Request(BaseModel):
     user: str | None = None
     # vLLM extras.
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int = 0  # lower is served first
+    top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
+    stop_token_ids: list[int] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -185,14 +185,36 @@ def test_bench_peak_bandwidth_lookup(name, gbps):
     assert bench.peak_gbps(name, 1234.0) == 1234.0
 
 
+def _small_bench_args(**overrides) -> SimpleNamespace:
+    fields = dict(batch=3, context=40, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                  dtype="float32", peak_gbps=None, no_sweep=True)
+    return SimpleNamespace(**{**fields, **overrides})
+
+
 def test_bench_baseline_computes_the_same_attention():
-    args = SimpleNamespace(batch=3, context=40, num_heads=4, num_kv_heads=2, head_dim=32,
-                           block_size=16, dtype="float32")
-    batch = bench.decode_batch(args, "cpu")
-    k, v = bench.gather_contiguous(batch, args.context)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        batch.q.unsqueeze(2), k, v, scale=batch.scale, enable_gqa=True).squeeze(2)
-    assert _max_error(sdpa, reference.paged_attention(*batch.args())) <= 1e-5
+    batch = bench.decode_batch(_small_bench_args(), DEVICE)
+    k, v = bench.gather_contiguous(batch, 40)
+    assert _max_error(bench.sdpa_decode(batch, k, v), reference.paged_attention(*batch.args())) <= 1e-5
+
+
+def test_bench_record_and_plot_from_a_small_run(kernels, tmp_path):
+    """The bench's plumbing at a small shape: each timed call runs once; the 'time' is fixed."""
+    calls = []
+
+    def run_once(fn) -> float:
+        fn()
+        calls.append(fn)
+        return 0.5
+
+    result = bench.measure(_small_bench_args(peak_gbps=100.0), DEVICE, "test device", run_once,
+                           cases=CASES[-2:])
+    assert result["all_correct"] and len(result["correctness"]) == 2
+    assert len(calls) == 2  # the default launch and SDPA
+    assert result["kv_bytes"] == 2 * 4 * 3 * 40 * 2 * 32
+    assert result["triton_default_fraction"] == pytest.approx(result["kv_bytes"] / 0.5e-3 / 100e9)
+    bench.write_plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert len(bench.launch_configs(sweep=True)) == 1 + 3 * 3 * 3
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message shown where there is no GPU")

@@ -14,7 +14,7 @@ import pytest
 from engine.async_engine import AsyncLLMEngine, EngineShuttingDown, StreamEnd
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
-from predictor.saved import save
+from predictor.saved import load, save
 from scheduler.request import SamplingParams
 from test_server import MODEL, chars_predictor, running_server, tiny_engine
 
@@ -174,3 +174,22 @@ def test_serve_arguments_build_the_engine_config():
     assert config.attention_backend == "torch" and config.predictor is None
     assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000}
     assert args.host == "127.0.0.1" and args.port == 8000
+
+
+def test_champion_comes_from_the_mlflow_registry(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlruns").mkdir()
+    folder = save(chars_predictor(), tmp_path / "saved")
+    client = mlflow.MlflowClient(tracking_uri=serve_cli.TRACKING_URI, registry_uri=serve_cli.TRACKING_URI)
+    experiment = client.create_experiment("predictors", artifact_location=(tmp_path / "mlruns" / "a").as_uri())
+    run = client.create_run(experiment)
+    client.log_artifacts(run.info.run_id, str(folder), artifact_path="predictor")
+    client.create_registered_model(serve_cli.REGISTERED_PREDICTOR)
+    version = client.create_model_version(serve_cli.REGISTERED_PREDICTOR, f"{run.info.artifact_uri}/predictor",
+                                          run_id=run.info.run_id)
+    client.set_registered_model_alias(serve_cli.REGISTERED_PREDICTOR, "champion", version.version)
+    resolved = serve_cli.resolve_predictor("champion")
+    assert resolved is not None
+    assert load(resolved).predict(["abc"]) == chars_predictor().predict(["abc"])

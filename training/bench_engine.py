@@ -136,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         results["hf_static"] = run_hf_static(items, args.model, args.max_num_seqs, tokenizer.pad_token_id)
         log.info("hf_static: %.1f tokens/s", results["hf_static"].tokens_per_s)
     if "hf_continuous" not in skip:
-        kv_tokens = _kv_cache_tokens(config)
+        # The same KV memory as the engine, but never more than every seat at full length needs
+        # (a tiny test model would otherwise ask HF for an enormous cache).
+        kv_tokens = min(_kv_cache_tokens(config), args.max_num_seqs * args.max_model_len)
         results["hf_continuous"] = run_hf_continuous(items, args.model, args.max_num_seqs,
                                                      args.max_num_batched_tokens, kv_tokens)
         log.info("hf_continuous: %.1f tokens/s", results["hf_continuous"].tokens_per_s)

@@ -115,6 +115,8 @@ def run_hf_continuous(items: list[WorkItem], model_dir: str, max_num_seqs: int, 
                 manager.add_request(list(item.prompt_ids), max_new_tokens=item.max_tokens, eos_token_id=-1)
             while finished < len(items):
                 result = manager.get_result(timeout=1)
+                if result is not None and result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching failed: {result.error}")
                 if result is not None and result.is_finished():
                     finished += 1
                     useful += len(result.generated_tokens)

@@ -209,7 +209,7 @@ def test_bench_record_and_plot_from_a_small_run(kernels, tmp_path):
     result = bench.measure(_small_bench_args(peak_gbps=100.0), DEVICE, "test device", run_once,
                            cases=CASES[-2:])
     assert result["all_correct"] and len(result["correctness"]) == 2
-    assert len(calls) == 2  # the default launch and SDPA
+    assert len(calls) == 3  # the default launch and the two SDPA baselines
     assert result["kv_bytes"] == 2 * 4 * 3 * 40 * 2 * 32
     assert result["triton_default_fraction"] == pytest.approx(result["kv_bytes"] / 0.5e-3 / 100e9)
     bench.write_plot(result, tmp_path / "plot.png")

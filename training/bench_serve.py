@@ -215,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
     results, duration = asyncio.run(run_load(args, items, model))
     summary = report.summarize(results, duration, slos)
+    if args.ignore_eos:  # every reply must then be exactly max_tokens long: a full response
+        summary["short_outputs"] = sum(r.success and r.output_tokens != r.max_tokens for r in results)
     preemptions_after = server_state(args.base_url)[1]
     if preemptions_before is not None and preemptions_after is not None:
         summary["server_preemptions"] = preemptions_after - preemptions_before

@@ -83,8 +83,8 @@ def resolve(
     max_query_len: int,
     max_seq_len: int,
 ) -> ResolvedLaunch:
-    if device.type == "cuda" and config.block_n < 16:
-        raise ValueError("LaunchConfig.block_n must be >= 16 on a GPU (tl.dot minimum)")
+    if device.type == "cuda" and min(config.block_n, config.block_m or 16) < 16:
+        raise ValueError("LaunchConfig.block_n and block_m must be >= 16 on a GPU (tl.dot minimum)")
     group_pad = next_power_of_2(group)
     block_m = config.block_m
     if block_m is None:

@@ -1,0 +1,49 @@
+"""`lengthwise generate`: run a few prompts through the offline API and print the completions.
+
+Prompts are user messages wrapped in the model's chat template unless `--raw` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="+", help="one or more prompts")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--raw", action="store_true", help="feed the prompts as they are, no chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from scheduler.request import SamplingParams
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gib=args.kv_cache_memory,
+                                  max_model_len=args.max_model_len, attention_backend=args.attention_backend))
+    prompts = args.prompts if args.raw else [
+        llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+    for prompt, output in zip(args.prompts, llm.generate(prompts, params)):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": output.text, "num_tokens": len(output.token_ids),
+                              "finish_reason": output.finish_reason}))
+        else:
+            print(f"### {prompt}\n{output.text}\n[{len(output.token_ids)} tokens, {output.finish_reason}]\n")
+    return 0

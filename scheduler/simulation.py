@@ -7,8 +7,7 @@ true output length as `max_tokens` with `ignore_eos`, so it finishes exactly the
 only the predicted length (the oracle policy reads `true_len`). Time advances step by step; when
 nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
 
-The file names the step cost coefficients as JSON keys (`a_s`, `b_s_per_token`,
-`c_s_per_context_token`); `lengthwise bench engine --calibrate` writes them.
+`lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c).
 """
 
 from __future__ import annotations
@@ -38,7 +37,13 @@ class StepCostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:
-        return cls(float(data["a_s"]), float(data["b_s_per_token"]), float(data["c_s_per_context_token"]))
+        """Reads either these field names or the calibration's short keys a, b, c. A least-squares
+        fit may give a slightly negative b or c; those are clamped to 0 (a cost cannot be negative)."""
+        def coefficient(long: str, short: str) -> float:
+            return max(0.0, float(data[long] if long in data else data[short]))
+
+        return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b"),
+                   coefficient("c_s_per_context_token", "c"))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -209,3 +209,16 @@ def test_bad_input_raises_value_error() -> None:
 def test_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+def test_new_work_waits_above_the_kv_watermark() -> None:
+    config = SchedulerConfig(num_gpu_blocks=20, block_size=4, max_model_len=64, kv_watermark=0.25)
+    scheduler = Scheduler(config)
+    scheduler.add_request(make_request("r0", 40, 10))  # 10 blocks, admitted into an empty cache
+    step_once(scheduler, 5, 0.0)
+    scheduler.add_request(make_request("r1", 24, 4, arrival=1.0))  # 6 blocks would leave 4 < 5 free
+    assert [r.request_id for r in step_once(scheduler, 5, 1.0)] == ["r0"]
+    scheduler.add_request(make_request("r2", 20, 4, arrival=2.0))  # ranked after r1 (FCFS): waits too
+    assert [r.request_id for r in step_once(scheduler, 5, 2.0)] == ["r0"]
+    scheduler.abort_request("r0")
+    assert {r.request_id for r in step_once(scheduler, 5, 3.0)} == {"r1", "r2"}

@@ -93,3 +93,21 @@ def test_metrics_match_hand_computation() -> None:
     assert checks["sjf_share_of_oracle_gain"] == pytest.approx(0.5)  # log 3 / log 9
     assert checks["meets_longest10pct_2x"] and checks["meets_throughput_5pct"]
     assert checks["meets_wait_within_aging_bound"] and not checks["meets_oracle_share_60pct"]
+
+
+@pytest.mark.integration
+def test_simulate_cli_on_sharegpt(tmp_path) -> None:
+    import json
+
+    from training.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--policies", "fcfs,sjf", "--num-requests", "40", "--load", "0.8",
+                 "--predictions", "noisy-oracle", "--json", str(out), "--step-cost", str(tmp_path / "none.json")]) == 0
+    report = json.loads(out.read_text())
+    assert report["load"] == 0.8 and set(report["policies"]) == {"fcfs", "sjf"}
+    for figures in report["policies"].values():
+        assert figures["num_served"] == 40 and figures["leaked_blocks"] == 0
+        assert {"mean_e2e_s", "p99_e2e_s", "p99_e2e_longest10pct_s", "max_wait_s", "output_tokens_per_s"} <= set(figures)
+    assert "placeholder" in report["cost_model"]["source"]
+    assert (tmp_path / "sim_cdf.png").exists()

@@ -32,6 +32,7 @@ DEFAULT_PREDICTOR = Path("data/predictors/default")
 # Placeholder coefficients for the CPU engine until `lengthwise bench engine --calibrate` writes
 # data/step_cost.json: 30 ms per step, 0.8 ms per fed token, 1 us per attended context token.
 DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
+DEFAULT_KV_BLOCKS = 1024  # 16k tokens of 16: binds at 32 seats of ShareGPT-sized requests
 KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head dim 64
 
 
@@ -46,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
     parser.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST)
-    parser.add_argument("--kv-blocks", type=int, default=1024, help="device KV blocks (the binding budget)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help=f"device KV blocks (the binding budget); default: the calibrated engine's "
+                             f"num_gpu_blocks from --step-cost, else {DEFAULT_KV_BLOCKS}")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -60,18 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
 
 
-def load_cost_model(path: Path) -> tuple[StepCostModel, str]:
+def load_cost_model(path: Path) -> tuple[StepCostModel, str, dict]:
+    """The cost model, where it came from, and the calibration file's content ({} without one)."""
     if path.exists():
-        return StepCostModel.from_dict(json.loads(path.read_text())), f"calibrated ({path})"
-    return DEFAULT_COST, f"default placeholder coefficients ({path} not found; run `lengthwise bench engine --calibrate`)"
+        data = json.loads(path.read_text())
+        return StepCostModel.from_dict(data), f"calibrated ({path})", data
+    note = f"default placeholder coefficients ({path} not found; run `lengthwise bench engine --calibrate`)"
+    return DEFAULT_COST, note, {}
 
 
-def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
+    kv_blocks = args.kv_blocks or int((calibration or {}).get("num_gpu_blocks", DEFAULT_KV_BLOCKS))
     return SchedulerConfig(
-        num_gpu_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks=kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
-        num_cpu_blocks=4 * args.kv_blocks if args.preemption_mode == "swap" else 0,
+        num_cpu_blocks=4 * kv_blocks if args.preemption_mode == "swap" else 0,
         aging_tokens_per_s=args.aging_tokens_per_s, enable_admission=args.admission)
 
 
@@ -116,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
-    cost, cost_source = load_cost_model(args.step_cost)
-    config = scheduler_config(args)
+    cost, cost_source, calibration = load_cost_model(args.step_cost)
+    config = scheduler_config(args, calibration)
     base, prediction_source = build_base_workload(args)
     saturated = saturated_throughput(config, base, cost)
     logger.info("saturated output throughput %.1f tokens/s", saturated)

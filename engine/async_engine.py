@@ -1,7 +1,7 @@
 """AsyncLLMEngine: the synchronous LLMEngine driven from its own thread beside an asyncio loop.
 
-- The event loop (HTTP handlers) calls `submit`, which registers a per-request asyncio.Queue and
-  returns a `RequestStream` once the engine has admitted the request (or raises its rejection).
+- The event loop (HTTP handlers) calls `submit`, which registers the request's `RequestStream`
+  and returns it once the engine has admitted the request (or raises its rejection).
 - The engine thread drains a command queue between steps (add, abort, call, stop), runs
   `LLMEngine.step()`, and hands each step's outputs to the loop with one `call_soon_threadsafe`.
 - Length prediction happens once per request, at admission, off the event loop, for every
@@ -136,10 +136,6 @@ class AsyncLLMEngine:
     @property
     def healthy(self) -> bool:
         return self.state is EngineState.RUNNING
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     # ---- requests (event loop) ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str,

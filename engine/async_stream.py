@@ -1,8 +1,11 @@
 """What the async engine hands its callers: states, errors, the listener seam and request streams.
 
-A `RequestStream` is an asyncio.Queue of one request's outputs, fed on the event loop by the
-engine thread (through `call_soon_threadsafe`) and read by one HTTP handler; it ends after the
+A `RequestStream` carries one request's outputs from the engine thread (through
+`call_soon_threadsafe`, so only the event loop touches it) to one HTTP handler; it ends after the
 finished output, or with a `StreamEnd` when the request was cut short (shutdown, engine failure).
+Each RequestOutput is cumulative (all tokens and text so far), so the stream keeps only the newest
+unread one: a reader that falls behind gets the latest state in one piece, and a stalled client
+costs one output of memory instead of a queue that grows with every step.
 """
 
 from __future__ import annotations
@@ -69,11 +72,19 @@ class RequestStream:
         self.request_id = request_id
         self.tier = tier
         self.prediction: Prediction | None = None
-        self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | StreamEnd] = asyncio.Queue()
+        self.finished = False  # the last item has been read
+        self._unread: RequestOutput | StreamEnd | None = None
+        self._ready = asyncio.Event()
+
+    @staticmethod
+    def _is_last(item: RequestOutput | StreamEnd | None) -> bool:
+        return isinstance(item, StreamEnd) or (item is not None and item.finished)
 
     def put(self, item: RequestOutput | StreamEnd) -> None:
-        self._queue.put_nowait(item)
+        if self._is_last(self._unread):
+            return  # the end is already waiting to be read; nothing may replace it
+        self._unread = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -81,6 +92,8 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput | StreamEnd:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        self.finished = isinstance(item, StreamEnd) or item.finished
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._unread = self._unread, None
+        self.finished = self._is_last(item)
         return item

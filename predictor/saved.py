@@ -1,0 +1,74 @@
+"""A saved predictor is a folder: weights plus `predictor.json` naming its kind and provenance.
+
+`load(path)` reads the JSON, imports only the module of that kind (so a lexical predictor never
+pays for torch) and hands it the folder. No mlflow here: the registry only stores such folders.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from predictor.base import Predictor
+
+SPEC_FILENAME = "predictor.json"
+FORMAT_VERSION = 1
+# kind -> "module:class"; the class has `load(folder, spec)` and `save(folder, spec)`.
+KINDS: dict[str, str] = {
+    "length": "predictor.length:LengthPredictor",
+    "lexical": "predictor.lexical:LexicalPredictor",
+    "embed_lgbm": "predictor.embed_lgbm:EmbedLgbmPredictor",
+    "finetune": "predictor.finetune:FinetunePredictor",
+}
+
+
+@dataclass(frozen=True)
+class PredictorSpec:
+    kind: str
+    feature_spec: dict[str, Any]  # what the features are (names, versions, encoder and truncation)
+    data_hash: str  # hash of the training table, "" when unknown
+    labels: str = "sharegpt"  # whose output lengths it learned: "sharegpt" or "trace"
+    version: int = FORMAT_VERSION
+    metrics: dict[str, float] = field(default_factory=dict)  # validation figures at save time
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown predictor kind {self.kind!r}; known: {sorted(KINDS)}")
+        if self.version > FORMAT_VERSION:
+            raise ValueError(f"predictor format {self.version} is newer than this code ({FORMAT_VERSION})")
+
+
+def write_spec(folder: Path, spec: PredictorSpec) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SPEC_FILENAME).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+
+
+def read_spec(folder: Path) -> PredictorSpec:
+    path = Path(folder) / SPEC_FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a saved predictor folder")
+    return PredictorSpec(**json.loads(path.read_text()))
+
+
+def predictor_class(kind: str):
+    module_name, class_name = KINDS[kind].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def load(path: str | Path) -> Predictor:
+    """Load a saved predictor folder (any kind)."""
+    folder = Path(path)
+    spec = read_spec(folder)
+    return predictor_class(spec.kind).load(folder, spec)
+
+
+def save(predictor, path: str | Path) -> Path:
+    """Write `predictor` (which carries its own spec) to the folder `path`."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    predictor.save(folder)
+    write_spec(folder, predictor.spec)
+    return folder

@@ -1,0 +1,208 @@
+"""Predictors: prompt parsing, feature parity between training and serving, save/load round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import predictor
+from predictor.base import Prediction
+from predictor.batching import predict_in_batches
+from predictor.features import FEATURE_NAMES, lexical_features, lexical_matrix, lexical_spec, parse_prompt
+from predictor.heads import HeadOutputs, to_predictions
+from predictor.length import LengthParams, LengthPredictor
+from predictor.saved import PredictorSpec, read_spec, save
+
+SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def chat(*turns: tuple[str, str]) -> str:
+    """A ChatML prompt as the SmolLM2 template writes it, ending with the generation prompt."""
+    body = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns)
+    return SYSTEM + body + "<|im_start|>assistant\n"
+
+
+def test_parse_prompt_finds_request_history_and_turn():
+    prompt = chat(("user", "hi"), ("assistant", "Hello! How can I help"), ("user", "Write an essay"))
+    parsed = parse_prompt(prompt)
+    assert parsed.request == "Write an essay"
+    assert parsed.previous_reply == "Hello! How can I help"
+    assert parsed.turn_index == 1
+    assert parsed.reply_chars == (len("Hello! How can I help"),)
+    assert not parsed.has_custom_system
+
+
+def test_parse_prompt_first_turn_and_bare_text():
+    assert parse_prompt(chat(("user", "q"))).turn_index == 0
+    assert parse_prompt(chat(("user", "q"))).previous_reply == ""
+    assert parse_prompt("just text").request == "just text"
+
+
+def test_lexical_features_flag_what_they_name():
+    values = dict(zip(FEATURE_NAMES, lexical_features(chat(("user", "Write a 500 words essay in python code?")))))
+    assert len(values) == len(FEATURE_NAMES)
+    assert values["kw_essay"] == 1 and values["kw_code"] == 1 and values["kw_translate"] == 0
+    assert values["ends_with_question"] == 1
+    assert values["log_requested_count"] == pytest.approx(np.log1p(500))
+    assert values["previous_reply_unfinished"] == 0
+    unfinished = dict(zip(FEATURE_NAMES, lexical_features(chat(("user", "a"), ("assistant", "and then the"),
+                                                                 ("user", "continue")))))
+    assert unfinished["previous_reply_unfinished"] == 1 and unfinished["kw_continue"] == 1
+
+
+def test_lexical_matrix_rows_equal_single_prompt_features():
+    prompts = [chat(("user", "list ten ideas")), chat(("user", "yes or no?")), "bare"]
+    matrix = lexical_matrix(prompts)
+    assert matrix.shape == (3, len(FEATURE_NAMES))
+    for row, prompt in zip(matrix, prompts):
+        np.testing.assert_array_equal(row, lexical_features(prompt))
+    assert lexical_matrix([]).shape == (0, len(FEATURE_NAMES))
+
+
+def test_quantile_outputs_are_ordered_and_in_tokens():
+    outputs = HeadOutputs(score=np.array([0.3, -1.0]), log_point=np.log1p([100.0, 5.0]),
+                          log_p50=np.log1p([90.0, 7.0]), log_p90=np.log1p([50.0, 30.0]))
+    first, second = to_predictions(outputs)
+    assert first.point == pytest.approx(100.0) and first.p50 == pytest.approx(90.0)
+    assert first.p90 == pytest.approx(90.0)  # a p90 below p50 is raised to p50
+    assert second.p90 == pytest.approx(30.0) and second.score == -1.0
+
+
+def _length_predictor() -> LengthPredictor:
+    spec = PredictorSpec(kind="length", feature_spec={"input": "chars"}, data_hash="abc")
+    return LengthPredictor(LengthParams(intercept=1.0, slope=0.5, residual_p50=0.1, residual_p90=0.8), spec)
+
+
+def test_length_predictor_round_trip(tmp_path):
+    model = _length_predictor()
+    prompts = [chat(("user", "short")), chat(("user", "long " * 200))]
+    folder = save(model, tmp_path / "p")
+    assert read_spec(folder).data_hash == "abc"
+    loaded = predictor.load(folder)
+    assert loaded.kind == "length"
+    assert loaded.predict(prompts) == model.predict(prompts)
+    short, long = loaded.predict(prompts)
+    assert short.score < long.score and short.p50 <= short.p90
+
+
+def test_predict_in_batches_keeps_order():
+    model = _length_predictor()
+    prompts = [chat(("user", "x" * n)) for n in range(70)]
+    assert predict_in_batches(model, prompts, batch_size=8) == model.predict(prompts)
+    with pytest.raises(ValueError):
+        predict_in_batches(model, prompts, batch_size=0)
+
+
+def test_spec_rejects_unknown_kind_and_missing_folder(tmp_path):
+    with pytest.raises(ValueError):
+        PredictorSpec(kind="oracle", feature_spec={}, data_hash="")
+    with pytest.raises(FileNotFoundError):
+        predictor.load(tmp_path)
+
+
+def _tiny_heads(features: np.ndarray, lengths: np.ndarray):
+    from training.fitters import LgbmConfig, fit_lgbm_heads
+
+    config = LgbmConfig(num_leaves=4, max_rounds=20, early_stopping_rounds=5, min_data_in_leaf=5, num_threads=1)
+    return fit_lgbm_heads(features, lengths, features, lengths, config)
+
+
+def _synthetic_prompts(count: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    words = ["essay", "yes or no", "list", "code", "hi", "translate", "explain"]
+    prompts, lengths = [], []
+    for _ in range(count):
+        word = words[rng.integers(len(words))]
+        prompts.append(chat(("user", f"please {word} " + "x" * int(rng.integers(1, 50)))))
+        lengths.append(400 if word in ("essay", "code", "explain") else 20 + int(rng.integers(0, 10)))
+    return prompts, np.asarray(lengths)
+
+
+def test_lexical_predictor_round_trip_and_learns_keywords(tmp_path):
+    from predictor.lexical import LexicalPredictor
+
+    prompts, lengths = _synthetic_prompts(400)
+    heads = _tiny_heads(lexical_matrix(prompts), lengths)
+    model = LexicalPredictor(heads, PredictorSpec(kind="lexical", feature_spec=lexical_spec(), data_hash="h"))
+    loaded = predictor.load(save(model, tmp_path / "lex"))
+    assert loaded.predict(prompts[:20]) == model.predict(prompts[:20])
+    essay, yes_no = loaded.predict([chat(("user", "please essay x")), chat(("user", "please yes or no x"))])
+    assert essay.score > yes_no.score and essay.point > 3 * yes_no.point
+
+
+def test_lexical_predictor_refuses_other_features(tmp_path):
+    from predictor.lexical import LexicalPredictor
+
+    prompts, lengths = _synthetic_prompts(100)
+    spec = PredictorSpec(kind="lexical", feature_spec={"lexical_names": ["old"]}, data_hash="h")
+    folder = save(LexicalPredictor(_tiny_heads(lexical_matrix(prompts), lengths), spec), tmp_path / "lex")
+    with pytest.raises(ValueError):
+        predictor.load(folder)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    import torch
+
+    from predictor.encoder import EncoderConfig, MiniLMEncoder
+
+    torch.set_num_threads(2)
+    return MiniLMEncoder(EncoderConfig(head_tokens=4, tail_tokens=12, batch_size=4))
+
+
+@pytest.mark.integration
+def test_encoder_matches_sentence_transformers_pooling(encoder):
+    import torch
+
+    text = "How do I sort a list in Python?"
+    embedding = encoder.encode([chat(("user", text))])[0]
+    batch = encoder.tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder.model(**batch).last_hidden_state[0]
+    reference = hidden.mean(0) / hidden.mean(0).norm()
+    np.testing.assert_allclose(embedding, reference.numpy(), atol=1e-5)
+
+
+@pytest.mark.integration
+def test_encoder_keeps_head_and_tail_tokens(encoder):
+    ids, mask = encoder.batch_inputs([chat(("user", "word " * 100)), chat(("user", "hi"))])
+    assert ids.shape[1] == 4 + 12 + 2 and mask[0].sum() == 18 and mask[1].sum() < 18
+    # Sorted batching gives the same vectors as one-by-one encoding.
+    prompts = [chat(("user", "a" * n)) for n in (300, 5, 60, 1, 90)]
+    together = encoder.encode(prompts)
+    alone = np.stack([encoder.encode([p])[0] for p in prompts])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder):
+    from predictor.embed_lgbm import EmbedLgbmPredictor, embed_lgbm_features
+    from training import embedding_cache
+
+    prompts, lengths = _synthetic_prompts(60)
+    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")
+    assert found.all()
+    np.testing.assert_allclose(cached, encoder.encode(prompts), atol=2e-3)  # fp16 storage
+    heads = _tiny_heads(embed_lgbm_features(cached, prompts), lengths)
+    spec = PredictorSpec(kind="embed_lgbm", data_hash="h",
+                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
+    loaded = predictor.load(save(EmbedLgbmPredictor(encoder, heads, spec), tmp_path / "emb"))
+    served = np.asarray([p.point for p in loaded.predict(prompts)])
+    trained = np.expm1(heads.predict(embed_lgbm_features(cached, prompts)).log_point)
+    np.testing.assert_allclose(served, trained, rtol=0.05)
+
+
+@pytest.mark.integration
+def test_finetune_round_trip(tmp_path, encoder):
+    from predictor.finetune import FinetunePredictor, RankingNetwork
+
+    spec = PredictorSpec(kind="finetune", data_hash="h",
+                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
+    model = FinetunePredictor(RankingNetwork(encoder), spec)
+    prompts = [chat(("user", "write an essay")), chat(("user", "hi"))]
+    before = model.predict(prompts)
+    after = predictor.load(save(model, tmp_path / "ft")).predict(prompts)
+    for a, b in zip(before, after):
+        assert isinstance(b, Prediction) and b.p90 >= b.p50
+        assert b.score == pytest.approx(a.score, abs=0.02)

@@ -1,0 +1,87 @@
+"""Disk cache of MiniLM embeddings, keyed by the text the encoder sees.
+
+Embedding tens of thousands of prompts takes most of an hour on two shared cores, so vectors are
+computed once and stored under data/cache/embeddings/<encoder-config-hash>/ as append-only npz
+chunks (keys: BLAKE2b of the encoder text; vectors: fp16). A killed run loses at most one chunk;
+the next run skips every key already stored. Identical requests ("continue") are embedded once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from predictor.encoder import EncoderConfig, encoder_text
+from training.dataset import REPO_ROOT
+
+DEFAULT_CACHE_ROOT = REPO_ROOT / "data" / "cache" / "embeddings"
+CHUNK_SIZE = 512
+
+
+def text_key(prompt: str) -> bytes:
+    return hashlib.blake2b(encoder_text(prompt).encode("utf-8"), digest_size=16).digest()
+
+
+def cache_dir(config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT) -> Path:
+    # batch_size changes nothing in the vectors, so it is not part of the key.
+    identity = {k: v for k, v in config.as_dict().items() if k != "batch_size"}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    return root / digest
+
+
+def read_cache(directory: Path) -> dict[bytes, np.ndarray]:
+    stored: dict[bytes, np.ndarray] = {}
+    for chunk in sorted(directory.glob("chunk_*.npz")):
+        with np.load(chunk) as data:
+            for key, vector in zip(data["keys"], data["vectors"]):
+                stored[bytes(key)] = vector
+    return stored
+
+
+def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT,
+               encoder=None) -> int:
+    """Embed every prompt whose key is not stored yet, in stored order; returns how many were new."""
+    from tqdm import tqdm
+
+    directory = cache_dir(config, root)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+    stored = read_cache(directory)
+    todo: dict[bytes, str] = {}
+    for prompt in prompts:
+        key = text_key(prompt)
+        if key not in stored and key not in todo:
+            todo[key] = prompt
+    if not todo:
+        return 0
+    if encoder is None:
+        from predictor.encoder import MiniLMEncoder
+
+        encoder = MiniLMEncoder(config)
+    keys = list(todo)
+    next_index = len(list(directory.glob("chunk_*.npz")))
+    for start in tqdm(range(0, len(keys), CHUNK_SIZE), desc="embed", unit="chunk"):
+        chunk_keys = keys[start : start + CHUNK_SIZE]
+        vectors = encoder.encode([todo[key] for key in chunk_keys]).astype(np.float16)
+        keys_array = np.frombuffer(b"".join(chunk_keys), dtype=np.uint8).reshape(len(chunk_keys), 16)
+        np.savez(directory / f"chunk_{next_index:05d}.npz", keys=keys_array, vectors=vectors)
+        next_index += 1
+    return len(keys)
+
+
+def cached_embeddings(prompts: Sequence[str], config: EncoderConfig,
+                      root: Path = DEFAULT_CACHE_ROOT) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings [N, dim] float32 of the cached prompts, boolean mask of which prompts were cached)."""
+    stored = read_cache(cache_dir(config, root))
+    keys = [text_key(prompt) for prompt in prompts]
+    found = np.asarray([key in stored for key in keys])
+    dim = next(iter(stored.values())).shape[0] if stored else 384
+    out = np.zeros((len(prompts), dim), dtype=np.float32)
+    for row, key in enumerate(keys):
+        if found[row]:
+            out[row] = stored[key]
+    return out, found

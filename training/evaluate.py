@@ -1,0 +1,107 @@
+"""`lengthwise eval-predictor`: a saved predictor on the test split, whole and deduplicated.
+
+Reports Kendall's tau (primary), tau with the prompts that occur verbatim in the train split
+removed, Spearman, pairwise order accuracy, MAE of log length, quantile coverage, and latency
+per prompt at batch 1 and 32 (median over repeated calls on test prompts, after one warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from training.labels import LABEL_SOURCES
+
+LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    kendall_tau: float
+    kendall_tau_dedup: float
+    spearman: float
+    pairwise_accuracy: float
+    mae_log: float
+    p50_coverage: float
+    p90_coverage: float
+    latency_ms_p50_batch1: float
+    latency_ms_p50_batch32: float
+    num_examples: int
+    num_examples_dedup: int
+    kind: str
+    predictor: str
+    labels: str
+
+
+def latency_ms_per_prompt(model, prompts: Sequence[str], batch_size: int, calls: int) -> float:
+    """Median over `calls` timed predict() calls of (call time / batch size), in milliseconds."""
+    rng = np.random.default_rng(batch_size)
+    model.predict(list(prompts[:batch_size]))  # warm-up: lazy inits, allocator
+    per_prompt = []
+    for _ in range(calls):
+        batch = [prompts[i] for i in rng.choice(len(prompts), size=batch_size, replace=False)]
+        start = time.perf_counter()
+        model.predict(batch)
+        per_prompt.append((time.perf_counter() - start) * 1000.0 / batch_size)
+    return float(np.median(per_prompt))
+
+
+def resolve_predictor(spec: str, store: Path | None) -> Path:
+    if spec != "champion":
+        return Path(spec)
+    from training import tracking
+
+    return tracking.download_champion(store=store)
+
+
+def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None = None,
+             measure_latency: bool = True) -> EvaluationReport:
+    import predictor
+    from predictor.batching import predict_in_batches
+    from training import labels as label_data
+    from training.metrics import prediction_metrics
+
+    test = label_data.subsample(label_data.load_split("test", labels), limit, seed=2)
+    model = predictor.load(predictor_path)
+    predictions = predict_in_batches(model, test.prompts, batch_size=32, progress=True)
+    whole = prediction_metrics(test.lengths, predictions)
+    keep = ~test.in_train
+    dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
+    latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else float("nan")
+               for size, calls in LATENCY_CALLS.items()}
+    return EvaluationReport(
+        kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau, spearman=whole.spearman,
+        pairwise_accuracy=whole.pairwise_accuracy, mae_log=whole.mae_log, p50_coverage=whole.p50_coverage,
+        p90_coverage=whole.p90_coverage, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
+        num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples, kind=model.kind,
+        predictor=str(predictor_path), labels=labels,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--predictor", default="champion", help="saved predictor folder, or 'champion'")
+    parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate on a seeded subsample of the test split")
+    parser.add_argument("--store", type=Path, default=None, help="MLflow store folder for 'champion'")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--no-latency", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from training.train_models import limit_torch_threads
+
+    limit_torch_threads()
+    path = resolve_predictor(args.predictor, args.store)
+    report = evaluate(path, args.labels, args.limit, not args.no_latency)
+    text = json.dumps(asdict(report), indent=2)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0

@@ -1,0 +1,97 @@
+"""Fine-tuning MiniLM end to end for ranking: ListMLE on the score plus pinball quantile losses.
+
+Each mini-batch of LIST_SIZE prompts is one list. ListMLE (Xia et al., 2008) maximises the
+likelihood of the true order under the Plackett-Luce model of the scores:
+    loss = mean_i [ logsumexp(s_sorted[i:]) - s_sorted[i] ],  s sorted by true length, longest first,
+so only the order of the labels matters (as for the scheduler). The quantile heads learn
+log1p(length) with the pinball loss at 0.5 and 0.9. The encoder gets a small learning rate,
+the new head a larger one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from predictor.batching import predict_in_batches
+from predictor.encoder import EncoderConfig, MiniLMEncoder
+from predictor.features import lexical_matrix, lexical_spec
+from predictor.finetune import FinetunePredictor, RankingNetwork
+from predictor.saved import PredictorSpec
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    epochs: int = 1
+    list_size: int = 32
+    encoder_learning_rate: float = 3e-5
+    head_learning_rate: float = 1e-3
+    quantile_weight: float = 1.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.list_size < 2:
+            raise ValueError("epochs >= 1 and list_size >= 2 required")
+
+
+def listmle_loss(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    ordered = scores[torch.argsort(lengths, descending=True)]
+    # log-sum-exp of each suffix: logcumsumexp over the reversed list, reversed back
+    suffix_lse = torch.flip(torch.logcumsumexp(torch.flip(ordered, [0]), 0), [0])
+    return (suffix_lse - ordered).mean()
+
+
+def pinball_loss(predicted: torch.Tensor, target: torch.Tensor, quantile: float) -> torch.Tensor:
+    diff = target - predicted
+    return torch.maximum(quantile * diff, (quantile - 1.0) * diff).mean()
+
+
+def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray, config: FinetuneConfig) -> None:
+    from tqdm import tqdm
+
+    lexical = lexical_matrix(prompts)
+    network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
+    network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))
+    optimizer = torch.optim.AdamW([
+        {"params": network.encoder.parameters(), "lr": config.encoder_learning_rate},
+        {"params": network.mlp.parameters(), "lr": config.head_learning_rate},
+    ])
+    target = torch.log1p(torch.from_numpy(lengths.astype(np.float32)))
+    rng = np.random.default_rng(config.seed)
+    network.train()
+    for epoch in range(config.epochs):
+        order = rng.permutation(len(prompts))
+        starts = range(0, len(order) - config.list_size + 1, config.list_size)
+        progress = tqdm(starts, desc=f"finetune epoch {epoch + 1}", unit="list")
+        for start in progress:
+            rows = order[start : start + config.list_size]
+            ids, mask = network.encoder.batch_inputs([prompts[i] for i in rows])
+            score, log_p50, log_p90 = network(ids, mask, torch.from_numpy(lexical[rows]))
+            y = target[rows]
+            loss = listmle_loss(score, y) + config.quantile_weight * (
+                pinball_loss(log_p50, y, 0.5) + pinball_loss(log_p90, y, 0.9))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(network.parameters(), config.max_grad_norm)
+            optimizer.step()
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+    network.eval()
+
+
+def train(data, spec: PredictorSpec, config: FinetuneConfig = FinetuneConfig()):
+    from training.train_models import TrainedModel, limit_torch_threads
+
+    limit_torch_threads()
+    torch.manual_seed(config.seed)
+    encoder_config = EncoderConfig()
+    network = RankingNetwork(MiniLMEncoder(encoder_config))
+    fit_network(network, data.train.prompts, data.train.lengths, config)
+    spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), "encoder": encoder_config.as_dict()})
+    model = FinetunePredictor(network, spec)
+    return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
+                        predict_in_batches(model, data.test.prompts),
+                        {**dataclasses.asdict(config), **encoder_config.as_dict()})

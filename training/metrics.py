@@ -1,0 +1,79 @@
+"""Ranking and calibration metrics of length predictions.
+
+Kendall's tau-b between the score and the true length is the primary figure: the scheduler
+uses only the order. Pairwise accuracy is the share of random pairs with different true
+lengths that the score orders correctly (score ties count half).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+
+from predictor.base import Prediction
+
+PAIR_SAMPLE = 200_000
+
+
+@dataclass(frozen=True)
+class PredictionMetrics:
+    kendall_tau: float
+    spearman: float
+    pairwise_accuracy: float
+    mae_log: float  # mean |log1p(point) - log1p(true)|
+    p50_coverage: float  # share of true lengths <= p50 (ideal 0.5)
+    p90_coverage: float  # share of true lengths <= p90 (ideal 0.9)
+    num_examples: int
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {prefix + key: float(value) for key, value in asdict(self).items()}
+
+
+def pairwise_accuracy(true: np.ndarray, score: np.ndarray, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, len(true), PAIR_SAMPLE)
+    second = rng.integers(0, len(true), PAIR_SAMPLE)
+    keep = true[first] != true[second]
+    true_order = np.sign(true[first][keep] - true[second][keep])
+    score_order = np.sign(score[first][keep] - score[second][keep])
+    agree = (true_order == score_order) + 0.5 * (score_order == 0)
+    return float(agree.mean()) if keep.any() else float("nan")
+
+
+def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Prediction]) -> PredictionMetrics:
+    true = np.asarray(true_lengths, dtype=np.float64)
+    score = np.asarray([p.score for p in predictions], dtype=np.float64)
+    point = np.asarray([p.point for p in predictions], dtype=np.float64)
+    p50 = np.asarray([p.p50 for p in predictions], dtype=np.float64)
+    p90 = np.asarray([p.p90 for p in predictions], dtype=np.float64)
+    return PredictionMetrics(
+        kendall_tau=float(stats.kendalltau(score, true).statistic),
+        spearman=float(stats.spearmanr(score, true).statistic),
+        pairwise_accuracy=pairwise_accuracy(true, score),
+        mae_log=float(np.mean(np.abs(np.log1p(point) - np.log1p(true)))),
+        p50_coverage=float(np.mean(true <= p50)),
+        p90_coverage=float(np.mean(true <= p90)),
+        num_examples=len(true),
+    )
+
+
+@dataclass(frozen=True)
+class BucketTau:
+    label: str
+    kendall_tau: float
+    num_examples: int
+
+
+def tau_by_bucket(true: np.ndarray, score: np.ndarray, bucket_by: np.ndarray, num_buckets: int = 5) -> list[BucketTau]:
+    """Kendall's tau within quantile buckets of `bucket_by` (e.g. prompt tokens)."""
+    edges = np.unique(np.quantile(bucket_by, np.linspace(0, 1, num_buckets + 1)))
+    buckets = []
+    for low, high in zip(edges[:-1], edges[1:]):
+        rows = (bucket_by >= low) & ((bucket_by < high) | (high == edges[-1]))
+        if rows.sum() >= 10:
+            tau = float(stats.kendalltau(score[rows], true[rows]).statistic)
+            buckets.append(BucketTau(f"{low:.0f}-{high:.0f}", tau, int(rows.sum())))
+    return buckets

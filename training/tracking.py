@@ -1,0 +1,123 @@
+"""MLflow tracking and registry of predictor runs.
+
+Every `lengthwise train` run logs its config, data hash, git sha, metrics, plots and the saved
+predictor folder (artifact path `predictor`). After each run the registry is reconciled: the
+run with the best validation Kendall's tau in the experiment is the `champion` alias of model
+`lengthwise-predictor` (a new model version is made only when the champion changes). The
+tracking URI is set inside `tracking_session`, never at import.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from training.dataset import REPO_ROOT
+
+MODEL_NAME = "lengthwise-predictor"
+CHAMPION_ALIAS = "champion"
+EXPERIMENT_NAME = "lengthwise-predictor"
+SELECTION_METRIC = "val_kendall_tau"
+ARTIFACT_PATH = "predictor"
+
+
+def default_store() -> Path:
+    return REPO_ROOT / "mlruns"
+
+
+def tracking_uri(store: Path) -> str:
+    return f"sqlite:///{Path(store).resolve() / 'mlflow.db'}"
+
+
+@contextmanager
+def tracking_session(store: Path | None = None) -> Iterator[str]:
+    """Point mlflow at `store` (sqlite + artifact folder) and make sure the experiment exists."""
+    import mlflow
+
+    store = Path(store or default_store())
+    store.mkdir(parents=True, exist_ok=True)
+    uri = tracking_uri(store)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        if mlflow.get_experiment_by_name(EXPERIMENT_NAME) is None:
+            mlflow.create_experiment(EXPERIMENT_NAME, artifact_location=(store / "artifacts").resolve().as_uri())
+        mlflow.set_experiment(EXPERIMENT_NAME)
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_dir: Path,
+            plots: list[Path], tags: dict[str, str]) -> str:
+    """One finished training run; returns its run id. Call inside `tracking_session`."""
+    import mlflow
+
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.set_tags({"git_sha": git_sha(), **tags})
+        mlflow.log_params({key: str(value)[:500] for key, value in params.items()})
+        mlflow.log_metrics({key: float(value) for key, value in metrics.items()})
+        for plot in plots:
+            mlflow.log_artifact(str(plot), artifact_path="plots")
+        mlflow.log_artifacts(str(predictor_dir), artifact_path=ARTIFACT_PATH)
+        return run.info.run_id
+
+
+def best_run_id() -> str | None:
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string="attributes.status = 'FINISHED'",
+                              order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
+                              output_format="list")
+    return runs[0].info.run_id if runs else None
+
+
+def update_champion() -> str | None:
+    """Alias `champion` to a version made from the best run; returns that run id."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    best = best_run_id()
+    if best is None:
+        return None
+    try:
+        current = client.get_model_version_by_alias(MODEL_NAME, CHAMPION_ALIAS)
+        if current.run_id == best:
+            return best
+    except MlflowException:
+        pass  # no model or no alias yet
+    try:
+        client.create_registered_model(MODEL_NAME)
+    except MlflowException:
+        pass  # it exists
+    source = f"{client.get_run(best).info.artifact_uri}/{ARTIFACT_PATH}"
+    version = client.create_model_version(MODEL_NAME, source=source, run_id=best)
+    client.set_registered_model_alias(MODEL_NAME, CHAMPION_ALIAS, version.version)
+    return best
+
+
+def download_champion(dst: Path | None = None, store: Path | None = None) -> Path:
+    """Local folder of the champion predictor (raises LookupError when there is none)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    with tracking_session(store):
+        client = mlflow.MlflowClient()
+        try:
+            version = client.get_model_version_by_alias(MODEL_NAME, CHAMPION_ALIAS)
+        except MlflowException as error:
+            raise LookupError(f"no {CHAMPION_ALIAS!r} alias on model {MODEL_NAME!r}") from error
+        kwargs = {"dst_path": str(dst)} if dst is not None else {}
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, **kwargs))

@@ -1,0 +1,116 @@
+"""`lengthwise train`: fit one kind of predictor, log the run to MLflow, crown the champion.
+
+Flow: load labelled train/validation/test splits (subsampled for the encoder models, which cost
+tens of milliseconds a prompt on CPU) -> fit -> save the predictor folder with its spec and
+validation metrics -> log config, data hash, git sha, metrics (val_* and test_*), plots and the
+folder -> alias `champion` to the best run by validation Kendall's tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from predictor.saved import KINDS
+from training import fitters
+from training.labels import LABEL_SOURCES
+
+# Rows used per split by default: everything for the cheap models, subsamples for the encoders.
+DEFAULT_LIMITS = {
+    "length": (None, None, None),
+    "lexical": (None, None, None),
+    "embed_lgbm": (8000, 2000, 2000),
+    "finetune": (3000, 1000, 1000),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(KINDS), required=True)
+    parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt",
+                        help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
+    parser.add_argument("--max-train", type=int, default=None, help="train rows (default per model)")
+    parser.add_argument("--max-eval", type=int, default=None, help="validation and test rows (default per model)")
+    parser.add_argument("--store", type=Path, default=None, help="MLflow store folder (default mlruns/)")
+    parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
+    parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None):
+    from training import dataset, labels as label_data
+    from training.train_models import TrainingData
+
+    train_limit, valid_limit, test_limit = DEFAULT_LIMITS[model]
+    train_limit = max_train if max_train is not None else train_limit
+    valid_limit = max_eval if max_eval is not None else valid_limit
+    test_limit = max_eval if max_eval is not None else test_limit
+    # Fixed seeds per split so every model sees the same subsamples (and the embedding cache hits).
+    return TrainingData(
+        train=label_data.subsample(label_data.load_split("train", labels), train_limit, seed=0),
+        valid=label_data.subsample(label_data.load_split("validation", labels), valid_limit, seed=1),
+        test=label_data.subsample(label_data.load_split("test", labels), test_limit, seed=2),
+        labels=labels,
+        data_hash=dataset.table_hash() if labels == "sharegpt" else label_data.trace_hash(),
+    )
+
+
+def evaluate_trained(data, trained) -> dict[str, float]:
+    from training.metrics import prediction_metrics
+
+    metrics = {}
+    metrics.update(prediction_metrics(data.valid.lengths, trained.valid_predictions).as_dict("val_"))
+    metrics.update(prediction_metrics(data.test.lengths, trained.test_predictions).as_dict("test_"))
+    dedup = ~data.test.in_train
+    dedup_predictions = [p for p, keep in zip(trained.test_predictions, dedup) if keep]
+    metrics["test_kendall_tau_dedup"] = prediction_metrics(data.test.lengths[dedup], dedup_predictions).kendall_tau
+    return metrics
+
+
+def _plots(data, trained, folder: Path, kind: str) -> list[Path]:
+    from training import predictor_plots
+
+    return [
+        predictor_plots.predicted_vs_true(data.valid.lengths, trained.valid_predictions,
+                                          folder / "predicted_vs_true.png", f"{kind}: validation"),
+        predictor_plots.tau_by_prompt_bucket(data.valid.lengths, trained.valid_predictions,
+                                             data.valid.prompt_tokens, folder / "tau_by_prompt_length.png",
+                                             f"{kind}: validation tau by prompt length"),
+    ]
+
+
+def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
+    import shutil
+
+    from predictor import saved
+    from training import tracking
+    from training.train_models import TRAINERS
+
+    data = load_data(args.labels, args.model, args.max_train, args.max_eval)
+    config = fitters.LgbmConfig(seed=args.seed)
+    trained = TRAINERS[args.model](data, config)
+    metrics = evaluate_trained(data, trained)
+    predictor = trained.predictor
+    predictor.spec = dataclasses.replace(
+        predictor.spec, metrics={k: round(v, 4) for k, v in metrics.items() if k.startswith(("val_", "test_"))})
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = saved.save(predictor, Path(scratch) / "predictor")
+        if args.save is not None:
+            shutil.copytree(folder, args.save, dirs_exist_ok=True)
+        plots = _plots(data, trained, Path(scratch), args.model)
+        params = {"model": args.model, "labels": args.labels, "num_train": len(data.train),
+                  "num_valid": len(data.valid), "num_test": len(data.test), **trained.params}
+        with tracking.tracking_session(args.store):
+            run_id = tracking.log_run(f"{args.model}-{args.labels}", params, metrics, folder, plots,
+                                      {"data_hash": data.data_hash, "kind": args.model})
+            if not args.no_register:
+                tracking.update_champion()
+    return run_id, metrics
+
+
+def run(args: argparse.Namespace) -> int:
+    run_id, metrics = train_and_log(args)
+    print(f"run {run_id}: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())
+                                        if k.endswith(("kendall_tau", "kendall_tau_dedup"))))
+    return 0

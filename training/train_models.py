@@ -1,0 +1,105 @@
+"""Building each kind of predictor from labelled splits, with its validation and test predictions.
+
+The embedding predictor trains from cached embeddings (training.embedding_cache) passed through
+the same `embed_lgbm_features` the served predictor uses, so cached and served features agree
+(tests/test_predictor.py checks that parity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor.base import Prediction
+from predictor.batching import predict_in_batches
+from predictor.features import lexical_matrix, lexical_spec
+from predictor.heads import to_predictions
+from predictor.saved import PredictorSpec
+from training import fitters
+from training.labels import LabelledSplit
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    train: LabelledSplit
+    valid: LabelledSplit
+    test: LabelledSplit
+    labels: str
+    data_hash: str
+
+
+@dataclass
+class TrainedModel:
+    predictor: object  # has .spec, .predict, .save
+    valid_predictions: list[Prediction]
+    test_predictions: list[Prediction]
+    params: dict = field(default_factory=dict)
+
+
+def limit_torch_threads(threads: int = 2) -> None:
+    """The machine's cores are shared: torch must not start a thread per core."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _spec(kind: str, data: TrainingData, feature_spec: dict) -> PredictorSpec:
+    return PredictorSpec(kind=kind, feature_spec=feature_spec, data_hash=data.data_hash, labels=data.labels)
+
+
+def train_length(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
+    model = fitters.fit_length(data.train, _spec("length", data, {"input": "log1p(prompt characters)"}))
+    return TrainedModel(model, model.predict(data.valid.prompts), model.predict(data.test.prompts))
+
+
+def train_lexical(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
+    from predictor.lexical import LexicalPredictor
+
+    heads = fitters.fit_lgbm_heads(lexical_matrix(data.train.prompts), data.train.lengths,
+                                   lexical_matrix(data.valid.prompts), data.valid.lengths, config)
+    model = LexicalPredictor(heads, _spec("lexical", data, lexical_spec()))
+    return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
+                        predict_in_batches(model, data.test.prompts),
+                        {"score_head": heads.score_head, **config.__dict__})
+
+
+def _embed_features(split: LabelledSplit, encoder_config) -> np.ndarray:
+    from predictor.embed_lgbm import embed_lgbm_features
+    from training import embedding_cache
+
+    embeddings, found = embedding_cache.cached_embeddings(split.prompts, encoder_config)
+    if not found.all():
+        raise RuntimeError("embeddings missing from the cache after filling it")
+    return embed_lgbm_features(embeddings, split.prompts)
+
+
+def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
+    from predictor.embed_lgbm import EmbedLgbmPredictor
+    from predictor.encoder import EncoderConfig, MiniLMEncoder
+    from training import embedding_cache
+
+    limit_torch_threads()
+    encoder_config = EncoderConfig()
+    encoder = MiniLMEncoder(encoder_config)
+    # torch finishes all encoding before LightGBM starts: the two never share the cores.
+    embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
+                               encoder_config, encoder=encoder)
+    features = {name: _embed_features(getattr(data, name), encoder_config) for name in ("train", "valid", "test")}
+    heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],
+                                   data.valid.lengths, config)
+    spec = _spec("embed_lgbm", data, {**lexical_spec(), "encoder": encoder_config.as_dict()})
+    model = EmbedLgbmPredictor(encoder, heads, spec)
+    return TrainedModel(model, to_predictions(heads.predict(features["valid"])),
+                        to_predictions(heads.predict(features["test"])),
+                        {"score_head": heads.score_head, **config.__dict__, **encoder_config.as_dict()})
+
+
+def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
+    from training import finetune_train
+
+    return finetune_train.train(data, _spec("finetune", data, {}))
+
+
+TRAINERS = {"length": train_length, "lexical": train_lexical, "embed_lgbm": train_embed_lgbm,
+            "finetune": train_finetune}

@@ -53,7 +53,7 @@ def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Predic
         kendall_tau=float(stats.kendalltau(score, true).statistic),
         spearman=float(stats.spearmanr(score, true).statistic),
         pairwise_accuracy=pairwise_accuracy(true, score),
-        mae_log=float(np.mean(np.abs(np.log1p(point) - np.log1p(true)))),
+        mae_log=float(np.mean(np.abs(np.log1p(np.maximum(point, 0.0)) - np.log1p(true)))),
         p50_coverage=float(np.mean(true <= p50)),
         p90_coverage=float(np.mean(true <= p90)),
         num_examples=len(true),

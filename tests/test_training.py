@@ -1,0 +1,123 @@
+"""Training pieces: ranking losses, metrics, lambdarank queries, MLflow registry of the champion."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import predictor
+from predictor.base import Prediction
+from training import fitters, metrics, tracking
+from training.finetune_train import listmle_loss, pinball_loss
+
+
+def _plackett_luce_nll(scores: list[float], order: list[int]) -> float:
+    """-log P(order | scores) under Plackett-Luce, written out directly."""
+    remaining, total = list(order), 0.0
+    for item in order:
+        total -= scores[item] - math.log(sum(math.exp(scores[r]) for r in remaining))
+        remaining.remove(item)
+    return total
+
+
+def test_listmle_equals_plackett_luce_likelihood():
+    scores = torch.tensor([0.3, -1.2, 2.0, 0.5])
+    lengths = torch.tensor([10.0, 300.0, 50.0, 7.0])  # longest first: 1, 2, 0, 3
+    expected = _plackett_luce_nll(scores.tolist(), [1, 2, 0, 3]) / 4
+    assert listmle_loss(scores, lengths).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_listmle_prefers_the_true_order():
+    lengths = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    right, wrong = torch.log1p(lengths), -torch.log1p(lengths)
+    assert listmle_loss(right * 5, lengths) < listmle_loss(wrong * 5, lengths)
+    best = min(itertools.permutations(range(5)), key=lambda p: listmle_loss(torch.tensor(p, dtype=torch.float) * 3,
+                                                                             lengths).item())
+    assert best == (0, 1, 2, 3, 4)
+
+
+def test_pinball_loss_matches_its_definition():
+    predicted, target = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 2.0])
+    # under-prediction costs q per unit, over-prediction (1 - q)
+    assert pinball_loss(predicted, target, 0.9).item() == pytest.approx((0.9 * 1 + 0.1 * 1) / 2)
+
+
+def _predictions(scores) -> list[Prediction]:
+    return [Prediction(point=float(s) + 1, p50=float(s) + 1, p90=float(s) + 2, score=float(s)) for s in scores]
+
+
+def test_metrics_on_perfect_reversed_and_constant_orders():
+    true = np.array([5, 1, 30, 7, 100, 2])
+    perfect = metrics.prediction_metrics(true, _predictions(true))
+    assert perfect.kendall_tau == pytest.approx(1.0) and perfect.pairwise_accuracy == 1.0
+    assert perfect.p90_coverage == 1.0 and perfect.mae_log < 0.7
+    assert metrics.prediction_metrics(true, _predictions(-true)).kendall_tau == pytest.approx(-1.0)
+    assert metrics.pairwise_accuracy(true.astype(float), np.zeros(6)) == pytest.approx(0.5)
+
+
+def test_tau_by_bucket_covers_every_row():
+    rng = np.random.default_rng(0)
+    true = rng.integers(1, 1000, 500)
+    buckets = metrics.tau_by_bucket(true, true + rng.normal(0, 100, 500), rng.integers(1, 2000, 500))
+    assert sum(b.num_examples for b in buckets) == 500
+    assert all(b.kendall_tau > 0.5 for b in buckets)
+
+
+def test_lambdarank_queries_partition_the_rows():
+    y_log = np.log1p(np.arange(1, 150, dtype=float))
+    edges = np.quantile(y_log, np.linspace(0, 1, fitters.RELEVANCE_LEVELS + 1)[1:-1])
+    order, relevance, sizes = fitters.relevance_and_groups(y_log, edges, seed=0)
+    assert sorted(order.tolist()) == list(range(149)) and sizes.sum() == 149
+    assert relevance.min() == 0 and relevance.max() == fitters.RELEVANCE_LEVELS - 1
+    # relevance grows with the label
+    assert np.all(np.diff(relevance[np.argsort(y_log[order])]) >= 0)
+
+
+def _saved_length_predictor(folder, intercept: float):
+    from predictor.length import LengthParams, LengthPredictor
+    from predictor.saved import PredictorSpec, save
+
+    spec = PredictorSpec(kind="length", feature_spec={}, data_hash="t")
+    return save(LengthPredictor(LengthParams(intercept, 0.1, 0.0, 0.5), spec), folder)
+
+
+def test_champion_follows_best_validation_tau(tmp_path):
+    store = tmp_path / "mlruns"
+    with tracking.tracking_session(store):
+        runs = {}
+        for name, tau, intercept in (("first", 0.2, 1.0), ("better", 0.4, 2.0), ("worse", 0.1, 3.0)):
+            folder = _saved_length_predictor(tmp_path / name, intercept)
+            runs[name] = tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: tau}, folder, [], {})
+            champion = tracking.update_champion()
+            assert champion == (runs["first"] if name == "first" else runs["better"])
+    local = tracking.download_champion(tmp_path / "download", store=store)
+    loaded = predictor.load(local)
+    assert loaded.params.intercept == 2.0
+
+
+def test_download_champion_without_registry_raises(tmp_path):
+    with pytest.raises(LookupError):
+        tracking.download_champion(store=tmp_path / "empty")
+
+
+@pytest.mark.integration
+def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
+    from training import evaluate, train
+
+    args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=600, max_eval=300, store=tmp_path / "mlruns",
+                              save=tmp_path / "saved", no_register=False, seed=0)
+    run_id, logged = train.train_and_log(args)
+    assert -1 <= logged["val_kendall_tau"] <= 1 and logged["test_num_examples"] == 300
+    assert json.loads((tmp_path / "saved" / "predictor.json").read_text())["kind"] == "lexical"
+    path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")
+    report = evaluate.evaluate(path, limit=200, measure_latency=False)
+    assert report.num_examples == 200 and report.kind == "lexical"
+    # the registered folder predicts exactly what the locally saved copy predicts
+    prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]
+    assert predictor.load(path).predict(prompts) == predictor.load(tmp_path / "saved").predict(prompts)

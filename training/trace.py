@@ -1,0 +1,137 @@
+"""`lengthwise trace`: record the served model's own output lengths on ShareGPT prompts.
+
+Algorithm. Candidate prompts are the turn table's prompts that fit the context with room for
+`max_tokens` of output, deduplicated by text, in a seeded random order (so any prefix is a
+random sample across splits, and each row keeps its turn-table split). They run through the
+offline engine (`engine.llm.LLM`) in groups with the served defaults (temperature 1.0, top_p
+1.0) and a per-prompt seed, so a rerun reproduces a length. Each finished prompt is appended
+to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
+log is then written as a parquet table that `lengthwise train --labels trace` learns from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from training import dataset
+
+DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
+DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
+TRACE_COLUMNS = ("key", "conversation_id", "turn_index", "prompt", "prompt_tokens", "output_tokens",
+                 "finish_reason", "split", "in_train")
+
+
+def prompt_key(prompt: str) -> str:
+    return hashlib.blake2b(prompt.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def candidate_rows(max_prompt_tokens: int, seed: int) -> list[dict]:
+    """Turn-table rows that fit the context, one per distinct prompt, in a seeded random order."""
+    turns = dataset.load_turns().select_columns(
+        ["conversation_id", "turn_index", "prompt", "prompt_tokens", "split", "in_train"])
+    fits = np.flatnonzero(np.asarray(turns["prompt_tokens"]) <= max_prompt_tokens)
+    order = fits[np.random.default_rng(seed).permutation(len(fits))]
+    rows, seen = [], set()
+    for index in order.tolist():
+        row = turns[index]
+        key = prompt_key(row["prompt"])
+        if key not in seen:
+            seen.add(key)
+            rows.append({"key": key, **row})
+    return rows
+
+
+def read_log(log_path: Path) -> list[dict]:
+    if not log_path.exists():
+        return []
+    records = []
+    for line in log_path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut off by an interrupted write: everything before it is good
+    return records
+
+
+def seed_of(key: str, seed: int) -> int:
+    return (int(key, 16) + seed) % (2**31 - 1)
+
+
+def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, temperature: float,
+                 group_size: int, seed: int) -> int:
+    """Generate for `rows` not yet in the log, appending one JSON line per prompt; returns the count."""
+    from tqdm import tqdm
+
+    from scheduler.request import SamplingParams
+
+    done = {record["key"] for record in read_log(log_path)}
+    todo = [row for row in rows if row["key"] not in done]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a", encoding="utf-8") as log, tqdm(total=len(todo), desc="trace", unit="prompt") as bar:
+        for start in range(0, len(todo), group_size):
+            group = todo[start : start + group_size]
+            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed_of(r["key"], seed))
+                      for r in group]
+            outputs = llm.generate([row["prompt"] for row in group], params)
+            for row, output in zip(group, outputs):
+                record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
+                log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.update(len(group))
+    return len(todo)
+
+
+def write_trace_table(log_path: Path, table_path: Path) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = read_log(log_path)
+    table = pa.table({name: [record[name] for record in records] for name in TRACE_COLUMNS})
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, table_path, compression="zstd", compression_level=19)
+    return table.num_rows
+
+
+def load_trace(split: str | None = None, path: Path = DEFAULT_TRACE):
+    """The trace table (datasets.Dataset), optionally one split of it."""
+    import datasets
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"trace table {path} missing; run `lengthwise trace`")
+    table = datasets.load_dataset("parquet", data_files=str(path), split="train",
+                                  cache_dir=str(dataset.REPO_ROOT / "data" / "cache" / "hf_datasets"))
+    return table if split is None else table.filter(lambda s: s == split, input_columns="split")
+
+
+def trace_hash(path: Path = DEFAULT_TRACE) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, required=True, help="prompts in the trace (resumes)")
+    parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
+    parser.add_argument("--max-tokens", type=int, default=1024, help="output cap per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the server's default")
+    parser.add_argument("--group-size", type=int, default=32, help="prompts per generate() call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_TRACE, help="parquet trace table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise SystemExit("--num-prompts and --max-tokens must be positive")
+    llm = LLM(model=args.model)
+    max_prompt_tokens = llm.engine.config.max_model_len - args.max_tokens
+    rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
+    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.group_size, args.seed)
+    total = write_trace_table(args.log, args.out)
+    print(f"traced {added} new prompts; {total} in {args.out}")
+    return 0

@@ -39,8 +39,8 @@ class StepTimes:
     """Seconds of the last step, split so the benchmark can report the overhead share."""
 
     prepare_s: float = 0.0  # swaps and tensor building
-    forward_s: float = 0.0  # the model forward (including attention)
-    sample_s: float = 0.0  # logits and sampling
+    forward_s: float = 0.0  # the model forward: layers (attention included) and the LM head
+    sample_s: float = 0.0  # sampling
 
 
 def build_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> StepBatch:
@@ -95,12 +95,14 @@ class ModelRunner:
             self.last_times = StepTimes(prepare_s=self._clock() - start)
             return ModelRunnerOutput(sampled_token_ids={})
         batch = build_batch(output.chunks, self.block_size, self.device)
+        plan = self.backend.prepare(batch.metadata)
         prepared = self._clock()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.metadata, self.backend)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.metadata, self.backend, plan)
+        # The LM head is part of the model's work; it runs on the sampled rows only.
+        logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.sample_request_ids else None
         forwarded = self._clock()
         sampled: dict[str, int] = {}
-        if batch.sample_request_ids:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if logits is not None:
             params = [params_of(request_id) for request_id in batch.sample_request_ids]
             tokens = self.sampler.sample(logits, batch.sample_request_ids, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))

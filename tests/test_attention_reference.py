@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.reference import paged_attention, write_kv
+import pytest
+
+from engine.attention.reference import group_by_length, paged_attention, write_kv
 
 
 def _dense_causal(q, k, v, scale, num_cached):
@@ -18,11 +20,17 @@ def _dense_causal(q, k, v, scale, num_cached):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_paged_attention_matches_dense_on_mixed_batch():
+# (cached tokens before the step, tokens this step): decodes and prefill chunks mixed; the second
+# case has decodes of very different lengths, which the plan splits into several groups.
+MIXED = [(0, 7), (9, 1), (5, 3), (0, 1), (13, 1), (2, 6)]
+SPREAD = [(4, 1), (2600, 1), (6, 1), (2450, 1), (0, 5), (2, 1), (2500, 1)]
+
+
+@pytest.mark.parametrize("shapes", [MIXED, SPREAD], ids=["mixed", "spread"])
+def test_paged_attention_matches_dense(shapes):
     torch.manual_seed(0)
-    block_size, num_blocks, heads, kv_heads, dim = 4, 40, 6, 2, 8
-    # (cached tokens before the step, tokens this step): decodes and prefill chunks mixed.
-    shapes = [(0, 7), (9, 1), (5, 3), (0, 1), (13, 1), (2, 6)]
+    block_size, heads, kv_heads, dim = 4, 6, 2, 8
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 5
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks).tolist()  # scattered blocks, as a real allocator gives
@@ -56,3 +64,10 @@ def test_paged_attention_matches_dense_on_mixed_batch():
         rows = slice(int(query_start_loc[b]), int(query_start_loc[b + 1]))
         expected = _dense_causal(q[rows], full_k[b], full_v[b], 0.3, cached)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_group_by_length_splits_only_when_padding_costs_more_than_a_group():
+    assert group_by_length([10, 12, 11], group_cost=100) == [[0, 2, 1]]
+    groups = group_by_length([3000, 5, 2900, 7], group_cost=100)
+    assert groups == [[1, 3], [2, 0]]
+    assert sorted(i for g in group_by_length(list(range(50, 0, -1)), 64) for i in g) == list(range(50))

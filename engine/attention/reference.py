@@ -3,10 +3,13 @@
 Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a slot
 is block_id * block_size + offset, so the cache viewed as [num_slots, KVH, D] is indexed by slot.
 
-Algorithm. Once per step, `build_plan` turns the block tables into flat slot indices:
-- single-token queries (decodes) are batched: their contexts are gathered into one padded
-  [B_dec, L_max] slot matrix with a validity mask, and attention runs as one SDPA call in which
-  the GQA group of query heads sharing a KV head plays the role of the query-length axis;
+Algorithm. Once per step, `build_plan` turns the block tables into gather plans. Contexts are
+gathered a whole block at a time (`index_select` over blocks: one contiguous copy each) and the
+tail past a context's length is masked.
+- single-token queries (decodes) are batched: sorted by context length and split into a few
+  groups (`group_by_length`) so short contexts are not padded to the longest; each group is one
+  SDPA call in which the GQA group of query heads sharing a KV head plays the role of the
+  query-length axis;
 - multi-token queries (prefill chunks) run one SDPA call each, over their own gathered context
   with a causal mask shifted by the context already cached (query i sits at position
   seq_len - q_len + i and sees keys 0..that position).
@@ -23,45 +26,58 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class DecodeGroup:
     rows: torch.Tensor  # int64 [Bd] rows of q holding single-token queries
-    slots: torch.Tensor  # int64 [Bd, L_max] cache slots of each context (0 where padded)
-    mask: torch.Tensor  # bool [Bd, 1, 1, L_max] True where the key belongs to the context
+    blocks: torch.Tensor  # int64 [Bd * nblocks] cache blocks of each context, row-major (0 where padded)
+    mask: torch.Tensor  # bool [Bd, 1, 1, nblocks * block_size] True where the key belongs to the context
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     q_start: int
     q_end: int
-    slots: torch.Tensor  # int64 [L] cache slots of the whole context
+    blocks: torch.Tensor  # int64 [nblocks] cache blocks of the whole context
     mask: torch.Tensor  # bool [q_len, L] causal mask shifted by the cached prefix
 
 
 @dataclass(frozen=True)
 class ReferencePlan:
-    decode: DecodePlan | None
+    decodes: tuple[DecodeGroup, ...]
     chunks: tuple[ChunkPlan, ...]
 
 
-def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(length, device=block_table.device)
-    blocks = block_table[positions // block_size].to(torch.int64)
-    return blocks * block_size + positions % block_size
+# Padding a decode group costs gathered keys; starting another group costs a few calls per layer.
+# A new group pays off when it saves more than this many padded key positions.
+GROUP_COST_TOKENS = 2048
 
 
-def _decode_plan(rows: list[int], seqs: list[int], block_tables: torch.Tensor,
-                 seq_lens: tuple[int, ...], block_size: int) -> DecodePlan:
+def group_by_length(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> list[list[int]]:
+    """Split indices, sorted by length, into contiguous groups minimising padded keys + group cost.
+
+    Dynamic programming over the sorted order: best[j] = min_i best[i] + cost + (j - i) * len_(j-1).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sorted_lens = [lengths[i] for i in order]
+    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        best[j], cut[j] = min((best[i] + group_cost + (j - i) * sorted_lens[j - 1], i) for i in range(j))
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _decode_group(rows: list[int], seqs: list[int], block_tables: torch.Tensor,
+                  seq_lens: tuple[int, ...], block_size: int) -> DecodeGroup:
     device = block_tables.device
     max_len = max(seq_lens[b] for b in seqs)
-    seq_index = torch.tensor(seqs, device=device)
+    num_blocks = -(-max_len // block_size)
     lens = torch.tensor([seq_lens[b] for b in seqs], device=device)
-    positions = torch.arange(max_len, device=device)
-    valid = positions[None, :] < lens[:, None]
-    # Padded positions may point past a table's real blocks; clamp, then mask them out.
-    block_cols = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    blocks = block_tables[seq_index][:, block_cols].to(torch.int64)
-    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
-    return DecodePlan(torch.tensor(rows, device=device), slots, valid[:, None, None, :])
+    blocks = block_tables[torch.tensor(seqs, device=device), :num_blocks].to(torch.int64)
+    # Padded table entries point at block 0; the mask hides them.
+    valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    return DecodeGroup(torch.tensor(rows, device=device), blocks.reshape(-1), valid[:, None, None, :])
 
 
 def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...],
@@ -75,14 +91,14 @@ def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...],
             decode_rows.append(q_start)
             decode_seqs.append(b)
         elif q_len > 1:
-            slots = _context_slots(block_tables[b], seq_len, block_size)
+            blocks = block_tables[b, :-(-seq_len // block_size)].to(torch.int64)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=block_tables.device)
             mask = torch.arange(seq_len, device=block_tables.device)[None, :] <= query_pos[:, None]
-            chunks.append(ChunkPlan(q_start, q_end, slots, mask))
-    decode = None
-    if decode_rows:
-        decode = _decode_plan(decode_rows, decode_seqs, block_tables, seq_lens, block_size)
-    return ReferencePlan(decode, tuple(chunks))
+            chunks.append(ChunkPlan(q_start, q_end, blocks, mask))
+    groups = group_by_length([seq_lens[b] for b in decode_seqs]) if decode_seqs else []
+    decodes = tuple(_decode_group([decode_rows[i] for i in g], [decode_seqs[i] for i in g],
+                                  block_tables, seq_lens, block_size) for g in groups)
+    return ReferencePlan(decodes, tuple(chunks))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,46 +109,50 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _attend_decodes(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                    plan: DecodePlan, scale: float) -> torch.Tensor:
-    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-    group = q.shape[1] // num_kv_heads
-    # Query head h uses KV head h // group, so [Bd, H, D] -> [Bd, KVH, group, D].
-    queries = q[plan.rows].view(-1, num_kv_heads, group, head_dim)
-    keys = k_flat[plan.slots].transpose(1, 2)  # [Bd, KVH, L_max, D]
-    values = v_flat[plan.slots].transpose(1, 2)
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks [n * block_size, KVH, D]: one contiguous copy per block, not per token."""
+    return cache.index_select(0, blocks).flatten(0, 1)
+
+
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    group: DecodeGroup, scale: float) -> torch.Tensor:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads_per_kv = q.shape[1] // num_kv_heads
+    num_seqs = group.rows.shape[0]
+    # Query head h uses KV head h // heads_per_kv, so [Bd, H, D] -> [Bd, KVH, heads_per_kv, D].
+    queries = q[group.rows].view(num_seqs, num_kv_heads, heads_per_kv, head_dim)
+    keys = _gather(k_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather(v_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                         attn_mask=plan.mask, scale=scale)
-    return out.reshape(-1, q.shape[1], head_dim)
+                                         attn_mask=group.mask, scale=scale)
+    return out.reshape(num_seqs, q.shape[1], head_dim)
 
 
-def _attend_chunk(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   chunk: ChunkPlan, scale: float) -> torch.Tensor:
-    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-    q_len = chunk.q_end - chunk.q_start
-    # [q_len, H, D] -> [KVH, group * q_len, D]: the group's queries share one KV head.
-    queries = q[chunk.q_start:chunk.q_end].view(q_len, num_kv_heads, group, head_dim)
-    queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-    keys = k_flat[chunk.slots].transpose(0, 1).to(q.dtype)  # [KVH, L, D]
-    values = v_flat[chunk.slots].transpose(0, 1).to(q.dtype)
-    mask = chunk.mask.repeat(group, 1)
+    heads_per_kv = num_heads // num_kv_heads
+    q_len, seq_len = chunk.q_end - chunk.q_start, chunk.mask.shape[1]
+    # [q_len, H, D] -> [KVH, heads_per_kv * q_len, D]: the group's queries share one KV head.
+    queries = q[chunk.q_start:chunk.q_end].view(q_len, num_kv_heads, heads_per_kv, head_dim)
+    queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, heads_per_kv * q_len, head_dim)
+    keys = _gather(k_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)  # [KVH, L, D]
+    values = _gather(v_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)
+    mask = chunk.mask.repeat(heads_per_kv, 1)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    out = out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(q_len, num_heads, head_dim)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            plan: ReferencePlan, scale: float) -> torch.Tensor:
     """Attention of q [N, H, D] over the cache, following a prepared plan."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
-    if plan.decode is not None:
-        out[plan.decode.rows] = _attend_decodes(q, k_flat, v_flat, plan.decode, scale)
+    for group in plan.decodes:
+        out[group.rows] = _attend_decodes(q, k_cache, v_cache, group, scale)
     for chunk in plan.chunks:
-        out[chunk.q_start:chunk.q_end] = _attend_chunk(q, k_flat, v_flat, chunk, scale)
+        out[chunk.q_start:chunk.q_end] = _attend_chunk(q, k_cache, v_cache, chunk, scale)
     return out
 
 

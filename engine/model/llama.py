@@ -20,9 +20,9 @@ from engine.model.arch import LlamaArch
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, device=None) -> None:
+    def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, device=device))
+        self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,18 +47,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, device=None) -> None:
+    def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.scale = arch.head_dim ** -0.5
-        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
-        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=False, device=device)
-        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False, device=device)
-        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False, device=device)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False, device=device)
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
+        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, backend: AttentionBackend, plan: object) -> torch.Tensor:
@@ -74,14 +74,13 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch, max_positions: int, device=None) -> None:
+    def __init__(self, arch: LlamaArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, device=device)
-        self.layers = nn.ModuleList(LlamaLayer(arch, device) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
-            arch.hidden_size, arch.vocab_size, bias=False, device=device)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -94,9 +93,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states [N, hidden] before the final norm, for a flat batch of N tokens."""
-        plan = backend.prepare(metadata)
+                backend: AttentionBackend, plan: object) -> torch.Tensor:
+        """Hidden states [N, hidden] before the final norm, for a flat batch of N tokens.
+
+        `plan` is `backend.prepare(metadata)`, built once per step by the caller.
+        """
         dtype = self.embed_tokens.weight.dtype
         cos = self.rope_cos[positions].to(dtype)[:, None, :]
         sin = self.rope_sin[positions].to(dtype)[:, None, :]

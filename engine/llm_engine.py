@@ -80,8 +80,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"{self.arch.max_position_embeddings} positions")
         self.kv_cache = self._make_cache(model.embed_tokens.weight.dtype)
-        self.runner = ModelRunner(model, self.kv_cache, create_backend(config.attention_backend, self.device),
-                                  Sampler(self.device, config.seed), self.device)
+        backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads)
+        self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(self.device, config.seed), self.device)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.kv_cache.num_gpu_blocks, num_cpu_blocks=self.kv_cache.num_cpu_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

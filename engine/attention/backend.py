@@ -31,9 +31,12 @@ class AttentionBackend(Protocol):
 class TorchReferenceBackend:
     name = "torch"
 
+    def __init__(self, heads_per_kv: int) -> None:
+        self.heads_per_kv = heads_per_kv
+
     def prepare(self, metadata: AttentionMetadata) -> reference.ReferencePlan:
         return reference.build_plan(metadata.block_tables, metadata.seq_lens_host,
-                                    metadata.query_start_loc_host, metadata.block_size)
+                                    metadata.query_start_loc_host, metadata.block_size, self.heads_per_kv)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, plan, scale):
         reference.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -63,10 +66,11 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
+def create_backend(name: str, device: torch.device, heads_per_kv: int) -> AttentionBackend:
+    """`heads_per_kv`: query heads sharing one KV head (the GQA group size)."""
     resolved = resolve_backend_name(name, device)
     if resolved == "torch":
-        return TorchReferenceBackend()
+        return TorchReferenceBackend(heads_per_kv)
     if resolved == "triton":
         return TritonBackend()
     raise ValueError(f"unknown attention backend {name!r}")

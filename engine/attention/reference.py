@@ -29,7 +29,7 @@ import torch.nn.functional as F
 class DecodeGroup:
     rows: torch.Tensor  # int64 [Bd] rows of q holding single-token queries
     blocks: torch.Tensor  # int64 [Bd * nblocks] cache blocks of each context, row-major (0 where padded)
-    mask: torch.Tensor  # bool [Bd, 1, 1, nblocks * block_size] True where the key belongs to the context
+    mask: torch.Tensor  # float32 [Bd, 1, 1, nblocks * block_size]: 0 on the context, -inf past its end
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ChunkPlan:
     q_start: int
     q_end: int
     blocks: torch.Tensor  # int64 [nblocks] cache blocks of the whole context
-    mask: torch.Tensor  # bool [q_len, L] causal mask shifted by the cached prefix
+    mask: torch.Tensor  # float32 [heads_per_kv * q_len, L]: causal, shifted by the cached prefix
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,16 @@ def _decode_group(rows: list[int], seqs: list[int], block_tables: torch.Tensor,
     blocks = block_tables[torch.tensor(seqs, device=device), :num_blocks].to(torch.int64)
     # Padded table entries point at block 0; the mask hides them.
     valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-    return DecodeGroup(torch.tensor(rows, device=device), blocks.reshape(-1), valid[:, None, None, :])
+    return DecodeGroup(torch.tensor(rows, device=device), blocks.reshape(-1), _additive(valid)[:, None, None, :])
 
 
-def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...],
-               query_start_loc: tuple[int, ...], block_size: int) -> ReferencePlan:
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    """A float mask built once per step: SDPA would otherwise convert a bool mask in every layer."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...], query_start_loc: tuple[int, ...],
+               block_size: int, heads_per_kv: int) -> ReferencePlan:
     """Gather indices and masks for one step; host-side lengths avoid device syncs."""
     decode_rows, decode_seqs, chunks = [], [], []
     for b, seq_len in enumerate(seq_lens):
@@ -93,8 +98,8 @@ def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...],
         elif q_len > 1:
             blocks = block_tables[b, :-(-seq_len // block_size)].to(torch.int64)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=block_tables.device)
-            mask = torch.arange(seq_len, device=block_tables.device)[None, :] <= query_pos[:, None]
-            chunks.append(ChunkPlan(q_start, q_end, blocks, mask))
+            visible = torch.arange(seq_len, device=block_tables.device)[None, :] <= query_pos[:, None]
+            chunks.append(ChunkPlan(q_start, q_end, blocks, _additive(visible.repeat(heads_per_kv, 1))))
     groups = group_by_length([seq_lens[b] for b in decode_seqs]) if decode_seqs else []
     decodes = tuple(_decode_group([decode_rows[i] for i in g], [decode_seqs[i] for i in g],
                                   block_tables, seq_lens, block_size) for g in groups)
@@ -124,7 +129,7 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keys = _gather(k_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = _gather(v_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                         attn_mask=group.mask, scale=scale)
+                                         attn_mask=group.mask.to(q.dtype), scale=scale)
     return out.reshape(num_seqs, q.shape[1], head_dim)
 
 
@@ -134,13 +139,13 @@ def _attend_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads = q.shape[1]
     heads_per_kv = num_heads // num_kv_heads
     q_len, seq_len = chunk.q_end - chunk.q_start, chunk.mask.shape[1]
-    # [q_len, H, D] -> [KVH, heads_per_kv * q_len, D]: the group's queries share one KV head.
+    # [q_len, H, D] -> [1, KVH, heads_per_kv * q_len, D]: the group's queries share one KV head.
+    # (4-D inputs: SDPA's fused CPU kernel takes only those; 3-D falls back to the slow math path.)
     queries = q[chunk.q_start:chunk.q_end].view(q_len, num_kv_heads, heads_per_kv, head_dim)
-    queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, heads_per_kv * q_len, head_dim)
-    keys = _gather(k_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)  # [KVH, L, D]
-    values = _gather(v_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)
-    mask = chunk.mask.repeat(heads_per_kv, 1)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    queries = queries.permute(1, 2, 0, 3).reshape(1, num_kv_heads, heads_per_kv * q_len, head_dim)
+    keys = _gather(k_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)[None]  # [1, KVH, L, D]
+    values = _gather(v_cache, chunk.blocks)[:seq_len].transpose(0, 1).to(q.dtype)[None]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask.to(q.dtype), scale=scale)
     out = out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3)
     return out.reshape(q_len, num_heads, head_dim)
 
@@ -161,5 +166,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [N, H, D] attends causally over its sequence's cached context; returns [N, H, D]."""
     plan = build_plan(block_tables, tuple(seq_lens.tolist()), tuple(query_start_loc.tolist()),
-                      k_cache.shape[1])
+                      k_cache.shape[1], q.shape[1] // k_cache.shape[2])
     return attend(q, k_cache, v_cache, plan, scale)

@@ -16,7 +16,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[list
             out = model(torch.tensor([prompt]), use_cache=True)
             tokens = [int(out.logits[0, -1].argmax())]
             for _ in range(num_tokens - 1):
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
                 tokens.append(int(out.logits[0, -1].argmax()))
             results.append(tokens)
     return results

@@ -20,7 +20,7 @@ import numpy as np
 USER_MARK = "<|im_start|>user\n"
 ASSISTANT_MARK = "<|im_start|>assistant\n"
 END_MARK = "<|im_end|>"
-FEATURE_SPEC_VERSION = 2
+FEATURE_SPEC_VERSION = 3
 
 # Substring flags over the lowercased request; the name says what it flags.
 KEYWORDS: dict[str, tuple[str, ...]] = {
@@ -102,18 +102,33 @@ def _reply_lengths(prompt: str, end: int) -> tuple[int, ...]:
     return tuple(lengths)
 
 
-def _share(text: str, predicate) -> float:
-    if not text:
-        return 0.0
-    sample = text[:2000]  # a prefix is enough for a ratio and keeps long pastes cheap
-    return sum(1 for ch in sample if predicate(ch)) / len(sample)
+SHARE_SAMPLE_CHARS = 512  # a prefix is enough for a character ratio and keeps long pastes cheap
+SCAN_CHARS = 1500  # keywords are looked for in the request's first and last SCAN_CHARS characters
+
+
+def _shares(text: str) -> tuple[float, float, float]:
+    """Shares of non-ASCII, digit and upper-case characters in a prefix of `text`."""
+    sample = text[:SHARE_SAMPLE_CHARS]
+    if not sample:
+        return 0.0, 0.0, 0.0
+    size = len(sample)
+    non_ascii = len(sample.encode("utf-8")) - size  # every non-ASCII character adds >= 1 byte
+    digits = size - len(sample.translate(_DIGITS))
+    upper = sum(map(str.isupper, sample))
+    return min(non_ascii / size, 1.0), digits / size, upper / size
+
+
+_DIGITS = str.maketrans("", "", "0123456789")
 
 
 def lexical_features(prompt: str) -> np.ndarray:
     """The feature vector of one prompt, ordered as FEATURE_NAMES (float32)."""
     parsed = parse_prompt(prompt)
     request = parsed.request
-    lowered = request.lower()
+    # Instructions sit at the ends of a pasted document: scan those, not the whole paste.
+    ends = request if len(request) <= 2 * SCAN_CHARS else request[:SCAN_CHARS] + "\n" + request[-SCAN_CHARS:]
+    lowered = ends.lower()
+    non_ascii, digits, upper = _shares(request)
     stripped = request.rstrip()
     counts = [int(match) for match in _REQUESTED_COUNT.findall(lowered)]
     previous = parsed.previous_reply.rstrip()
@@ -128,11 +143,11 @@ def lexical_features(prompt: str) -> np.ndarray:
         min(request.count("?"), 20),
         float(stripped.endswith("?")),
         float("```" in request),
-        _share(request, lambda ch: ord(ch) > 127),
-        _share(request, str.isdigit),
-        _share(request, str.isupper),
+        non_ascii,
+        digits,
+        upper,
         float("http://" in lowered or "https://" in lowered),
-        min(len(_NUMBER_LIST.findall(request)), 50),
+        min(len(_NUMBER_LIST.findall(ends)), 50),
         math.log1p(max(counts, default=0)),
         float(parsed.has_custom_system),
         math.log1p(len(lowered[:200].split())),
@@ -158,6 +173,6 @@ def lexical_spec() -> dict:
 
 
 def check_lexical_spec(feature_spec: dict) -> None:
-    if feature_spec.get("lexical_names") != list(FEATURE_NAMES):
+    if feature_spec.get("lexical_names") != list(FEATURE_NAMES) or feature_spec.get("lexical_version") != FEATURE_SPEC_VERSION:
         raise ValueError("saved predictor was trained on other lexical features "
                          f"(version {feature_spec.get('lexical_version')}, this code {FEATURE_SPEC_VERSION})")

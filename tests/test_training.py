@@ -121,3 +121,28 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     # the registered folder predicts exactly what the locally saved copy predicts
     prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]
     assert predictor.load(path).predict(prompts) == predictor.load(tmp_path / "saved").predict(prompts)
+
+
+@pytest.mark.integration
+def test_trace_records_lengths_and_resumes(tmp_path):
+    from engine.llm import LLM
+    from training import dataset, trace
+
+    if not (dataset.CONVERTED_MODEL_DIR / "config.json").exists():
+        pytest.skip("converted model missing (make model)")
+    rows = [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p,
+             "prompt_tokens": 30, "split": split, "in_train": False}
+            for i, (p, split) in enumerate([
+                ("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", "train"),
+                ("<|im_start|>user\nCount to five.<|im_end|>\n<|im_start|>assistant\n", "test")])]
+    llm = LLM(model=str(dataset.CONVERTED_MODEL_DIR))
+    log = tmp_path / "trace.jsonl"
+    assert trace.record_trace(llm, rows[:1], log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 1
+    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 1
+    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 0
+    assert trace.write_trace_table(log, tmp_path / "trace.parquet") == 2
+    table = trace.load_trace(path=tmp_path / "trace.parquet")
+    assert sorted(table["conversation_id"]) == ["c0", "c1"]
+    assert all(1 <= n <= 6 for n in table["output_tokens"])
+    assert set(table["finish_reason"]) <= {"stop", "length"}
+    assert trace.load_trace("test", path=tmp_path / "trace.parquet")["conversation_id"] == ["c1"]

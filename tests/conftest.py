@@ -4,6 +4,9 @@
 - `tiny_model_dir`: a tiny random Llama (2 layers, hidden 64, 4 heads over 2 KV heads, tied
   embeddings, SmolLM2's vocabulary) saved with `save_pretrained` next to SmolLM2's tokenizer
   files, so engine, kernel and server tests run a real checkpoint in milliseconds per step.
+
+Engine tests pass `num_threads=1`: on a shared two-core machine two torch threads per process
+make small ops wait on each other, and tests measure tokens, not speed.
 """
 
 from __future__ import annotations

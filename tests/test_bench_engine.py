@@ -20,7 +20,7 @@ def test_bench_engine_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     step_cost = tmp_path / "step_cost.json"
     code = main(["bench", "engine", "--model", str(tiny_model_dir), "--num-prompts", "3",
-                 "--max-prompt-tokens", "300", "--max-output-tokens", "5", "--max-num-seqs", "2",
+                 "--max-prompt-tokens", "300", "--max-output-tokens", "5", "--max-num-seqs", "2", "--threads", "1",
                  "--json", str(out), "--calibrate", "--step-cost-out", str(step_cost)])
     assert code == 0
     summary = json.loads(out.read_text())

@@ -25,7 +25,7 @@ def expected(tiny_model_dir, prompts) -> list[list[int]]:
 
 
 def run(model_dir, prompts, **config) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model_dir), max_model_len=256, **config)
+    llm = LLM(str(model_dir), max_model_len=256, num_threads=1, **config)
     outputs = llm.generate(prompts, GREEDY)
     return [list(o.token_ids) for o in outputs], llm
 

@@ -10,7 +10,8 @@ from scheduler.request import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=64, num_gpu_blocks=64)
+    return LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=64, num_gpu_blocks=64,
+               num_threads=1)
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog."

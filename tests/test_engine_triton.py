@@ -26,7 +26,7 @@ from engine.llm import LLM
 from scheduler.request import SamplingParams
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 llm = LLM(model_dir, attention_backend="triton", max_model_len=128, max_num_batched_tokens=16,
-          num_gpu_blocks=32, block_size=8)
+          num_gpu_blocks=32, block_size=8, num_threads=1)
 outputs = llm.generate(prompts, SamplingParams(max_tokens={num_tokens}, temperature=0.0, ignore_eos=True))
 print(json.dumps({{"backend": llm.engine.runner.backend.name, "tokens": [list(o.token_ids) for o in outputs]}}))
 """

@@ -22,7 +22,8 @@ def test_tiny_model_greedy_matches_hf_in_one_batch(tiny_model_dir):
     prompts = random_prompts([1, 5, 17, 40, 90])
     expected = hf_greedy(tiny_model_dir, prompts, NUM_TOKENS)
     # A small token budget so long prompts arrive in several chunks next to others' decodes.
-    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=64, max_model_len=256, num_gpu_blocks=64)
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=64, max_model_len=256, num_gpu_blocks=64,
+              num_threads=1)
     outputs = llm.generate(prompts, GREEDY)
     assert [list(o.token_ids) for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
@@ -30,7 +31,8 @@ def test_tiny_model_greedy_matches_hf_in_one_batch(tiny_model_dir):
 
 @pytest.mark.integration
 def test_smollm2_greedy_matches_hf_in_one_batch(real_model_dir):
-    llm = LLM(str(real_model_dir), max_model_len=512, kv_cache_memory_gib=0.25, max_num_batched_tokens=128)
+    llm = LLM(str(real_model_dir), max_model_len=512, kv_cache_memory_gib=0.25, max_num_batched_tokens=128,
+              num_threads=1)
     questions = ["What is the capital of France?", "Write a haiku about autumn leaves.",
                  "Explain in detail how a paged KV cache lets an inference server batch many requests "
                  "of different lengths without wasting memory, and why chunked prefill helps latency."]

@@ -6,13 +6,15 @@ short window (a few tokens before the unread ones plus the new ones) and keeps o
 the window's already-emitted prefix; a trailing U+FFFD means an unfinished character, and the
 tokens wait for the next step. The window starts with a few prompt tokens for the same reason.
 
-A stop string is searched only where it could newly end: in the emitted text from
-len(stop) - 1 characters before this step's new text.
+A stop string is searched only where it could newly end: in the text from len(stop) - 1
+characters before this step's new text. The text is cut where a stop string begins. While a request
+with stop strings runs, its last (longest stop - 1) characters are held back from the released
+text, so a stream never shows the start of a stop string that later completes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PROMPT_CONTEXT_TOKENS = 5
 
@@ -23,7 +25,7 @@ class DetokenizerState:
     prefix_offset: int  # start of the decode window
     read_offset: int  # tokens before this one are already in `text`
     text: str = ""
-    stopped: bool = field(default=False)
+    released: int = 0  # characters of `text` already handed out
 
     @classmethod
     def for_prompt(cls, prompt_token_ids: list[int]) -> "DetokenizerState":
@@ -53,3 +55,25 @@ def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> int | No
         if index >= 0 and (found is None or index < found):
             found = index
     return found
+
+
+def advance(tokenizer, state: DetokenizerState, new_token_ids: list[int], stops: tuple[str, ...]) -> bool:
+    """Decode new tokens into `state.text`; True when a stop string matched (text cut before it)."""
+    new_text = append_tokens(tokenizer, state, new_token_ids)
+    if stops and new_text:
+        cut = find_stop(state.text, len(new_text), stops)
+        if cut is not None:
+            state.text = state.text[:cut]
+            return True
+    return False
+
+
+def release(state: DetokenizerState, stops: tuple[str, ...], finished: bool) -> str:
+    """Text that may be shown now and was not shown before."""
+    hold = 0 if finished or not stops else max(len(stop) for stop in stops) - 1
+    visible = len(state.text) - hold
+    if visible <= state.released:
+        return ""
+    new_text = state.text[state.released:visible]
+    state.released = visible
+    return new_text

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.backend import create_backend
 from engine.config import EngineConfig
-from engine.detokenizer import DetokenizerState, append_tokens, find_stop
+from engine.detokenizer import DetokenizerState, advance, release
 from engine.kv_cache import CacheGeometry, KVCache
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
@@ -201,21 +201,15 @@ class LLMEngine:
         new_ids = request.output_token_ids[self._num_reported[request_id]:]
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
-        before = len(state.text)
-        new_text = append_tokens(self.tokenizer, state, new_ids)
         stops = request.sampling_params.stop
-        if stops and new_text:
-            cut = find_stop(state.text, len(new_text), stops)
-            if cut is not None:
-                state.text = state.text[:cut]
-                new_text = state.text[before:]
-                if not request.is_finished:
-                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        if advance(self.tokenizer, state, new_ids, stops) and not request.is_finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        new_text = release(state, stops, request.is_finished)
         if request.is_finished:
             self._release(request_id)
         return RequestOutput(
             request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-            token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text,
+            token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text[:state.released],
             new_text=new_text, finished=request.is_finished, finish_reason=request.status.finish_reason,
             arrival_time=request.arrival_time, first_token_time=request.first_token_time,
             finish_time=request.finish_time, num_preemptions=request.num_preemptions)

@@ -100,3 +100,17 @@ def test_abort_frees_everything(llm):
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 50
     stats = engine.stats().scheduler
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_streamed_text_adds_up_and_never_shows_a_stop_string(llm):
+    full = llm.generate(PROMPT, greedy())[0]
+    stop = full.text[len(full.text) // 2:][:4]
+    engine = llm.engine
+    engine.add_request("streamed", PROMPT, greedy(stop=(stop,)))
+    pieces = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            pieces.append(output.new_text)
+            assert output.text == "".join(pieces)
+    assert "".join(pieces) == full.text[:full.text.index(stop)]
+    assert output.finish_reason == "stop"

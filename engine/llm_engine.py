@@ -211,7 +211,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids),
             token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text[:state.released],
             new_text=new_text, finished=request.is_finished, finish_reason=request.status.finish_reason,
-            arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
             finish_time=request.finish_time, num_preemptions=request.num_preemptions)
 
     def stats(self) -> EngineStats:

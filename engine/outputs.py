@@ -19,6 +19,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     arrival_time: float
+    first_scheduled_time: float | None  # when it first got a seat; minus arrival = queue time
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0

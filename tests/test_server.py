@@ -208,6 +208,8 @@ def test_priority_and_service_tiers_reach_the_scheduler_tiers(served, client):
     counts = {tier: metric(after, name, tier=tier) - metric(before, name, tier=tier)
               for tier in ("interactive", "batch", "standard")}
     assert counts == {"interactive": 1, "batch": 1, "standard": 2}
+    queued = "lengthwise:request_queue_time_seconds_count"
+    assert metric(after, queued) - metric(before, queued) == 4
 
 
 def test_seeded_sampling_repeats_and_top_k_one_is_greedy(client):

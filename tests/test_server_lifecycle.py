@@ -202,7 +202,7 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
 
     def output(n: int, finished: bool = False) -> RequestOutput:
         return RequestOutput("r", (1,), tuple(range(n)), (n - 1,), "x" * n, "x", finished,
-                             "length" if finished else None, 0.0, 0.0, None)
+                             "length" if finished else None, 0.0, 0.0, 0.0, None)
 
     async def scenario():
         stream = RequestStream("r", Tier.STANDARD)

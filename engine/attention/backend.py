@@ -2,14 +2,15 @@
 
 "torch" is the reference in engine/attention/reference.py (the CPU path); "triton" is the paged
 attention kernel in engine/kernels (imported lazily, so the CPU path never needs Triton to
-compile). "auto" picks Triton when CUDA is available, else the torch reference. With
-TRITON_INTERPRET=1 the "triton" backend also runs on the CPU (slowly; tests use it).
+compile). "auto" picks Triton when CUDA is available or TRITON_INTERPRET=1 is set (the Triton
+interpreter then runs the kernels on the CPU, slowly; tests use it), else the torch reference.
 
 A backend prepares a per-step plan once (`prepare`) and every layer calls `forward` with it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -51,18 +52,23 @@ class TritonBackend:
 
         self._kernels = kernels
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        return None
+    def prepare(self, metadata: AttentionMetadata) -> dict[str, int]:
+        # Host-side maxima once per step, so no layer pays a device-to-host sync for them.
+        starts = metadata.query_start_loc_host
+        max_query_len = max((end - start for start, end in zip(starts, starts[1:])), default=0)
+        return {"max_query_len": max_query_len, "max_seq_len": max(metadata.seq_lens_host, default=0)}
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, plan, scale):
         self._kernels.triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self._kernels.triton_paged_attention(q, k_cache, v_cache, metadata.block_tables,
-                                                    metadata.seq_lens, metadata.query_start_loc, scale)
+                                                    metadata.seq_lens, metadata.query_start_loc, scale,
+                                                    **plan)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        return "triton" if device.type == "cuda" or interpreted else "torch"
     return name
 
 

@@ -157,7 +157,7 @@ class ServerMetrics:
                 self.tpot.labels(*labels).observe(max(0.0, finish - first) / (len(output.token_ids) - 1))
         if finish is not None:
             self.e2e.labels(*labels).observe(max(0.0, finish - arrival))
-        scheduled = getattr(output, "first_scheduled_time", None)
+        scheduled = output.first_scheduled_time
         if scheduled is not None:
             self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
         if prediction is not None:

@@ -117,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
     parser.add_argument("--max-tokens", type=int, default=1024, help="output cap per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="the server's default")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="only prompts this short (default: what fits the context with --max-tokens)")
     parser.add_argument("--group-size", type=int, default=32, help="prompts per generate() call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
@@ -130,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--num-prompts and --max-tokens must be positive")
     llm = LLM(model=args.model)
     max_prompt_tokens = llm.engine.config.max_model_len - args.max_tokens
+    if args.max_prompt_tokens is not None:
+        max_prompt_tokens = min(max_prompt_tokens, args.max_prompt_tokens)
     rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
     added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.group_size, args.seed)
     total = write_trace_table(args.log, args.out)

@@ -3,7 +3,9 @@
 Every `lengthwise train` run logs its config, data hash, git sha, metrics, plots and the saved
 predictor folder (artifact path `predictor`). After each run the registry is reconciled: the
 run with the best validation Kendall's tau in the experiment is the `champion` alias of model
-`lengthwise-predictor` (a new model version is made only when the champion changes). The
+`lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
+tagged with this code's lexical feature version compete: a predictor trained on other features
+would not load. The
 tracking URI is set inside `tracking_session`, never at import.
 """
 
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from predictor.features import FEATURE_SPEC_VERSION
 from training.dataset import REPO_ROOT
 
 MODEL_NAME = "lengthwise-predictor"
@@ -65,7 +68,7 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
     import mlflow
 
     with mlflow.start_run(run_name=run_name) as run:
-        mlflow.set_tags({"git_sha": git_sha(), **tags})
+        mlflow.set_tags({"git_sha": git_sha(), "feature_version": str(FEATURE_SPEC_VERSION), **tags})
         mlflow.log_params({key: str(value)[:500] for key, value in params.items()})
         mlflow.log_metrics({key: float(value) for key, value in metrics.items()})
         for plot in plots:
@@ -77,7 +80,8 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
 def best_run_id() -> str | None:
     import mlflow
 
-    runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string="attributes.status = 'FINISHED'",
+    loadable = f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
+    runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
                               order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
                               output_format="list")
     return runs[0].info.run_id if runs else None

@@ -206,3 +206,14 @@ def test_finetune_round_trip(tmp_path, encoder):
     for a, b in zip(before, after):
         assert isinstance(b, Prediction) and b.p90 >= b.p50
         assert b.score == pytest.approx(a.score, abs=0.02)
+
+
+@pytest.mark.parametrize("name", ["lexical", pytest.param("default", marks=pytest.mark.integration)])
+def test_committed_predictors_load_and_rank_an_essay_above_a_greeting(name):
+    from training.dataset import REPO_ROOT
+
+    model = predictor.load(REPO_ROOT / "data" / "predictors" / name)
+    essay, greeting = model.predict([chat(("user", "Write a detailed 1000 word essay on the history of Rome.")),
+                                     chat(("user", "hi"))])
+    assert essay.score > greeting.score and essay.p50 > greeting.p50
+    assert 0 < greeting.p50 <= greeting.p90

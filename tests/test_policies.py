@@ -49,6 +49,21 @@ def test_sjf_orders_by_predicted_length() -> None:
     assert order("sjf", requests, now=1.0, aging_tokens_per_s=0.0) == ["short", "mid", "long"]
 
 
+def test_oracle_never_ages_a_long_request_past_a_short_newcomer() -> None:
+    from scheduler.config import SchedulerConfig
+    from scheduler.policies import make_policy
+    from scheduler.request import Request, SamplingParams
+
+    config = SchedulerConfig(num_gpu_blocks=8, aging_tokens_per_s=20.0)
+    oracle, sjf = make_policy("oracle", config), make_policy("sjf", config)
+    params = SamplingParams(max_tokens=1000)
+    old_long = Request("long", [1], params, arrival_time=0.0, true_len=900, predicted_len=900)
+    new_short = Request("short", [1], params, arrival_time=999.0, true_len=10, predicted_len=10)
+    now = 1000.0
+    assert oracle.sort_key(new_short, now) < oracle.sort_key(old_long, now)
+    assert sjf.sort_key(old_long, now) < sjf.sort_key(new_short, now)  # sjf ages, the oracle does not
+
+
 def test_oracle_orders_by_true_length_not_prediction() -> None:
     requests = [req("a", predicted=10, true_len=100), req("b", predicted=100, true_len=10)]
     assert order("oracle", requests, aging_tokens_per_s=0.0) == ["b", "a"]

@@ -32,7 +32,3 @@ class SchedulingPolicy:
 
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> None:
         """Hook called once per step before ordering (aging counters, refined predictions)."""
-
-
-class FCFSPolicy(SchedulingPolicy):
-    name = "fcfs"

@@ -96,7 +96,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    idle_steps: int = 0  # consecutive steps spent waiting; the aging policies read it
     predicted_p50: float | None = None  # median of the predicted output length (srpt refinement)
 
     def __post_init__(self) -> None:
@@ -122,8 +121,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def predicted_remaining(self) -> float:
-        """Predicted output tokens still to come; never below one."""
-        predicted = self.predicted_len if self.predicted_len is not None else float("inf")
-        return max(1.0, predicted - self.num_output_tokens)

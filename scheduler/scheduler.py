@@ -115,8 +115,6 @@ class Scheduler:
         if not plan.preempted_ids:
             self._schedule_swapped(plan, now)
         self._schedule_waiting(plan, now)
-        for request in self.waiting + self.swapped:
-            request.idle_steps += 1
         return build_chunks(plan, finished_ids, now)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:

@@ -65,7 +65,6 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
             block_ids=tuple(request.block_ids), sample=request.num_computed_tokens == request.num_tokens))
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
-        request.idle_steps = 0
     return SchedulerOutput(
         chunks=tuple(chunks), preempted_ids=tuple(plan.preempted_ids), finished_ids=finished_ids,
         swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),

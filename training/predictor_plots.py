@@ -20,6 +20,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return path
+
+
 def predicted_vs_true(true: np.ndarray, predictions: Sequence[Prediction], path: Path, title: str) -> Path:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(5, 4.5))
@@ -29,10 +36,7 @@ def predicted_vs_true(true: np.ndarray, predictions: Sequence[Prediction], path:
     axis.set_xlabel("true output tokens (log10)")
     axis.set_ylabel("predicted output tokens (log10)")
     axis.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def tau_by_prompt_bucket(true: np.ndarray, predictions: Sequence[Prediction], prompt_tokens: np.ndarray,
@@ -45,7 +49,4 @@ def tau_by_prompt_bucket(true: np.ndarray, predictions: Sequence[Prediction], pr
     axis.set_xlabel("prompt tokens (quintile bucket)")
     axis.set_ylabel("Kendall's tau")
     axis.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)

@@ -79,3 +79,20 @@ def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
     assert summary["goodput_rps"] == pytest.approx(summary["request_throughput_rps"])
     assert summary["output_tokens_per_s"] == pytest.approx(sum(i.max_tokens for i in items) / duration)
 
+
+
+def test_bench_serve_run_lands_in_the_sqlite_store_with_artifacts_under_it(tmp_path, monkeypatch):
+    import mlflow
+
+    from training import bench_serve_report, tracking
+
+    store = tmp_path / "mlruns"
+    monkeypatch.setattr(tracking, "default_store", lambda: store)
+    result = tmp_path / "fcfs.json"
+    result.write_text("{}")
+    run_id = bench_serve_report.log_to_mlflow({"completed": 3, "mean_e2e_s": 1.5}, {"policy": "fcfs"},
+                                              [result], "fcfs")
+    run = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(store)).get_run(run_id)
+    assert run.data.metrics == {"completed": 3.0, "mean_e2e_s": 1.5}
+    assert run.info.artifact_uri.startswith((store / "artifacts").resolve().as_uri())
+    assert (store / "mlflow.db").exists()

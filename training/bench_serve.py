@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 from training import bench_serve_report as report
+from training import tracking
 
 TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
 
@@ -232,5 +233,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {json_path} and {plot_path}")
     if not args.no_mlflow:
         run_id = report.log_to_mlflow(summary, config, [json_path, plot_path], label)
-        print(f"MLflow run {run_id} in {report.TRACKING_URI}")
+        print(f"MLflow run {run_id} in {tracking.tracking_uri(tracking.default_store())}")
     return 0 if summary["failed"] == 0 else 1

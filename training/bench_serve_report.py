@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 EXPERIMENT = "lengthwise-bench-serve"
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -153,10 +152,10 @@ def log_to_mlflow(summary: dict[str, Any], config: dict[str, Any], artifacts: li
     """Record the run under the bench-serve experiment; returns the run id."""
     import mlflow
 
-    Path("mlruns").mkdir(exist_ok=True)
-    mlflow.set_tracking_uri(TRACKING_URI)
-    mlflow.set_experiment(EXPERIMENT)
-    with mlflow.start_run(run_name=label) as run:
+    from training.tracking import tracking_session
+
+    # The shared session puts the artifacts under mlruns/artifacts, as the training runs' are.
+    with tracking_session(experiment=EXPERIMENT), mlflow.start_run(run_name=label) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
         numbers = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
         mlflow.log_metrics(numbers)

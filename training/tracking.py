@@ -35,8 +35,8 @@ def tracking_uri(store: Path) -> str:
 
 
 @contextmanager
-def tracking_session(store: Path | None = None) -> Iterator[str]:
-    """Point mlflow at `store` (sqlite + artifact folder) and make sure the experiment exists."""
+def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAME) -> Iterator[str]:
+    """Point mlflow at `store` (sqlite + artifact folder) and make sure `experiment` exists there."""
     import mlflow
 
     store = Path(store or default_store())
@@ -46,9 +46,9 @@ def tracking_session(store: Path | None = None) -> Iterator[str]:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
-        if mlflow.get_experiment_by_name(EXPERIMENT_NAME) is None:
-            mlflow.create_experiment(EXPERIMENT_NAME, artifact_location=(store / "artifacts").resolve().as_uri())
-        mlflow.set_experiment(EXPERIMENT_NAME)
+        if mlflow.get_experiment_by_name(experiment) is None:
+            mlflow.create_experiment(experiment, artifact_location=(store / "artifacts").resolve().as_uri())
+        mlflow.set_experiment(experiment)
         yield uri
     finally:
         mlflow.set_tracking_uri(previous)

@@ -137,9 +137,9 @@ def test_trace_records_lengths_and_resumes(tmp_path):
                 ("<|im_start|>user\nCount to five.<|im_end|>\n<|im_start|>assistant\n", "test")])]
     llm = LLM(model=str(dataset.CONVERTED_MODEL_DIR))
     log = tmp_path / "trace.jsonl"
-    assert trace.record_trace(llm, rows[:1], log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 1
-    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 1
-    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, group_size=2, seed=0) == 0
+    assert trace.record_trace(llm, rows[:1], log, max_tokens=6, temperature=1.0, window=2, seed=0) == 1
+    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 1
+    assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 0
     assert trace.write_trace_table(log, tmp_path / "trace.parquet") == 2
     table = trace.load_trace(path=tmp_path / "trace.parquet")
     assert sorted(table["conversation_id"]) == ["c0", "c1"]

@@ -3,7 +3,7 @@
 Algorithm. Candidate prompts are the turn table's prompts that fit the context with room for
 `max_tokens` of output, deduplicated by text, in a seeded random order (so any prefix is a
 random sample across splits, and each row keeps its turn-table split). They run through the
-offline engine (`engine.llm.LLM`) in groups with the served defaults (temperature 1.0, top_p
+offline engine (`engine.llm.LLM`), fed continuously, with the served defaults (temperature 1.0, top_p
 1.0) and a per-prompt seed, so a rerun reproduces a length. Each finished prompt is appended
 to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
 log is then written as a parquet table that `lengthwise train --labels trace` learns from.
@@ -63,26 +63,43 @@ def seed_of(key: str, seed: int) -> int:
 
 
 def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, temperature: float,
-                 group_size: int, seed: int) -> int:
-    """Generate for `rows` not yet in the log, appending one JSON line per prompt; returns the count."""
+                 window: int, seed: int) -> int:
+    """Generate for `rows` not yet in the log, appending one JSON line per prompt; returns the count.
+
+    Prompts are fed to the engine so that `window` are in flight at once and each finished one is
+    logged at once: the batch never drains waiting for a group's longest reply, and an interrupt
+    loses only the prompts still running.
+    """
     from tqdm import tqdm
 
     from scheduler.request import SamplingParams
 
     done = {record["key"] for record in read_log(log_path)}
     todo = [row for row in rows if row["key"] not in done]
+    pending = iter(todo)
+    in_flight: dict[str, dict] = {}
+    engine = llm.engine
+
+    def feed() -> None:
+        for row in pending:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed_of(row["key"], seed))
+            engine.add_request(f"trace-{row['key']}", row["prompt"], params)
+            in_flight[f"trace-{row['key']}"] = row
+            if len(in_flight) >= window:
+                return
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a", encoding="utf-8") as log, tqdm(total=len(todo), desc="trace", unit="prompt") as bar:
-        for start in range(0, len(todo), group_size):
-            group = todo[start : start + group_size]
-            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed_of(r["key"], seed))
-                      for r in group]
-            outputs = llm.generate([row["prompt"] for row in group], params)
-            for row, output in zip(group, outputs):
-                record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
-                log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.update(len(group))
+        feed()
+        while in_flight:
+            for output in engine.step():
+                if output.finished:
+                    row = in_flight.pop(output.request_id)
+                    record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    bar.update(1)
+            feed()
     return len(todo)
 
 
@@ -119,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="the server's default")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="only prompts this short (default: what fits the context with --max-tokens)")
-    parser.add_argument("--group-size", type=int, default=32, help="prompts per generate() call")
+    parser.add_argument("--window", type=int, default=64,
+                        help="prompts queued in the engine at once (above max_num_seqs keeps the batch full)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
     parser.add_argument("--out", type=Path, default=DEFAULT_TRACE, help="parquet trace table")
@@ -135,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_prompt_tokens is not None:
         max_prompt_tokens = min(max_prompt_tokens, args.max_prompt_tokens)
     rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
-    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.group_size, args.seed)
+    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed)
     total = write_trace_table(args.log, args.out)
     print(f"traced {added} new prompts; {total} in {args.out}")
     return 0

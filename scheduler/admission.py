@@ -96,6 +96,11 @@ class AdmissionController:
             return None
         return self._ewma_tokens / self._ewma_time
 
+    @property
+    def mean_step_time_s(self) -> float | None:
+        """EWMA of measured step seconds; a decoding seat gains one token per step."""
+        return self._ewma_time
+
     def stability_margin(self, now: float) -> float | None:
         """lambda * (m_prefill + m_decode) / (B / t_step) over the sliding window, or None."""
         horizon = now - self.config.stability_window_s

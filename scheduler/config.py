@@ -29,10 +29,13 @@ class SchedulerConfig:
     # without it, a full cache admits a prefill that the next decode step preempts again.
     kv_watermark: float = 0.05
 
-    # sjf / srpt / oracle anti-starvation: a waiting request's length score falls by this many
-    # tokens per second waited, so its order equals arrival_time + predicted_len / rate and a
-    # request is never overtaken by one arriving more than predicted_len / rate seconds later.
-    aging_tokens_per_s: float = 20.0
+    # sjf / srpt anti-starvation: a waiting request's length score falls by `rate` tokens per second
+    # waited, so its order equals arrival_time + predicted_len / rate and a request is never
+    # overtaken by one arriving more than predicted_len / rate seconds later. None: the rate is one
+    # token per measured step, the decode speed of a seat, so the bound is the request's own
+    # predicted decode time however fast or slow the hardware is. A fixed rate mis-scales: 20
+    # tokens/s turned sjf back into FCFS once CPU queues reached minutes.
+    aging_tokens_per_s: float | None = None
     # srpt: a running request past this share of its predicted length is never preempted for
     # a shorter waiting one (limited preemption; tier preemption still applies).
     srpt_max_preempt_share: float = 0.5
@@ -74,11 +77,13 @@ class SchedulerConfig:
         self._validate_policy_knobs()
 
     def _validate_policy_knobs(self) -> None:
-        non_negative = ("aging_tokens_per_s", "goodput_urgent_slack_s", "slo_ttft_interactive_s",
-                        "slo_e2e_standard_s", "goodput_s_per_token")
+        non_negative = ("goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s",
+                        "goodput_s_per_token")
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.aging_tokens_per_s is not None and not self.aging_tokens_per_s >= 0:
+            raise ValueError(f"aging_tokens_per_s must be >= 0 or None, got {self.aging_tokens_per_s!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if not 0.0 <= self.srpt_max_preempt_share <= 1.0:

@@ -10,11 +10,12 @@ within a tier.
 - fcfs: score 0, so arrival order within a tier.
 - priority: vLLM's semantics, the integer `priority` (lower first), ties by arrival; a waiting
   request preempts running ones of a worse priority.
-- sjf: predicted output length minus `aging_tokens_per_s` times the seconds waited. The order this
-  gives equals the order of `arrival_time + predicted_len / rate`, which does not change with time,
-  so a request is never overtaken by one arriving more than `predicted_len / rate` seconds after it:
-  the aging bound.
-- oracle: sjf on the true length (benchmarks only), with the same aging.
+- sjf: predicted median output length minus the aging rate times the seconds waited. The order
+  this gives equals the order of `arrival_time + length / rate`, which does not change while the
+  rate holds, so a request is never overtaken by one arriving more than `length / rate` seconds
+  after it: the aging bound. The rate is `aging_tokens_per_s`, or by default one token per measured
+  step (a decoding seat's speed), so the bound is the request's own predicted decode time.
+- oracle: exact SJF on the true length (benchmarks only), no aging.
 - srpt: predicted remaining output (refined once the output outgrows the first estimate, see
   `refined_remaining`) minus the same aging; preempts a running request of its tier only when the
   waiting one is `srpt_preempt_ratio` times shorter and the running one has produced less than
@@ -84,20 +85,37 @@ def predicted_total(request: Request) -> float:
     return float(request.sampling_params.max_tokens)
 
 
+def ranking_length(request: Request) -> float:
+    """The length to order by: the predicted median when known (the predictor's best-ranking head,
+    and unlike a lambdarank score it is in tokens, so aging can be added to it), else the point."""
+    if request.predicted_p50 is not None:
+        return max(1.0, min(request.predicted_p50, request.sampling_params.max_tokens))
+    return predicted_total(request)
+
+
 class SJFPolicy(TieredPolicy):
     name = "sjf"
 
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.aging_rate = config.aging_tokens_per_s or 0.0  # tokens per second waited
+
+    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
+                step_time_s: float | None) -> None:
+        if self.config.aging_tokens_per_s is None and step_time_s:
+            self.aging_rate = 1.0 / step_time_s
+
     def length(self, request: Request) -> float:
-        return predicted_total(request)
+        return ranking_length(request)
 
     def score(self, request: Request, now: float) -> float:
         waited = max(0.0, now - request.arrival_time)
-        return self.length(request) - self.config.aging_tokens_per_s * waited
+        return self.length(request) - self.aging_rate * waited
 
     def aging_bound_s(self, request: Request) -> float:
-        """No request arriving more than this long after `request` is ever ordered before it."""
-        rate = self.config.aging_tokens_per_s
-        return self.length(request) / rate if rate > 0 else math.inf
+        """At the current rate, no request arriving more than this long after `request` is
+        ordered before it."""
+        return self.length(request) / self.aging_rate if self.aging_rate > 0 else math.inf
 
 
 class OraclePolicy(SJFPolicy):
@@ -110,7 +128,7 @@ class OraclePolicy(SJFPolicy):
     name = "oracle"
 
     def length(self, request: Request) -> float:
-        return float(request.true_len) if request.true_len is not None else predicted_total(request)
+        return float(request.true_len) if request.true_len is not None else ranking_length(request)
 
     def score(self, request: Request, now: float) -> float:
         return self.length(request)
@@ -130,11 +148,11 @@ def _upper_tail_ratio(a: float, b: float) -> float:
 def refined_remaining(request: Request) -> float:
     """Predicted output tokens still to come, refined once generation outgrows the first estimate.
 
-    Before the output reaches the point estimate: estimate minus tokens so far. After: fit a
+    Before the output reaches the ranking estimate: estimate minus tokens so far. After: fit a
     lognormal to the predicted p50 and p90 and take E[X | X > generated] - generated.
     """
     generated = request.num_output_tokens
-    point = predicted_total(request)
+    point = ranking_length(request)
     if generated < point:
         return point - generated
     p50 = request.predicted_p50 if request.predicted_p50 else point
@@ -152,7 +170,7 @@ class SRPTPolicy(SJFPolicy):
 
     def score(self, request: Request, now: float) -> float:
         waited = max(0.0, now - request.arrival_time)
-        return refined_remaining(request) - self.config.aging_tokens_per_s * waited
+        return refined_remaining(request) - self.aging_rate * waited
 
     def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
         if running.num_output_tokens >= self.config.srpt_max_preempt_share * predicted_total(running):

@@ -30,5 +30,7 @@ class SchedulingPolicy:
         """Whether `waiting` may take the seat (and blocks) of `running`. FCFS never preempts."""
         return False
 
-    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> None:
-        """Hook called once per step before ordering (aging counters, refined predictions)."""
+    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
+                step_time_s: float | None) -> None:
+        """Hook called once per step before ordering, with the measured mean step time (None before
+        the first step is measured): aging rates, refined predictions."""

@@ -86,7 +86,6 @@ class Request:
     priority: int = 0  # vLLM semantics: lower is served first
     predicted_len: float | None = None  # point estimate of output tokens, set once at admission
     predicted_p90: float | None = None
-    rank_score: float | None = None  # predictor's ranking score (lower = shorter)
     true_len: int | None = None  # known only to the oracle policy (benchmarks)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -96,7 +95,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    predicted_p50: float | None = None  # median of the predicted output length (srpt refinement)
+    predicted_p50: float | None = None  # median of the predicted output length: what sjf/srpt rank by
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

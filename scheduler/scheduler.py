@@ -107,7 +107,7 @@ class Scheduler:
         for request_id in finished_ids:
             self._requests.pop(request_id, None)
         self._finished_ids.clear()
-        self.policy.on_step(self.waiting, self.running, now)
+        self.policy.on_step(self.waiting, self.running, now, self.admission.mean_step_time_s)
         self.waiting.sort(key=lambda r: self.policy.sort_key(r, now))
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._make_room_for_urgent(plan, now)

@@ -80,13 +80,13 @@ def test_sjf_aging_promotes_a_long_waiting_request() -> None:
     assert isinstance(policy, SJFPolicy) and policy.aging_bound_s(long_one) == pytest.approx(10.0)
 
 
-def starved_request_start(aging: float) -> float | None:
-    """One seat; a long request at t=0 and a short one arriving every second."""
+def starved_request_start(aging: float | None, measure_steps: bool = False) -> float | None:
+    """One seat; a long request at t=0 and a short one arriving every second; steps 0.5 s apart."""
     config = SchedulerConfig(num_gpu_blocks=256, block_size=4, max_num_seqs=1, max_model_len=256,
                              policy="sjf", aging_tokens_per_s=aging)
     scheduler = Scheduler(config)
     runner = PagedTokenRunner(256, 4)
-    scheduler.add_request(req("long", 0.0, predicted=100, max_tokens=3))
+    scheduler.add_request(req("long", 0.0, predicted=100, max_tokens=200))
     for second in range(60):
         scheduler.add_request(req(f"s{second}", float(second), predicted=5, max_tokens=2))
         for tick in (0.0, 0.5):
@@ -94,6 +94,8 @@ def starved_request_start(aging: float) -> float | None:
             if any(c.request_id == "long" for c in output.chunks):
                 return second + tick
             scheduler.update_from_output(output, runner.execute(output), second + tick)
+            if measure_steps:
+                scheduler.record_step(second + tick, output.num_batched_tokens, 0.5)
     return None
 
 
@@ -192,3 +194,23 @@ def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str
                                                             request.sampling_params.max_tokens)
     assert batch[1].num_preemptions >= 1 and interactive.num_preemptions == 0
     assert interactive.finish_time < batch[1].finish_time
+
+
+def test_default_aging_rate_is_one_token_per_measured_step() -> None:
+    # Unmeasured, the default rate is 0 (pure SJF); measured 0.5 s steps give 2 tokens/s, so the
+    # long request (100 tokens) is overtaken by no arrival later than 50 s after it.
+    assert SchedulerConfig(num_gpu_blocks=8).aging_tokens_per_s is None
+    assert starved_request_start(aging=None) is None
+    started = starved_request_start(aging=None, measure_steps=True)
+    assert started is not None and 40.0 <= started <= 50.0 + 2.0
+    policy = make_policy("sjf", CONFIG)
+    policy.on_step([], [], 0.0, step_time_s=0.25)
+    assert policy.aging_bound_s(req("x", predicted=100, predicted_p50=100)) == pytest.approx(25.0)
+
+
+def test_sjf_ranks_by_predicted_median_not_point() -> None:
+    # The median head ranks best; the point estimate only feeds token budgets.
+    a = req("a", predicted=10, predicted_p50=120)
+    b = req("b", predicted=100, predicted_p50=30)
+    assert order("sjf", [a, b], aging_tokens_per_s=0.0) == ["b", "a"]
+    assert order("sjf", [req("c", predicted=10), req("d", predicted=100)], aging_tokens_per_s=0.0) == ["c", "d"]

@@ -99,11 +99,15 @@ class SJFPolicy(TieredPolicy):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self.aging_rate = config.aging_tokens_per_s or 0.0  # tokens per second waited
+        self.slowest_rate_while_waiting: float | None = None  # what the aging bound holds at
 
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
                 step_time_s: float | None) -> None:
         if self.config.aging_tokens_per_s is None and step_time_s:
             self.aging_rate = 1.0 / step_time_s
+        if waiting and self.aging_rate > 0:
+            slowest = self.slowest_rate_while_waiting
+            self.slowest_rate_while_waiting = self.aging_rate if slowest is None else min(slowest, self.aging_rate)
 
     def length(self, request: Request) -> float:
         return ranking_length(request)
@@ -113,9 +117,13 @@ class SJFPolicy(TieredPolicy):
         return self.length(request) - self.aging_rate * waited
 
     def aging_bound_s(self, request: Request) -> float:
-        """At the current rate, no request arriving more than this long after `request` is
-        ordered before it."""
-        return self.length(request) / self.aging_rate if self.aging_rate > 0 else math.inf
+        """No request arriving more than this long after `request` is ordered before it.
+
+        A later arrival B overtakes A at time t only while length_A - length_B > rate(t) * (arrival_B
+        - arrival_A), so the bound is length_A over the slowest rate in force while requests waited
+        (the current rate before any did)."""
+        rate = self.slowest_rate_while_waiting or self.aging_rate
+        return self.length(request) / rate if rate > 0 else math.inf
 
 
 class OraclePolicy(SJFPolicy):

@@ -205,7 +205,12 @@ def test_default_aging_rate_is_one_token_per_measured_step() -> None:
     assert started is not None and 40.0 <= started <= 50.0 + 2.0
     policy = make_policy("sjf", CONFIG)
     policy.on_step([], [], 0.0, step_time_s=0.25)
-    assert policy.aging_bound_s(req("x", predicted=100, predicted_p50=100)) == pytest.approx(25.0)
+    waiting = req("x", predicted=100, predicted_p50=100)
+    assert policy.aging_bound_s(waiting) == pytest.approx(25.0)
+    # The bound holds at the slowest rate in force while anyone waited: 1 s steps, then faster ones.
+    policy.on_step([waiting], [], 1.0, step_time_s=1.0)
+    policy.on_step([waiting], [], 2.0, step_time_s=0.1)
+    assert policy.aging_rate == pytest.approx(10.0) and policy.aging_bound_s(waiting) == pytest.approx(100.0)
 
 
 def test_sjf_ranks_by_predicted_median_not_point() -> None:

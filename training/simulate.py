@@ -103,8 +103,8 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         result = simulate(replace(config, policy=name), workload, cost, policy)
         summaries[name] = summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
-            # the rate in force at the end of the run (measured from step times by default)
-            summaries[name]["aging_tokens_per_s"] = policy.aging_rate
+            # the slowest rate in force while requests waited (measured from step times by default)
+            summaries[name]["aging_tokens_per_s"] = policy.slowest_rate_while_waiting or policy.aging_rate
             summaries[name]["aging_bound_s"] = max(policy.aging_bound_s(r.to_request()) for r in workload)
         latencies[name] = [r.e2e_s for r in result.records if not r.rejected]
         logger.info("load %.2f %-8s mean %.2fs p99 %.2fs (%.1fs wall)", load, name,

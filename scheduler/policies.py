@@ -13,8 +13,9 @@ within a tier.
 - sjf: predicted median output length minus the aging rate times the seconds waited. The order
   this gives equals the order of `arrival_time + length / rate`, which does not change while the
   rate holds, so a request is never overtaken by one arriving more than `length / rate` seconds
-  after it: the aging bound. The rate is `aging_tokens_per_s`, or by default one token per measured
-  step (a decoding seat's speed), so the bound is the request's own predicted decode time.
+  after it: the aging bound. The rate is `aging_tokens_per_s`, or by default `aging_tokens_per_step`
+  per measured step (a decoding seat gains one token per step), so the bound is a multiple of the
+  request's own predicted decode time.
 - oracle: exact SJF on the true length (benchmarks only), no aging.
 - srpt: predicted remaining output (refined once the output outgrows the first estimate, see
   `refined_remaining`) minus the same aging; preempts a running request of its tier only when the
@@ -104,7 +105,7 @@ class SJFPolicy(TieredPolicy):
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
                 step_time_s: float | None) -> None:
         if self.config.aging_tokens_per_s is None and step_time_s:
-            self.aging_rate = 1.0 / step_time_s
+            self.aging_rate = self.config.aging_tokens_per_step / step_time_s
         if waiting and self.aging_rate > 0:
             slowest = self.slowest_rate_while_waiting
             self.slowest_rate_while_waiting = self.aging_rate if slowest is None else min(slowest, self.aging_rate)

@@ -80,10 +80,10 @@ def test_sjf_aging_promotes_a_long_waiting_request() -> None:
     assert isinstance(policy, SJFPolicy) and policy.aging_bound_s(long_one) == pytest.approx(10.0)
 
 
-def starved_request_start(aging: float | None, measure_steps: bool = False) -> float | None:
+def starved_request_start(aging: float | None, measure_steps: bool = False, per_step: float = 1.0) -> float | None:
     """One seat; a long request at t=0 and a short one arriving every second; steps 0.5 s apart."""
     config = SchedulerConfig(num_gpu_blocks=256, block_size=4, max_num_seqs=1, max_model_len=256,
-                             policy="sjf", aging_tokens_per_s=aging)
+                             policy="sjf", aging_tokens_per_s=aging, aging_tokens_per_step=per_step)
     scheduler = Scheduler(config)
     runner = PagedTokenRunner(256, 4)
     scheduler.add_request(req("long", 0.0, predicted=100, max_tokens=200))
@@ -197,13 +197,13 @@ def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str
 
 
 def test_default_aging_rate_is_one_token_per_measured_step() -> None:
-    # Unmeasured, the default rate is 0 (pure SJF); measured 0.5 s steps give 2 tokens/s, so the
-    # long request (100 tokens) is overtaken by no arrival later than 50 s after it.
+    # Unmeasured, the rate is 0 (pure SJF); measured 0.5 s steps at one token per step give 2
+    # tokens/s, so the long request (100 tokens) is overtaken by no arrival later than 50 s after it.
     assert SchedulerConfig(num_gpu_blocks=8).aging_tokens_per_s is None
     assert starved_request_start(aging=None) is None
     started = starved_request_start(aging=None, measure_steps=True)
     assert started is not None and 40.0 <= started <= 50.0 + 2.0
-    policy = make_policy("sjf", CONFIG)
+    policy = make_policy("sjf", SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_step=1.0))
     policy.on_step([], [], 0.0, step_time_s=0.25)
     waiting = req("x", predicted=100, predicted_p50=100)
     assert policy.aging_bound_s(waiting) == pytest.approx(25.0)

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-tokens", type=int, default=1024)
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--aging-tokens-per-s", type=float, default=SchedulerConfig.aging_tokens_per_s,
-                        help="fixed sjf/srpt aging rate (default: one token per measured step)")
+                        help="fixed sjf/srpt aging rate (default: --aging-tokens-per-step per measured step)")
+    parser.add_argument("--aging-tokens-per-step", type=float, default=SchedulerConfig.aging_tokens_per_step)
     parser.add_argument("--admission", action="store_true", help="enable token admission control")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))
@@ -80,7 +81,8 @@ def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
         num_cpu_blocks=4 * kv_blocks if args.preemption_mode == "swap" else 0,
-        aging_tokens_per_s=args.aging_tokens_per_s, enable_admission=args.admission)
+        aging_tokens_per_s=args.aging_tokens_per_s, aging_tokens_per_step=args.aging_tokens_per_step,
+        enable_admission=args.admission)
 
 
 def saturated_throughput(config: SchedulerConfig, workload: list[SimRequest], cost: StepCostModel) -> float:
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         "cost_model": {**cost.to_dict(), "source": cost_source},
         "scheduler": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                       "max_model_len": config.max_model_len, "preemption_mode": config.preemption_mode,
-                      "aging_tokens_per_s": config.aging_tokens_per_s, "admission": config.enable_admission},
+                      "aging_tokens_per_s": config.aging_tokens_per_s,
+                      "aging_tokens_per_step": config.aging_tokens_per_step, "admission": config.enable_admission},
         "sweep": sweep if len(sweep) > 1 else [],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -168,11 +168,12 @@ def test_serve_arguments_build_the_engine_config():
     serve_cli.add_arguments(parser)
     args = parser.parse_args(["--model", "m", "--policy", "sjf", "--max-num-seqs", "7",
                               "--kv-cache-memory", "0.25", "--admission", "--max-queued-tokens", "5000",
-                              "--attention-backend", "torch"])
+                              "--attention-backend", "torch", "--aging-tokens-per-step", "0.5"])
     config = serve_cli.build_engine_config(args)
     assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "sjf", 7, 0.25)
     assert config.attention_backend == "torch" and config.predictor is None
-    assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000}
+    assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000,
+                                        "aging_tokens_per_step": 0.5}
     assert args.host == "127.0.0.1" and args.port == 8000
 
 

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admission control: refuse (429) requests whose tier SLO cannot be met")
     parser.add_argument("--max-queued-tokens", type=int, default=None,
                         help="bound on queued token work for admission control")
+    parser.add_argument("--aging-tokens-per-step", type=float, default=None,
+                        help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
@@ -110,6 +112,8 @@ def build_engine_config(args: argparse.Namespace):
     scheduler_options = {"enable_admission": bool(args.admission)}
     if args.max_queued_tokens is not None:
         scheduler_options["max_queued_tokens"] = args.max_queued_tokens
+    if args.aging_tokens_per_step is not None:
+        scheduler_options["aging_tokens_per_step"] = args.aging_tokens_per_step
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
     return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options, **chosen)
 

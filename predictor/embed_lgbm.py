@@ -1,6 +1,11 @@
 """Frozen MiniLM embeddings plus lexical features, LightGBM heads (lambdarank score + quantiles).
 
 The encoder runs first (torch), then the boosters (single-threaded LightGBM): never both at once.
+
+Optionally stacked on a prior: the heads of another embed_lgbm predictor over the same features
+(in practice the one trained on 40k ChatGPT reply lengths), whose four outputs become extra
+features. A trace of the served model has a few thousand labels; the prior brings what the large
+table taught about which prompts ask for long answers. The prior's heads live in `prior/`.
 """
 
 from __future__ import annotations
@@ -17,30 +22,48 @@ from predictor.heads import LgbmHeads, to_predictions
 from predictor.saved import PredictorSpec
 
 
+PRIOR_FOLDER = "prior"
+
+
 def embed_lgbm_features(embeddings: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """The head's input: [embedding | lexical features], the same in training and serving."""
     return np.hstack([embeddings.astype(np.float32), lexical_matrix(prompts)])
 
 
+def with_prior(features: np.ndarray, prior: LgbmHeads | None) -> np.ndarray:
+    """[features | the prior's score, log point, log p50, log p90] (unchanged without a prior)."""
+    if prior is None:
+        return features
+    out = prior.predict(features)
+    stacked = np.column_stack([out.score, out.log_point, out.log_p50, out.log_p90]).astype(np.float32)
+    return np.hstack([features, stacked])
+
+
 class EmbedLgbmPredictor:
     kind = "embed_lgbm"
 
-    def __init__(self, encoder: MiniLMEncoder, heads: LgbmHeads, spec: PredictorSpec) -> None:
+    def __init__(self, encoder: MiniLMEncoder, heads: LgbmHeads, spec: PredictorSpec,
+                 prior: LgbmHeads | None = None) -> None:
         self.encoder = encoder
         self.heads = heads
         self.spec = spec
+        self.prior = prior
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
         if not prompts:
             return []
         features = embed_lgbm_features(self.encoder.encode(prompts), prompts)
-        return to_predictions(self.heads.predict(features))
+        return to_predictions(self.heads.predict(with_prior(features, self.prior)))
 
     def save(self, folder: Path) -> None:
         self.heads.save(folder)
+        if self.prior is not None:
+            (folder / PRIOR_FOLDER).mkdir(exist_ok=True)
+            self.prior.save(folder / PRIOR_FOLDER)
 
     @classmethod
     def load(cls, folder: Path, spec: PredictorSpec) -> "EmbedLgbmPredictor":
         check_lexical_spec(spec.feature_spec)
         encoder = MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"]))
-        return cls(encoder, LgbmHeads.load(folder), spec)
+        prior = LgbmHeads.load(folder / PRIOR_FOLDER) if (folder / PRIOR_FOLDER).is_dir() else None
+        return cls(encoder, LgbmHeads.load(folder), spec, prior)

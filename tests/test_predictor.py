@@ -194,6 +194,27 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder):
 
 
 @pytest.mark.integration
+def test_embed_lgbm_stacked_on_a_prior_serves_what_it_trained_on(tmp_path, encoder):
+    from predictor.embed_lgbm import PRIOR_FOLDER, EmbedLgbmPredictor, embed_lgbm_features, with_prior
+
+    prompts, lengths = _synthetic_prompts(60)
+    base = embed_lgbm_features(encoder.encode(prompts), prompts)
+    prior = _tiny_heads(base, lengths)
+    stacked_features = with_prior(base, prior)
+    assert stacked_features.shape == (60, base.shape[1] + 4)
+    heads = _tiny_heads(stacked_features, lengths // 2 + 1)  # "another model": half as long
+    spec = PredictorSpec(kind="embed_lgbm", data_hash="h", labels="trace",
+                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
+    folder = save(EmbedLgbmPredictor(encoder, heads, spec, prior), tmp_path / "stacked")
+    assert (folder / PRIOR_FOLDER / "point.lgb.txt").exists()
+    loaded = predictor.load(folder)
+    assert loaded.prior is not None
+    served = np.asarray([p.point for p in loaded.predict(prompts)])
+    trained = np.expm1(np.maximum(heads.predict(stacked_features).log_point, 0.0))
+    np.testing.assert_allclose(served, trained, rtol=1e-3)
+
+
+@pytest.mark.integration
 def test_finetune_round_trip(tmp_path, encoder):
     from predictor.finetune import FinetunePredictor, RankingNetwork
 

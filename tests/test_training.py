@@ -99,6 +99,12 @@ def test_champion_follows_best_validation_tau(tmp_path):
     local = tracking.download_champion(tmp_path / "download", store=store)
     loaded = predictor.load(local)
     assert loaded.params.intercept == 2.0
+    # A run on the served model's trace outranks ChatGPT-label runs, whatever their taus.
+    with tracking.tracking_session(store):
+        folder = _saved_length_predictor(tmp_path / "trace", 4.0)
+        on_trace = tracking.log_run("trace", {"model": "length", "labels": "trace"},
+                                    {tracking.SELECTION_METRIC: 0.3}, folder, [], {})
+        assert tracking.update_champion() == on_trace
 
 
 def test_download_champion_without_registry_raises(tmp_path):
@@ -111,7 +117,7 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     from training import evaluate, train
 
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=600, max_eval=300, store=tmp_path / "mlruns",
-                              save=tmp_path / "saved", no_register=False, seed=0)
+                              save=tmp_path / "saved", no_register=False, seed=0, prior=None)
     run_id, logged = train.train_and_log(args)
     assert -1 <= logged["val_kendall_tau"] <= 1 and logged["test_num_examples"] == 300
     assert json.loads((tmp_path / "saved" / "predictor.json").read_text())["kind"] == "lexical"

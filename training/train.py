@@ -35,10 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder (default mlruns/)")
     parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
+    parser.add_argument("--prior", type=Path, default=None,
+                        help="embed_lgbm: stack on this saved embed_lgbm predictor (its outputs become features)")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None):
+def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None, prior: Path | None = None):
     from training import dataset, labels as label_data
     from training.train_models import TrainingData
 
@@ -53,6 +55,7 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
         test=label_data.subsample(label_data.load_split("test", labels), test_limit, seed=2),
         labels=labels,
         data_hash=dataset.table_hash() if labels == "sharegpt" else label_data.trace_hash(),
+        prior=prior,
     )
 
 
@@ -87,7 +90,9 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     from training import tracking
     from training.train_models import TRAINERS
 
-    data = load_data(args.labels, args.model, args.max_train, args.max_eval)
+    if args.prior is not None and args.model != "embed_lgbm":
+        raise SystemExit("--prior applies to --model embed_lgbm only")
+    data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior)
     config = fitters.LgbmConfig(seed=args.seed)
     trained = TRAINERS[args.model](data, config)
     metrics = evaluate_trained(data, trained)

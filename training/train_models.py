@@ -27,6 +27,7 @@ class TrainingData:
     test: LabelledSplit
     labels: str
     data_hash: str
+    prior: object = None  # embed_lgbm only: a saved embed_lgbm folder whose outputs become features
 
 
 @dataclass
@@ -75,7 +76,7 @@ def _embed_features(split: LabelledSplit, encoder_config) -> np.ndarray:
 
 
 def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
-    from predictor.embed_lgbm import EmbedLgbmPredictor
+    from predictor.embed_lgbm import EmbedLgbmPredictor, with_prior
     from predictor.encoder import EncoderConfig, MiniLMEncoder
     from training import embedding_cache
 
@@ -85,14 +86,34 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
     # torch finishes all encoding before LightGBM starts: the two never share the cores.
     embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
                                encoder_config, encoder=encoder)
-    features = {name: _embed_features(getattr(data, name), encoder_config) for name in ("train", "valid", "test")}
+    prior, prior_spec = _load_prior(data.prior, encoder_config)
+    features = {name: with_prior(_embed_features(getattr(data, name), encoder_config), prior)
+                for name in ("train", "valid", "test")}
     heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],
                                    data.valid.lengths, config)
-    spec = _spec("embed_lgbm", data, {**lexical_spec(), "encoder": encoder_config.as_dict()})
-    model = EmbedLgbmPredictor(encoder, heads, spec)
+    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
+    if prior_spec is not None:
+        feature_spec["prior"] = {"labels": prior_spec.labels, "data_hash": prior_spec.data_hash}
+    model = EmbedLgbmPredictor(encoder, heads, _spec("embed_lgbm", data, feature_spec), prior)
     return TrainedModel(model, to_predictions(heads.predict(features["valid"])),
                         to_predictions(heads.predict(features["test"])),
-                        {"score_head": heads.score_head, **config.__dict__, **encoder_config.as_dict()})
+                        {"score_head": heads.score_head, "prior": str(data.prior), **config.__dict__,
+                         **encoder_config.as_dict()})
+
+
+def _load_prior(folder, encoder_config):
+    """(heads, spec) of the prior predictor folder, or (None, None); it must share our features."""
+    from predictor.embed_lgbm import EmbedLgbmPredictor
+    from predictor.saved import load
+
+    if folder is None:
+        return None, None
+    prior = load(folder)
+    if not isinstance(prior, EmbedLgbmPredictor) or prior.prior is not None:
+        raise SystemExit(f"--prior {folder}: must be an embed_lgbm predictor without a prior of its own")
+    if prior.spec.feature_spec != {**lexical_spec(), "encoder": encoder_config.as_dict()}:
+        raise SystemExit(f"--prior {folder}: its features differ from this code's")
+    return prior.heads, prior.spec
 
 
 def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:

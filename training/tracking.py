@@ -2,9 +2,8 @@
 
 Every `lengthwise train` run logs its config, data hash, git sha, metrics, plots and the saved
 predictor folder (artifact path `predictor`). After each run the registry is reconciled: the
-run with the best validation Kendall's tau in the experiment (among runs on the served model's
-trace, once there are any) is the `champion` alias of model `lengthwise-predictor` (a new model
-version is made only when the champion changes). Only runs
+run with the best validation Kendall's tau in the experiment is the `champion` alias of model
+`lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
 tagged with this code's lexical feature version compete: a predictor trained on other features
 would not load. The
 tracking URI is set inside `tracking_session`, never at import.
@@ -79,19 +78,13 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
 
 
 def best_run_id() -> str | None:
-    """The loadable run with the best validation tau, among runs that learned the served model's
-    own trace when there are any: a tau on ChatGPT's lengths is not comparable with one on the
-    trace, and the trace's lengths are the ones the scheduler ranks."""
     import mlflow
 
     loadable = f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
-    for condition in (f"{loadable} AND params.labels = 'trace'", loadable):
-        runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=condition,
-                                  order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
-                                  output_format="list")
-        if runs:
-            return runs[0].info.run_id
-    return None
+    runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
+                              order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
+                              output_format="list")
+    return runs[0].info.run_id if runs else None
 
 
 def update_champion() -> str | None:

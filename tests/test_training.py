@@ -146,3 +146,22 @@ def test_trace_records_lengths_and_resumes(tmp_path):
     assert all(1 <= n <= 6 for n in table["output_tokens"])
     assert set(table["finish_reason"]) <= {"stop", "length"}
     assert trace.load_trace("test", path=tmp_path / "trace.parquet")["conversation_id"] == ["c1"]
+
+
+def test_sample_agreement_pairs_prompts_by_key(tmp_path):
+    from training import trace
+
+    def table(name, lengths):
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps({
+            "key": f"k{i}", "conversation_id": f"c{i}", "turn_index": 0, "prompt": f"p{i}", "prompt_tokens": 5,
+            "output_tokens": n, "finish_reason": "stop", "split": "test", "in_train": False}) + "\n"
+            for i, n in lengths))
+        trace.write_trace_table(log, tmp_path / f"{name}.parquet")
+        return tmp_path / f"{name}.parquet"
+
+    first = table("a", [(0, 10), (1, 20), (2, 30), (3, 40)])
+    same_order = table("b", [(3, 400), (2, 300), (0, 100), (1, 200)])  # other order, same ranking
+    reversed_order = table("c", [(0, 4), (1, 3), (2, 2), (9, 1)])  # k9 has no partner
+    assert trace.sample_agreement(first, same_order) == {"num_prompts": 4, "kendall_tau_two_samples": 1.0}
+    assert trace.sample_agreement(first, reversed_order) == {"num_prompts": 3, "kendall_tau_two_samples": -1.0}

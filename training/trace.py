@@ -143,6 +143,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
     parser.add_argument("--out", type=Path, default=DEFAULT_TRACE, help="parquet trace table")
+    parser.add_argument("--resample-split", default=None, choices=("train", "validation", "test"),
+                        help="instead: sample this split of the committed trace again (use another "
+                             "--seed, --log and --out) and report how well two samples agree")
+
+
+def trace_rows(split: str, path: Path = DEFAULT_TRACE) -> list[dict]:
+    """The rows of one split of a trace table, without their output lengths."""
+    table = load_trace(split, path)
+    return [{name: row[name] for name in TRACE_COLUMNS if name not in ("output_tokens", "finish_reason")}
+            for row in table.to_list()]
+
+
+def sample_agreement(first: Path, second: Path) -> dict:
+    """Kendall tau between two samples of the same prompts: how much of a length is chance."""
+    from scipy import stats
+
+    a = {row["key"]: row["output_tokens"] for row in load_trace(path=first).to_list()}
+    b = {row["key"]: row["output_tokens"] for row in load_trace(path=second).to_list()}
+    keys = sorted(set(a) & set(b))
+    return {"num_prompts": len(keys),
+            "kendall_tau_two_samples": float(stats.kendalltau([a[k] for k in keys], [b[k] for k in keys]).statistic)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,9 +172,16 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_tokens < 1:
         raise SystemExit("--num-prompts and --max-tokens must be positive")
     llm = LLM(model=args.model)
-    max_prompt_tokens = min(llm.engine.config.max_model_len - args.max_tokens, args.max_prompt_tokens)
-    rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
+    if args.resample_split is not None:
+        if args.out == DEFAULT_TRACE or args.log == DEFAULT_LOG:
+            raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
+        rows = trace_rows(args.resample_split)[: args.num_prompts]
+    else:
+        max_prompt_tokens = min(llm.engine.config.max_model_len - args.max_tokens, args.max_prompt_tokens)
+        rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
     added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed)
     total = write_trace_table(args.log, args.out)
     print(f"traced {added} new prompts; {total} in {args.out}")
+    if args.resample_split is not None:
+        print(json.dumps(sample_agreement(DEFAULT_TRACE, args.out)))
     return 0

@@ -8,6 +8,7 @@ the same `embed_lgbm_features` the served predictor uses, so cached and served f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class TrainingData:
     test: LabelledSplit
     labels: str
     data_hash: str
-    prior: object = None  # embed_lgbm only: a saved embed_lgbm folder whose outputs become features
+    prior: Path | None = None  # embed_lgbm only: a saved embed_lgbm folder whose outputs become features
 
 
 @dataclass
@@ -101,7 +102,7 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
                          **encoder_config.as_dict()})
 
 
-def _load_prior(folder, encoder_config):
+def _load_prior(folder: Path | None, encoder_config):
     """(heads, spec) of the prior predictor folder, or (None, None); it must share our features."""
     from predictor.embed_lgbm import EmbedLgbmPredictor
     from predictor.saved import load

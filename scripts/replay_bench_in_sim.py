@@ -1,0 +1,56 @@
+"""Replay a `lengthwise bench serve` run in the simulator: same prompts, arrival times and max_tokens.
+
+It checks the simulator against the real server. Pass the bench arguments the run used; the
+arrival times come from the fcfs run's JSON (every policy's run used the same seed). Prints
+simulated and measured mean / p50 / p99 end-to-end latency per policy.
+
+    python scripts/replay_bench_in_sim.py --result-dir out/bench_serve -- --num-prompts 200 \
+        --request-rate 1 --seed 0 --ignore-eos --max-output-tokens 512 --max-model-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def main(argv: list[str]) -> None:
+    import predictor
+    from scheduler.simulation import SimRequest, simulate
+    from training import bench_serve, simulate as sim
+    from training.sim_metrics import summarize
+
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--result-dir", type=Path, default=Path("out/bench_serve"))
+    parser.add_argument("--predictor", default="data/predictors/default")
+    args = parser.parse_args(argv[:split])
+    bench_parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(bench_parser)
+    bench_args = bench_parser.parse_args(argv[split + 1:])
+    items = bench_serve.sample_workload(bench_args)
+    real = {p.stem: json.loads(p.read_text()) for p in args.result_dir.glob("*.json")}
+    starts = {r["index"]: r["start_s"] for r in real["fcfs"]["requests"]}
+    predictions = predictor.load(args.predictor).predict([item.prompt for item in items])
+    workload = [SimRequest(f"r{item.index}", starts[item.index], item.prompt_tokens, item.max_tokens,
+                           max(1.0, p.point), max(1.0, p.p50), max(1.0, p.p90))
+                for item, p in zip(items, predictions)]
+    sim_parser = argparse.ArgumentParser()
+    sim.add_arguments(sim_parser)
+    cost, _, calibration = sim.load_cost_model(sim_parser.parse_args([]).step_cost)
+    config = replace(sim.scheduler_config(sim_parser.parse_args([]), calibration),
+                     max_model_len=bench_args.max_model_len)
+    for name in ("fcfs", "sjf", "oracle"):
+        s = summarize(simulate(replace(config, policy=name), workload, cost))
+        line = f"{name:7s} sim mean {s['mean_e2e_s']:.1f} p50 {s['p50_e2e_s']:.1f} p99 {s['p99_e2e_s']:.1f}"
+        if name in real:
+            r = real[name]
+            line += f" | real mean {r['mean_e2e_s']:.1f} p50 {r['p50_e2e_s']:.1f} p99 {r['p99_e2e_s']:.1f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -196,9 +196,10 @@ def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str
     assert interactive.finish_time < batch[1].finish_time
 
 
-def test_default_aging_rate_is_one_token_per_measured_step() -> None:
-    # Unmeasured, the rate is 0 (pure SJF); measured 0.5 s steps at one token per step give 2
-    # tokens/s, so the long request (100 tokens) is overtaken by no arrival later than 50 s after it.
+def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:
+    # By default the rate is measured (aging_tokens_per_s None). Unmeasured it is 0 (pure SJF);
+    # measured 0.5 s steps at one token per step give 2 tokens/s, so the long request (100
+    # tokens) is overtaken by no arrival later than 50 s after it.
     assert SchedulerConfig(num_gpu_blocks=8).aging_tokens_per_s is None
     assert starved_request_start(aging=None) is None
     started = starved_request_start(aging=None, measure_steps=True)

@@ -87,12 +87,12 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
     # torch finishes all encoding before LightGBM starts: the two never share the cores.
     embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
                                encoder_config, encoder=encoder)
-    prior, prior_spec = _load_prior(data.prior, encoder_config)
+    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
+    prior, prior_spec = _load_prior(data.prior, feature_spec)
     features = {name: with_prior(_embed_features(getattr(data, name), encoder_config), prior)
                 for name in ("train", "valid", "test")}
     heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],
                                    data.valid.lengths, config)
-    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
     if prior_spec is not None:
         feature_spec["prior"] = {"labels": prior_spec.labels, "data_hash": prior_spec.data_hash}
     model = EmbedLgbmPredictor(encoder, heads, _spec("embed_lgbm", data, feature_spec), prior)
@@ -102,19 +102,22 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
                          **encoder_config.as_dict()})
 
 
-def _load_prior(folder: Path | None, encoder_config):
-    """(heads, spec) of the prior predictor folder, or (None, None); it must share our features."""
-    from predictor.embed_lgbm import EmbedLgbmPredictor
-    from predictor.saved import load
+def _load_prior(folder: Path | None, feature_spec: dict):
+    """(heads, spec) of the prior predictor folder, or (None, None); it must share our features.
+
+    Only the heads are loaded: the features come from the encoder this training already runs."""
+    from predictor.embed_lgbm import PRIOR_FOLDER
+    from predictor.heads import LgbmHeads
+    from predictor.saved import read_spec
 
     if folder is None:
         return None, None
-    prior = load(folder)
-    if not isinstance(prior, EmbedLgbmPredictor) or prior.prior is not None:
+    spec = read_spec(folder)
+    if spec.kind != "embed_lgbm" or (Path(folder) / PRIOR_FOLDER).is_dir():
         raise SystemExit(f"--prior {folder}: must be an embed_lgbm predictor without a prior of its own")
-    if prior.spec.feature_spec != {**lexical_spec(), "encoder": encoder_config.as_dict()}:
+    if spec.feature_spec != feature_spec:
         raise SystemExit(f"--prior {folder}: its features differ from this code's")
-    return prior.heads, prior.spec
+    return LgbmHeads.load(Path(folder)), spec
 
 
 def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:

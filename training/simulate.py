@@ -101,8 +101,9 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
     summaries, latencies = {}, {}
     for name in policies:
         started = time.perf_counter()
-        policy = make_policy(name, replace(config, policy=name))
-        result = simulate(replace(config, policy=name), workload, cost, policy)
+        policy_config = replace(config, policy=name)
+        policy = make_policy(name, policy_config)
+        result = simulate(policy_config, workload, cost, policy)
         summaries[name] = summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
             # the slowest rate in force while requests waited (measured from step times by default)

@@ -5,8 +5,7 @@ predictor folder (artifact path `predictor`). After each run the registry is rec
 run with the best validation Kendall's tau in the experiment is the `champion` alias of model
 `lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
 tagged with this code's lexical feature version compete: a predictor trained on other features
-would not load. The
-tracking URI is set inside `tracking_session`, never at import.
+would not load. The tracking URI is set inside `tracking_session`, never at import.
 """
 
 from __future__ import annotations

@@ -18,15 +18,17 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> None:
-    import predictor
-    from scheduler.simulation import SimRequest, simulate
+    from scheduler.request import Tier
+    from scheduler.simulation import simulate
     from training import bench_serve, simulate as sim
     from training.sim_metrics import summarize
+    from training.sim_workload import Turn, build_workload, predictor_predictions
+    from training.trace import prompt_key
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--result-dir", type=Path, default=Path("out/bench_serve"))
-    parser.add_argument("--predictor", default="data/predictors/default")
+    parser.add_argument("--predictor", type=Path, default=Path("data/predictors/default"))
     args = parser.parse_args(argv[:split])
     bench_parser = argparse.ArgumentParser()
     bench_serve.add_arguments(bench_parser)
@@ -34,10 +36,11 @@ def main(argv: list[str]) -> None:
     items = bench_serve.sample_workload(bench_args)
     real = {p.stem: json.loads(p.read_text()) for p in args.result_dir.glob("*.json")}
     starts = {r["index"]: r["start_s"] for r in real["fcfs"]["requests"]}
-    predictions = predictor.load(args.predictor).predict([item.prompt for item in items])
-    workload = [SimRequest(f"r{item.index}", starts[item.index], item.prompt_tokens, item.max_tokens,
-                           max(1.0, p.point), max(1.0, p.p50), max(1.0, p.p90))
-                for item, p in zip(items, predictions)]
+    # The true length is max_tokens: the bench runs with --ignore-eos.
+    turns = [Turn(f"prompt:{prompt_key(item.prompt)}", item.prompt, item.prompt_tokens, item.max_tokens)
+             for item in items]
+    workload = build_workload(turns, predictor_predictions(turns, args.predictor),
+                              [starts[item.index] for item in items], [Tier.STANDARD] * len(items))
     sim_parser = argparse.ArgumentParser()
     sim.add_arguments(sim_parser)
     cost, _, calibration = sim.load_cost_model(sim_parser.parse_args([]).step_cost)

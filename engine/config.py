@@ -38,6 +38,8 @@ class EngineConfig:
     predictor: str | None = None  # path of a saved length predictor, or None
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     num_threads: int | None = 2  # torch CPU threads; None leaves torch's default
+    # Keep freed host memory for reuse (glibc mallopt, process-wide): see engine/host_memory.py.
+    retain_host_memory: bool = True
     # Extra SchedulerConfig fields (aging, admission control, ...) passed through unchanged.
     scheduler_options: dict[str, Any] = field(default_factory=dict)
 

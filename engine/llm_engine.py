@@ -20,6 +20,7 @@ import torch
 from engine.attention.backend import create_backend
 from engine.config import EngineConfig
 from engine.detokenizer import DetokenizerState, advance, release
+from engine.host_memory import retain_freed_host_memory
 from engine.kv_cache import CacheGeometry, KVCache
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
@@ -72,6 +73,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.retain_host_memory:
+            retain_freed_host_memory()
         self.device = resolve_device(config.device)
         self.tokenizer = _load_tokenizer(config.model)
         model = load_model(config.model, config.dtype, self.device, config.max_model_len)

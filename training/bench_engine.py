@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-retain-host-memory", action="store_true",
+                        help="leave glibc's allocator at its defaults (engine/host_memory.py), for an A/B")
     parser.add_argument("--skip", default="", help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
     parser.add_argument("--json", type=Path, default=Path("out/bench_engine.json"))
     parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
@@ -96,6 +98,7 @@ def summarise(results: dict[str, RunResult], config: EngineConfig, num_prompts: 
         "config": {"model": config.model, "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
                    "kv_cache_memory_gib": config.kv_cache_memory_gib, "threads": config.num_threads,
+                   "retain_host_memory": config.retain_host_memory,
                    "dtype": config.dtype},
     }
 
@@ -125,11 +128,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--skip takes {BASELINES}, got {sorted(skip - set(BASELINES))}")
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads)
+                          kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,
+                          retain_host_memory=not args.no_retain_host_memory)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     items = load_workload(tokenizer, args.split, args.num_prompts, args.max_prompt_tokens, args.max_output_tokens)
+    # The allocator setting is process-wide: the HF baselines, run after the engine, share it.
     results = {"engine": run_engine(items, config)}
     log.info("engine: %.1f tokens/s", results["engine"].tokens_per_s)
     if "hf_static" not in skip:

@@ -163,5 +163,18 @@ def test_sample_agreement_pairs_prompts_by_key(tmp_path):
     first = table("a", [(0, 10), (1, 20), (2, 30), (3, 40)])
     same_order = table("b", [(3, 400), (2, 300), (0, 100), (1, 200)])  # other order, same ranking
     reversed_order = table("c", [(0, 4), (1, 3), (2, 2), (9, 1)])  # k9 has no partner
-    assert trace.sample_agreement(first, same_order) == {"num_prompts": 4, "kendall_tau_two_samples": 1.0}
-    assert trace.sample_agreement(first, reversed_order) == {"num_prompts": 3, "kendall_tau_two_samples": -1.0}
+    agree, disagree = trace.sample_agreement(first, same_order), trace.sample_agreement(first, reversed_order)
+    assert (agree["num_prompts"], agree["kendall_tau_two_samples"]) == (4, 1.0)
+    assert (disagree["num_prompts"], disagree["kendall_tau_two_samples"]) == (3, -1.0)
+    assert agree["kendall_tau_ceiling_estimate"] > disagree["kendall_tau_ceiling_estimate"]
+
+
+def test_trace_agreement_needs_an_existing_table(tmp_path):
+    from training import trace
+
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    with pytest.raises(SystemExit, match="no trace table"):
+        trace.run(parser.parse_args(["--agreement", str(tmp_path / "missing.parquet")]))
+    with pytest.raises(SystemExit, match="--num-prompts"):
+        trace.run(parser.parse_args([]))

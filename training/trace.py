@@ -130,7 +130,7 @@ def trace_hash(path: Path = DEFAULT_TRACE) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, required=True, help="prompts in the trace (resumes)")
+    parser.add_argument("--num-prompts", type=int, help="prompts in the trace (resumes); required unless --agreement")
     parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
     # Defaults are the committed trace's: at ~40 prompts a minute on this CPU, 2,000 prompts fit an
     # hour only with replies capped at 256 tokens (about half of SmolLM2's reach the cap).
@@ -146,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resample-split", default=None, choices=("train", "validation", "test"),
                         help="instead: sample this split of the committed trace again (use another "
                              "--seed, --log and --out) and report how well two samples agree")
+    parser.add_argument("--agreement", type=Path, default=None, metavar="PARQUET",
+                        help="instead: only report the agreement of an earlier resample with the trace")
 
 
 def trace_rows(split: str, path: Path = DEFAULT_TRACE) -> list[dict]:
@@ -156,20 +158,34 @@ def trace_rows(split: str, path: Path = DEFAULT_TRACE) -> list[dict]:
 
 
 def sample_agreement(first: Path, second: Path) -> dict:
-    """Kendall tau between two samples of the same prompts: how much of a length is chance."""
+    """Kendall tau between two samples of the same prompts (how much of a length is chance), and
+    the tau a perfect expected-length predictor would reach against one sample (training/label_noise.py)."""
     from scipy import stats
+
+    from training.label_noise import ranking_ceiling
 
     a = {row["key"]: row["output_tokens"] for row in load_trace(path=first).to_list()}
     b = {row["key"]: row["output_tokens"] for row in load_trace(path=second).to_list()}
     keys = sorted(set(a) & set(b))
-    return {"num_prompts": len(keys),
-            "kendall_tau_two_samples": float(stats.kendalltau([a[k] for k in keys], [b[k] for k in keys]).statistic)}
+    first_sample, second_sample = [a[k] for k in keys], [b[k] for k in keys]
+    result = {"num_prompts": len(keys),
+              "kendall_tau_two_samples": float(stats.kendalltau(first_sample, second_sample).statistic)}
+    if len(keys) >= 3:
+        ceiling = ranking_ceiling(first_sample, second_sample)
+        result.update(latent_share_rho=ceiling["latent_share_rho"],
+                      kendall_tau_ceiling_estimate=ceiling["kendall_tau_ceiling_estimate"])
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
-    if args.num_prompts < 1 or args.max_tokens < 1:
+    if args.agreement is not None:
+        if not args.agreement.exists():
+            raise SystemExit(f"--agreement: no trace table at {args.agreement}")
+        print(json.dumps(sample_agreement(DEFAULT_TRACE, args.agreement)))
+        return 0
+    if args.num_prompts is None or args.num_prompts < 1 or args.max_tokens < 1:
         raise SystemExit("--num-prompts and --max-tokens must be positive")
     llm = LLM(model=args.model)
     if args.resample_split is not None:

@@ -3,8 +3,8 @@
 Why: each CPU step allocates and frees buffers of tens of MB (the KV gathers of a decode group are
 ~1.5 KB per context token per layer). glibc serves blocks that large with mmap, or trims the heap
 top after the free, so the next step's allocation faults its pages in again, zeroed by the kernel.
-At 32 sequences of 600 tokens this doubled the step time (542 ms against 250 ms, most of it
-system time) and made step cost grow faster than linearly with context. vLLM's CPU backend
+`scripts/decode_step_probe.py 32x400`: a decode step of 32 sequences of 400 tokens took 323-346 ms
+this way against 166-167 ms with freed memory kept, the difference mostly system time. vLLM's CPU backend
 recommends preloading tcmalloc for the same reason; mallopt reaches the same effect in-process,
 without an LD_PRELOAD.
 

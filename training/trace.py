@@ -168,29 +168,26 @@ def sample_agreement(first: Path, second: Path) -> dict:
     b = {row["key"]: row["output_tokens"] for row in load_trace(path=second).to_list()}
     keys = sorted(set(a) & set(b))
     first_sample, second_sample = [a[k] for k in keys], [b[k] for k in keys]
-    result = {"num_prompts": len(keys),
-              "kendall_tau_two_samples": float(stats.kendalltau(first_sample, second_sample).statistic)}
-    if len(keys) >= 3:
-        ceiling = ranking_ceiling(first_sample, second_sample)
-        result.update(latent_share_rho=ceiling["latent_share_rho"],
-                      kendall_tau_ceiling_estimate=ceiling["kendall_tau_ceiling_estimate"])
-    return result
+    if len(keys) < 3:  # too few for the ceiling's model
+        return {"num_prompts": len(keys),
+                "kendall_tau_two_samples": float(stats.kendalltau(first_sample, second_sample).statistic)}
+    return {"num_prompts": len(keys), **ranking_ceiling(first_sample, second_sample)}
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-
     if args.agreement is not None:
         if not args.agreement.exists():
             raise SystemExit(f"--agreement: no trace table at {args.agreement}")
         print(json.dumps(sample_agreement(DEFAULT_TRACE, args.agreement)))
         return 0
+    from engine.llm import LLM
+
     if args.num_prompts is None or args.num_prompts < 1 or args.max_tokens < 1:
         raise SystemExit("--num-prompts and --max-tokens must be positive")
+    if args.resample_split is not None and (args.out == DEFAULT_TRACE or args.log == DEFAULT_LOG):
+        raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
     llm = LLM(model=args.model)
     if args.resample_split is not None:
-        if args.out == DEFAULT_TRACE or args.log == DEFAULT_LOG:
-            raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:
         max_prompt_tokens = min(llm.engine.config.max_model_len - args.max_tokens, args.max_prompt_tokens)

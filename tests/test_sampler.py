@@ -58,3 +58,12 @@ def test_greedy_rows_take_the_argmax_and_seeds_are_per_request():
     sampler.free("b")
     sampler.free("c")
     assert sampler.num_live_generators == 0
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    from engine.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]])
+    for u in (0.0, 0.25, 0.4999, 0.5, 0.9999999):
+        picked = inverse_cdf(probs, torch.tensor([u, u])).tolist()
+        assert picked[0] == (1 if u < 0.5 else 3) and picked[1] == 2

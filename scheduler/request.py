@@ -42,6 +42,12 @@ class Tier(enum.IntEnum):
     BATCH = 2  # throughput only
 
 
+# What a torch generator takes as a seed; outside it manual_seed raises inside an engine step.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
+PRIORITY_LIMIT = 2**63
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -62,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must lie in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -100,6 +108,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+            raise ValueError(f"priority must lie in [-2**63, 2**63), got {self.priority!r}")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ status and body, and a successful request after them shows the server kept servi
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -252,6 +253,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 2), ("stop", [""]),
     ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
@@ -319,7 +321,46 @@ def test_server_keeps_serving_after_bad_requests(served, client):
     assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == 3
 
 
+def test_extreme_values_that_torch_cannot_take_do_not_kill_the_engine(served, client):
+    # A 64-bit seed at the edge, and a top_k beyond the vocabulary (and beyond int64), sample.
+    for extra in ({"seed": 2**64 - 1}, {"seed": -(2**63)}, {"top_k": 2**70}):
+        reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=1.0,
+                                          extra_body={"ignore_eos": True, **extra})
+        assert reply.usage.completion_tokens == 2, extra
+    assert httpx.get(served[0] + "/health").status_code == 200
+
+
+def test_chat_content_parts_are_joined_and_bad_parts_are_400(served, client):
+    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]
+    as_parts = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=3, temperature=0)
+    as_text = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    bad = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    assert error_of(post(served[0], "/v1/chat/completions", bad), 400)["param"].startswith("messages")
+
+
 # ---- disconnects and metrics -----------------------------------------------------------------
+def test_disconnect_before_the_first_event_aborts(served):
+    """A client that hangs up while its request waits for admission: the response starts after it
+    left, and the request must still be aborted."""
+    base_url, async_engine = served
+    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900,
+                       "ignore_eos": True, "stream": True}).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    # Hold the engine thread so admission waits: the hang-up lands before the response starts.
+    busy = async_engine.call_in_engine(lambda engine: time.sleep(1.0))
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    busy.result(timeout=30)
+    engine_idle_and_intact(async_engine)
+    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    assert aborted - aborted_before == 1
+
+
 def test_disconnect_mid_stream_aborts_and_frees_every_block(served, client):
     base_url, async_engine = served
     aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")

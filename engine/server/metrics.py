@@ -161,4 +161,8 @@ class ServerMetrics:
         if scheduled is not None:
             self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
         if prediction is not None:
-            self._tau_pairs.append((prediction.point, float(len(output.token_ids))))
+            actual = float(len(output.token_ids))
+            # A reply cut at max_tokens says only "at least the cap"; the scheduler ranks by the
+            # prediction clamped to max_tokens, so the cap bounds the prediction here too.
+            predicted = min(prediction.point, actual) if output.finish_reason == "length" else prediction.point
+            self._tau_pairs.append((predicted, actual))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -29,7 +29,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # a torch generator's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -38,7 +38,7 @@ class _Request(BaseModel):
     user: str | None = None
     # vLLM extras.
     ignore_eos: bool = False
-    priority: int = 0  # lower is served first
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     stop_token_ids: list[int] | None = None
 
@@ -64,17 +64,24 @@ class CompletionRequest(_Request):
     echo: Literal[False] = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[ContentPart]
 
     def text(self) -> str:
         """The message's text; content parts other than text are not supported."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
 class ChatCompletionRequest(_Request):

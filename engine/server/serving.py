@@ -209,17 +209,31 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _streaming(self, stream: RequestStream, events: AsyncIterator[str]) -> StreamingResponse:
-        async def guarded() -> AsyncIterator[str]:
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                # Runs on normal end and when Starlette cancels us because the client left.
-                if not stream.finished:
-                    self.engine.abort(stream.request_id)
+        def abort_unless_finished() -> None:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
 
-        return StreamingResponse(guarded(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return AbortingStreamingResponse(events, abort_unless_finished, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A streaming response that runs `on_close` however sending ends: the last event, an error,
+    or a client that left. The abort lives here, not in the event generator's `finally`: a
+    generator that never started runs no `finally`, and whether it starts after an early hang-up
+    depends on the ASGI server (uvicorn's ASGI 2.3 send returns quietly once disconnected, so the
+    generator starts and meets the cancellation; under ASGI 2.4 Starlette's first send raises
+    before it starts)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

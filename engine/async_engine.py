@@ -110,13 +110,27 @@ class AsyncLLMEngine:
         if self.state is EngineState.RUNNING:
             self.state = EngineState.DRAINING
 
-    async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Let in-flight requests finish for up to `grace_s`, then abort the rest and stop."""
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; let in-flight ones finish for up to `grace_s`, then end the rest.
+
+        A request still running at the deadline is aborted (its blocks freed at the next step) and
+        its stream ends with finish_reason "abort", while the client's connection is still open:
+        the HTTP server drains through this before it closes connections."""
         self.begin_drain()
         try:
             await asyncio.wait_for(self._no_streams.wait(), timeout=grace_s)
+            return
         except asyncio.TimeoutError:
-            logger.warning("aborting %d requests still running after %.0f s", len(self._streams), grace_s)
+            logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
+        for request_id, stream in list(self._streams.items()):
+            self._commands.put(_Abort(request_id))
+            stream.put(StreamEnd("abort", "the server shut down before the request finished"))
+            self.listener.on_aborted(stream.tier)
+            self._forget(request_id)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Drain (finish or abort in-flight requests within `grace_s`), then stop the threads."""
+        await self.drain(grace_s)
         # The predictor goes first: it flushes what it holds into the command queue before _Stop.
         self._to_predict.put(None)
         await asyncio.to_thread(self._join_threads, self._threads[1:])
@@ -272,8 +286,10 @@ class AsyncLLMEngine:
             arrivals = [c for c in commands if isinstance(c, _Submission) and not c.admitted.cancelled()]
             if arrivals:
                 self._predict_batch(arrivals)
-        for command in commands:
+        for index, command in enumerate(commands):
             if isinstance(command, _Stop):
+                for later in commands[index + 1:]:
+                    self._commands.put(later)  # refused once the loop ends, so no caller waits forever
                 for request_id in list(self._live):
                     self.engine.abort_request(request_id)
                 self._live.clear()

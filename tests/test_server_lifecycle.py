@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -125,6 +126,40 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     assert free == total
 
 
+def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(engine):
+    """Through the serve CLI's server: SIGINT, then a request that cannot finish within the grace
+    period gets its last chunk (finish_reason "abort") and [DONE], not a cut connection."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = serve_cli.DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5),
+                                      async_engine, grace_s=0.3)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.handle_exit(signal.SIGINT, None)
+        rest = [line for line in lines if line]
+    thread.join(timeout=60)
+    sock.close()
+    assert not thread.is_alive()
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in rest[-2]
+    free, total = free_and_total(engine)
+    assert free == total
+
+
 def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model_dir, monkeypatch):
     broken = tiny_engine(tiny_model_dir)
     steps = {"n": 0}
@@ -217,3 +252,15 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
     newest, rest = asyncio.run(scenario())
     assert newest.token_ids == (0, 1, 2)
     assert len(rest) == 1 and rest[0].finished and rest[0].text == "xxxx"
+
+
+def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):
+    from engine.async_engine import _Stop
+
+    async_engine = AsyncLLMEngine(engine)
+    async_engine._commands.put(_Stop())
+    late = async_engine.call_in_engine(lambda e: "ran")  # in the same batch as the stop
+    assert async_engine._run_commands(block=False) is False
+    async_engine._refuse_until_stopped(EngineShuttingDown(), block=False)
+    with pytest.raises(EngineShuttingDown):
+        late.result(timeout=1)

@@ -19,6 +19,8 @@ logger = logging.getLogger("lengthwise.serve")
 TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 REGISTERED_PREDICTOR = "lengthwise-predictor"
 DEFAULT_PREDICTOR = "data/predictors/default"
+# After the engine has drained, what uvicorn waits for handlers to send their last events.
+FLUSH_AFTER_DRAIN_S = 5
 POLICIES = ("fcfs", "priority", "sjf", "srpt")
 
 
@@ -144,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
                                   overlap_prediction=engine.device.type == "cuda")
     app = create_app(async_engine, engine.tokenizer, settings)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=int(args.shutdown_grace)),
-                            async_engine)
+                                           timeout_graceful_shutdown=FLUSH_AFTER_DRAIN_S),
+                            async_engine, args.shutdown_grace)
     logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host, args.port)
     server.run()
     return 0
@@ -158,12 +160,19 @@ def attention_backend_name(engine) -> str:
 
 
 class DrainingServer(uvicorn.Server):
-    """Stops admission the moment a stop signal arrives, before uvicorn drains connections."""
+    """Stops admission the moment a stop signal arrives, then drains the engine before uvicorn
+    closes connections: in-flight requests finish within the grace period or end with
+    finish_reason "abort" and `[DONE]`, instead of uvicorn cancelling their handlers mid-stream."""
 
-    def __init__(self, config: uvicorn.Config, async_engine) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine, grace_s: float) -> None:
         super().__init__(config)
         self._async_engine = async_engine
+        self._grace_s = grace_s
 
     def handle_exit(self, sig, frame) -> None:
         self._async_engine.begin_drain()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        await self._async_engine.drain(self._grace_s)
+        await super().shutdown(sockets=sockets)

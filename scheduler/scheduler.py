@@ -5,11 +5,11 @@ the token budget (`max_num_batched_tokens`):
 
 1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims.
-2. `_schedule_running`: running requests first, decodes before unfinished prefill chunks, each
-   group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
+2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
+   chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).
-3. `_schedule_swapped`: swap-preempted requests come back before any new work, when blocks allow
-   (not in a step that preempted, so a block is never copied out and in at once).
+3. `_schedule_swapped`: swap-preempted requests come back before new work they rank ahead of,
+   when blocks allow (not in a step that preempted, so a block is never copied out and in at once).
 4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a
    prefill chunk (or the whole prefill without chunking), stopping at the first that does not fit.
 
@@ -66,7 +66,8 @@ class Scheduler:
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room for output "
                              f"within max_model_len {self.config.max_model_len}")
         longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
-        if self.block_manager.blocks_for(longest) > self.config.num_gpu_blocks:
+        # The last sampled token ends the request before it is ever fed, so it needs no KV slot.
+        if self.block_manager.blocks_for(longest - 1) > self.config.num_gpu_blocks:
             raise ValueError(f"a request of up to {longest} tokens cannot fit in "
                              f"{self.config.num_gpu_blocks} KV blocks of {self.config.block_size}")
 
@@ -127,25 +128,49 @@ class Scheduler:
         free_seats = self.config.max_num_seqs - len(self.running)
         free_blocks = self.block_manager.num_free_blocks
         budget = self.config.max_num_batched_tokens - len(self.running)
+        reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         for request in list(self.waiting):
             if budget <= 0 or not self.running:
                 return
-            num_new = max(1, self._num_new_tokens(request, budget))
-            need_blocks = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
-            while free_seats < 1 or free_blocks < need_blocks:
-                eligible = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
-                if not eligible:
-                    return
-                victim = self.policy.choose_victim(eligible, now)
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
+            victims = self._victims_for(request, num_new, free_seats, free_blocks - reserve, now)
+            if victims is None:
+                return
+            for victim in victims:
                 free_blocks += len(victim.block_ids)
-                free_seats += 1
-                budget += 1
                 self._preempt(victim, plan)
-            free_seats, free_blocks, budget = free_seats - 1, free_blocks - need_blocks, budget - num_new
+            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
+            free_seats += len(victims) - 1
+            free_blocks -= need
+            budget += len(victims) - num_new
+
+    def _victims_for(self, request: Request, num_new: int, free_seats: int, spare_blocks: float,
+                     now: float) -> list[Request] | None:
+        """The running requests `request` may preempt that give it a seat and its blocks this step,
+        with the watermark kept and the survivors' decodes still fed; [] when it fits already, None
+        when even every eligible victim would not do (then nobody is preempted for nothing)."""
+        need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
+        candidates = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
+        victims: list[Request] = []
+        while True:
+            survivors = [r for r in self.running if r not in victims]
+            growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in survivors)
+            freed = sum(len(v.block_ids) for v in victims)
+            if free_seats + len(victims) >= 1 and spare_blocks + freed >= need + growth:
+                return victims
+            if not candidates:
+                return None
+            victim = self.policy.choose_victim(candidates, now)
+            candidates.remove(victim)
+            victims.append(victim)
 
     def _schedule_running(self, plan: StepPlan, now: float) -> None:
-        # Decodes (one token left to feed) before unfinished prefills, each in policy order.
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
+        # By tier, then decodes (one token left to feed) before unfinished prefills, in policy
+        # order. Tier first: when blocks run out, victims come from requests not yet scheduled, so
+        # an interactive prefill chunk placed after batch decodes could only preempt itself.
+        order = sorted(self.running, key=lambda r: (int(r.tier), r.num_tokens - r.num_computed_tokens > 1,
                                                     self.policy.sort_key(r, now)))
         for request in order:
             if plan.budget <= 0:
@@ -186,6 +211,8 @@ class Scheduler:
         self.swapped.sort(key=lambda r: self.policy.sort_key(r, now))
         while self.swapped and len(self.running) < self.config.max_num_seqs and plan.budget > 0:
             request = self.swapped[0]
+            if self.waiting and self.policy.sort_key(self.waiting[0], now) < self.policy.sort_key(request, now):
+                return  # a waiting request ranks first (a more urgent tier): it gets the blocks
             num_new = self._num_new_tokens(request, plan.budget)
             if num_new == 0 or not self.block_manager.can_swap_in(request, num_new):
                 return

@@ -201,6 +201,15 @@ def test_bad_input_raises_value_error() -> None:
         scheduler.add_request(make_request("r3", 3, 2))
 
 
+def test_a_request_whose_fed_tokens_fill_the_cache_exactly_is_served() -> None:
+    # 48 prompt + 17 output = 65 tokens, but the last output token is never fed: 64 slots = 4 blocks.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=4, block_size=16, max_model_len=128))
+    scheduler.add_request(make_request("r1", 48, 17))
+    assert run_to_completion(scheduler) == {"r1": reference_output(make_request("r1", 48, 17).prompt_token_ids, 17)}
+    with pytest.raises(ValueError, match="KV blocks"):
+        scheduler.add_request(make_request("r2", 48, 18))
+
+
 @pytest.mark.parametrize("kwargs", [
     {"num_gpu_blocks": 0}, {"num_gpu_blocks": 4, "block_size": 12},
     {"num_gpu_blocks": 4, "enable_chunked_prefill": False, "max_num_batched_tokens": 100},

@@ -9,8 +9,13 @@ alongside it divided by the throughput.
 - interactive: predicted TTFT = (queued prompt tokens of interactive requests + its own prompt)
   / throughput; rejected above `slo_ttft_interactive_s`.
 - standard: predicted end-to-end = (token work of interactive and standard requests in the system +
-  its own prompt and predicted output) / throughput; rejected above `slo_e2e_standard_s`. This is
+  its own prompt) / throughput + its predicted output tokens * the mean step time, since one request
+  gains one token per step however fast the server is; rejected above `slo_e2e_standard_s`. This is
   conservative: it assumes the work ahead is served before the request's own decode starts.
+
+The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
+single step in the window when that is higher: at light load the served rate measures demand, not
+capacity (a lone decode feeds one token a step), and would refuse an idle server's first request.
 - batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
   queued work stays below `batch_shed_share` of `max_queued_tokens`.
 
@@ -63,9 +68,8 @@ class AdmissionController:
         self.config = config
         self._ewma_tokens: float | None = None  # tokens per step
         self._ewma_time: float | None = None  # seconds per step
-        self._steps: deque[tuple[float, float]] = deque()  # (time, step seconds)
+        self._steps: deque[tuple[float, float, int]] = deque()  # (time, step seconds, tokens)
         self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, prompt, predicted out)
-        self._start_time: float | None = None
         self._overloaded = False
         self.num_rejected = 0
 
@@ -79,16 +83,18 @@ class AdmissionController:
         else:
             self._ewma_tokens += alpha * (num_tokens - self._ewma_tokens)
             self._ewma_time += alpha * (step_time_s - self._ewma_time)
-        self._steps.append((now, step_time_s))
-        self._mark_start(now)
+        self._steps.append((now, step_time_s, num_tokens))
+        self._prune(now)
 
     def record_arrival(self, now: float, request: Request) -> None:
         self._arrivals.append((now, request.num_prompt_tokens, predicted_output_tokens(request)))
-        self._mark_start(now)
+        self._prune(now)
 
-    def _mark_start(self, now: float) -> None:
-        if self._start_time is None:
-            self._start_time = now
+    def _prune(self, now: float) -> None:
+        horizon = now - self.config.stability_window_s
+        for window in (self._steps, self._arrivals):
+            while window and window[0][0] < horizon:
+                window.popleft()
 
     @property
     def throughput_tokens_per_s(self) -> float | None:
@@ -97,22 +103,28 @@ class AdmissionController:
         return self._ewma_tokens / self._ewma_time
 
     @property
+    def capacity_tokens_per_s(self) -> float | None:
+        """The token rate delays are estimated with: the served rate, or the window's best step."""
+        served = self.throughput_tokens_per_s
+        if served is None:
+            return None
+        return max([served] + [tokens / seconds for _, seconds, tokens in self._steps])
+
+    @property
     def mean_step_time_s(self) -> float | None:
         """EWMA of measured step seconds; a decoding seat gains one token per step."""
         return self._ewma_time
 
     def stability_margin(self, now: float) -> float | None:
         """lambda * (m_prefill + m_decode) / (B / t_step) over the sliding window, or None."""
-        horizon = now - self.config.stability_window_s
-        for window in (self._steps, self._arrivals):
-            while window and window[0][0] < horizon:
-                window.popleft()
-        if not self._steps or not self._arrivals or self._start_time is None:
+        self._prune(now)
+        if not self._steps or not self._arrivals:
             return None
-        span = min(self.config.stability_window_s, max(now - self._start_time, 1e-9))
-        arrival_rate = len(self._arrivals) / span
+        # Arrivals per second over the whole window, even before a window has passed: dividing by
+        # the time since the first arrival would call two requests 20 ms apart 50 per second.
+        arrival_rate = len(self._arrivals) / self.config.stability_window_s
         mean_tokens = sum(p + d for _, p, d in self._arrivals) / len(self._arrivals)
-        mean_step = sum(s for _, s in self._steps) / len(self._steps)
+        mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
         capacity = self.config.max_num_batched_tokens / mean_step
         margin = arrival_rate * mean_tokens / capacity
         if margin > 1.0 and not self._overloaded:
@@ -125,7 +137,7 @@ class AdmissionController:
         """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full."""
         waiting, running = list(waiting), list(running)
         own_work = request.num_prompt_tokens + predicted_output_tokens(request)
-        throughput = self.throughput_tokens_per_s
+        throughput = self.capacity_tokens_per_s
         self._check_queue_bound(request, own_work, waiting, throughput)
         if throughput is None:
             return  # nothing measured yet: no basis for a delay estimate
@@ -135,7 +147,8 @@ class AdmissionController:
             self._check_slo(estimate, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
             ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
-            estimate = (ahead + own_work) / throughput
+            own_decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)
+            estimate = (ahead + request.num_prompt_tokens) / throughput + own_decode_s
             self._check_slo(estimate, self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
     def _check_queue_bound(self, request: Request, own_work: float, waiting: list[Request],

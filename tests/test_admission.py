@@ -32,13 +32,31 @@ def test_throughput_is_an_ewma_of_tokens_over_time() -> None:
 
 
 def test_standard_rejected_when_predicted_e2e_exceeds_slo() -> None:
-    ctl = controller(slo_e2e_standard_s=10.0)
+    ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, 0.1 s per step
     waiting = [req(f"w{i}", 500, 500) for i in range(9)]  # 9000 tokens of work: 9 s at 1000/s
-    ctl.check(req("ok", 100, 100), waiting, [])  # 9.2 s: admitted
+    ctl.check(req("ok", 100, 5), waiting, [])  # 9.1 s + 5 tokens * 0.1 s = 9.6 s: admitted
     with pytest.raises(AdmissionRejected) as info:
-        ctl.check(req("late", 600, 600), waiting, [])  # 10.2 s
-    assert "end-to-end" in info.value.reason and "10.20s" in info.value.reason
+        ctl.check(req("late", 100, 20), waiting, [])  # 9.1 s + 2.0 s
+    assert "end-to-end" in info.value.reason and "11.10s" in info.value.reason
     assert info.value.retry_after_s >= 1.0
+
+
+def test_own_decode_takes_a_step_per_token_however_fast_the_server() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, but one request gains 10 tokens/s
+    ctl.check(req("short", 100, 90), [], [])  # 0.1 s + 9 s
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 20.10s"):
+        ctl.check(req("long", 100, 200), [], [])  # (100 + 200) / 1000 = 0.3 s by tokens alone
+
+
+def test_an_idle_server_is_judged_by_its_best_step_not_its_served_rate() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True,
+                                              slo_ttft_interactive_s=0.5))
+    ctl.record_step(now=0.0, num_tokens=200, step_time_s=0.03)  # one request's prefill
+    for k in range(1, 50):
+        ctl.record_step(now=k * 0.015, num_tokens=1, step_time_s=0.015)  # then its lone decode
+    assert 300 / ctl.throughput_tokens_per_s > 0.5  # by the served rate (demand) it would be refused
+    assert ctl.capacity_tokens_per_s == pytest.approx(200 / 0.03)
+    ctl.check(req("i", 300, 50, Tier.INTERACTIVE), [], [])  # 45 ms at the best step's rate
 
 
 def test_interactive_ttft_counts_only_interactive_prompts_ahead() -> None:
@@ -51,12 +69,20 @@ def test_interactive_ttft_counts_only_interactive_prompts_ahead() -> None:
 
 
 def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
-    ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5)
+    ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5, slo_e2e_standard_s=1e9)  # the bound alone
     waiting = [req(f"w{i}", 2000, 1000) for i in range(2)]  # 6000 queued tokens
     ctl.check(req("s", 500, 500), waiting, [])  # 7000 <= 10000: standard admitted
     with pytest.raises(AdmissionRejected, match="queue full"):
         ctl.check(req("b", 500, 500, Tier.BATCH), waiting, [])  # 7000 > 5000: batch shed
     ctl.check(req("b2", 500, 500, Tier.BATCH), [], [req("r", 10**5, 10**5)])  # running work: no SLO
+
+
+def test_two_quick_first_arrivals_are_not_an_overload() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=512))
+    ctl.record_arrival(0.0, req("a", 500, 500))
+    ctl.record_step(now=0.02, num_tokens=512, step_time_s=0.02)
+    ctl.record_arrival(0.02, req("b", 500, 500))
+    assert ctl.stability_margin(0.02) < 1.0  # 2 arrivals in the 10 s window, not 100 per second
 
 
 def test_nothing_measured_means_no_latency_rejection() -> None:
@@ -80,8 +106,8 @@ def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixt
     for second in range(10):
         ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)  # capacity 2000 tokens/s
         ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
-    # lambda = 10 arrivals / 9 s observed, 500 tokens each: 555.6 tokens/s against 2000.
-    assert ctl.stability_margin(9.0) == pytest.approx((10 / 9) * 500 / 2000)
+    # lambda = 10 arrivals / the 10 s window, 500 tokens each: 500 tokens/s against 2000.
+    assert ctl.stability_margin(9.0) == pytest.approx(1.0 * 500 / 2000)
     for second in range(10, 20):
         for k in range(5):
             ctl.record_arrival(float(second), req(f"x{second}_{k}", 300, 200))

@@ -1,0 +1,91 @@
+"""Replay a `lengthwise bench serve` workload through the engine alone, once per policy, step by step.
+
+Same prompts, arrival offsets, max_tokens and temperature as `bench serve` uses (with --ignore-eos), fed
+to `LLMEngine` in-process at their arrival times: no HTTP, no client on the same cores. Every step's
+composition and wall time goes to a JSONL file per policy, so a throughput difference between
+policies can be split into "different steps" and "the same steps, slower". Prints per policy:
+output tokens/s, mean / p50 / p99 end-to-end latency, steps, and mean step time.
+
+    python scripts/replay_engine.py --policies fcfs,sjf --out-dir out/replay_engine -- \
+        --num-prompts 200 --request-rate 1 --seed 0 --ignore-eos --max-output-tokens 512 --max-model-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def replay(policy: str, items: list, starts: list[float], predictions: list, temperature: float,
+           out: Path) -> dict:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from scheduler.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(policy=policy))
+    pending = sorted(range(len(items)), key=lambda i: starts[i])
+    arrival, finished = {}, {}
+    steps = []
+    origin = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - origin
+        while pending and starts[pending[0]] <= now:
+            i = pending.pop(0)
+            item = items[i]
+            params = SamplingParams(max_tokens=item.max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+            engine.add_request(str(i), item.prompt, params, prediction=predictions[i])
+            arrival[i] = now
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, starts[pending[0]] - now))
+            continue
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = (time.perf_counter() - origin, len(output.token_ids))
+        record = engine.last_step
+        steps.append({"t": time.perf_counter() - origin, "tokens": record.num_batched_tokens,
+                      "seqs": record.num_seqs, "context": record.sum_context_tokens,
+                      "step_s": record.step_time_s, "forward_s": record.forward_time_s,
+                      "waiting": engine.stats().scheduler.num_waiting})
+    duration = time.perf_counter() - origin
+    out.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    e2e = sorted(finished[i][0] - arrival[i] for i in finished)
+    return {"policy": policy, "completed": len(finished), "duration_s": duration,
+            "output_tokens_per_s": sum(n for _, n in finished.values()) / duration,
+            "mean_e2e_s": statistics.fmean(e2e), "p50_e2e_s": e2e[len(e2e) // 2],
+            "p99_e2e_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
+            "num_steps": len(steps), "mean_step_s": statistics.fmean(s["step_s"] for s in steps)}
+
+
+def main(argv: list[str]) -> None:
+    import predictor
+    from training import bench_serve
+
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--policies", default="fcfs,sjf")
+    parser.add_argument("--predictor", default="data/predictors/default")
+    parser.add_argument("--out-dir", type=Path, default=Path("out/replay_engine"))
+    args = parser.parse_args(argv[:split])
+    bench_parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(bench_parser)
+    bench_args = bench_parser.parse_args(argv[split + 1:])
+    items = bench_serve.sample_workload(bench_args)
+    starts = bench_serve.arrival_offsets(len(items), bench_args.request_rate, bench_args.burstiness,
+                                         bench_args.seed)
+    predictions = predictor.load(args.predictor).predict([item.prompt for item in items])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for policy in args.policies.split(","):
+        summary = replay(policy, items, starts, predictions, bench_args.temperature,
+                         args.out_dir / f"{policy}_steps.jsonl")
+        print(json.dumps(summary), flush=True)
+        summaries.append(summary)
+    (args.out_dir / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -161,8 +161,7 @@ class ServerMetrics:
         if scheduled is not None:
             self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
         if prediction is not None:
-            actual = float(len(output.token_ids))
-            # A reply cut at max_tokens says only "at least the cap"; the scheduler ranks by the
-            # prediction clamped to max_tokens, so the cap bounds the prediction here too.
-            predicted = min(prediction.point, actual) if output.finish_reason == "length" else prediction.point
-            self._tau_pairs.append((predicted, actual))
+            # The predictor's own estimate, not clamped to max_tokens as the scheduler's key is:
+            # in a benchmark with ignore_eos, max_tokens is the true length, and with clamping a
+            # served sjf run reported 0.75 where the same benchmark unclamped reports 0.39.
+            self._tau_pairs.append((prediction.point, float(len(output.token_ids))))

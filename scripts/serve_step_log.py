@@ -1,0 +1,42 @@
+"""`lengthwise serve` with every engine step logged, for diagnosing served throughput.
+
+Each line of $STEP_LOG: the step's start and end (perf_counter), the process CPU seconds it took
+(all threads, so above 1 means the event loop or torch's second thread ran alongside), its batched
+tokens, sequences, summed context, forward seconds and the waiting-queue length. Arguments are
+those of `lengthwise serve`.
+
+    STEP_LOG=out/steps_sjf.jsonl python scripts/serve_step_log.py serve --policy sjf --port 8010
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def install_step_log(path: str) -> None:
+    import engine.llm_engine as llm_engine
+
+    log = open(path, "w", buffering=1)
+    step = llm_engine.LLMEngine.step
+
+    def logged_step(self):
+        started, cpu = time.perf_counter(), time.process_time()
+        outputs = step(self)
+        record = self.last_step
+        log.write(json.dumps({
+            "t0": started, "t1": time.perf_counter(), "cpu": time.process_time() - cpu,
+            "tokens": record.num_batched_tokens, "seqs": record.num_seqs, "context": record.sum_context_tokens,
+            "forward": record.forward_time_s, "waiting": len(self.scheduler.waiting)}) + "\n")
+        return outputs
+
+    llm_engine.LLMEngine.step = logged_step
+
+
+if __name__ == "__main__":
+    install_step_log(os.environ["STEP_LOG"])
+    from training.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -222,6 +222,18 @@ def test_sjf_ranks_by_predicted_median_not_point() -> None:
     assert order("sjf", [req("c", predicted=10), req("d", predicted=100)], aging_tokens_per_s=0.0) == ["c", "d"]
 
 
+def config_with_preemption(mode: str, num_gpu_blocks: int, **kwargs) -> SchedulerConfig:
+    """Blocks of 4, a 64-token context, and a host pool twice the cache when `mode` is swap."""
+    return SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=4, max_model_len=64, preemption_mode=mode,
+                           num_cpu_blocks=2 * num_gpu_blocks if mode == "swap" else 0, **kwargs)
+
+
+def assert_every_token(requests: list[Request]) -> None:
+    for request in requests:
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+
+
 def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, Request], steps: int = 300) -> None:
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
@@ -243,17 +255,12 @@ def test_an_interactive_prefill_short_of_blocks_preempts_batch_decodes_not_itsel
     # a first chunk of 7 tokens, and its second chunk needs 2 more blocks when 1 is free. Batch
     # decodes are scheduled before prefill chunks within a tier, but a tier orders first: the
     # interactive chunk comes first and takes its blocks from the batch request.
-    config = SchedulerConfig(num_gpu_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
-                             max_model_len=64, kv_watermark=0.0, preemption_mode=mode,
-                             num_cpu_blocks=16 if mode == "swap" else 0)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config_with_preemption(mode, 8, max_num_seqs=2, max_num_batched_tokens=8, kv_watermark=0.0))
     batch = req("b", 0.0, predicted=20, tier=Tier.BATCH, prompt_len=16, max_tokens=12)
     interactive = req("i", 3.0, predicted=4, tier=Tier.INTERACTIVE, prompt_len=20, max_tokens=4)
     run_with_arrivals(scheduler, {0: batch, 3: interactive})
     assert interactive.num_preemptions == 0 and batch.num_preemptions >= 1
-    for request in (batch, interactive):
-        assert request.status is RequestStatus.FINISHED_LENGTH
-        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+    assert_every_token([batch, interactive])
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -261,10 +268,8 @@ def test_tier_preemption_frees_enough_for_the_watermark_or_preempts_nobody(mode:
     # New work is admitted only while a quarter of the cache (5 of 20 blocks) stays free. Room
     # made for an interactive request must count that reserve and the survivors' next decode
     # blocks; otherwise a batch request is preempted and the interactive one still waits.
-    config = SchedulerConfig(num_gpu_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                             max_model_len=64, kv_watermark=0.25, preemption_mode=mode,
-                             num_cpu_blocks=40 if mode == "swap" else 0)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config_with_preemption(mode, 20, max_num_seqs=8, max_num_batched_tokens=64,
+                                                 kv_watermark=0.25))
     runner = PagedTokenRunner(20, 4, 40)
     batch = [req(f"b{i}", float(i), predicted=30, tier=Tier.BATCH, prompt_len=12, max_tokens=14) for i in range(4)]
     for request in batch:
@@ -282,22 +287,18 @@ def test_tier_preemption_frees_enough_for_the_watermark_or_preempts_nobody(mode:
         if not scheduler.has_unfinished_requests():
             break
     assert interactive.num_preemptions == 0 and sum(b.num_preemptions for b in batch) >= 1
-    for request in batch + [interactive]:
-        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+    assert_every_token(batch + [interactive])
     assert scheduler.block_manager.num_free_blocks == 20
 
 
 def test_a_swapped_batch_request_does_not_come_back_ahead_of_a_waiting_interactive_one() -> None:
     # One seat. i1 swaps b0 out; i2 arrives while i1 runs. When i1 ends, i2 ranks before b0 and
     # takes the seat; b0 swapping back in first would only be swapped out again.
-    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=1, max_num_batched_tokens=32,
-                             max_model_len=64, preemption_mode="swap", num_cpu_blocks=16)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config_with_preemption("swap", 16, max_num_seqs=1, max_num_batched_tokens=32))
     b0 = req("b0", 0.0, tier=Tier.BATCH, prompt_len=8, max_tokens=10)
     i1 = req("i1", 2.0, tier=Tier.INTERACTIVE, prompt_len=4, max_tokens=5)
     i2 = req("i2", 3.0, tier=Tier.INTERACTIVE, prompt_len=4, max_tokens=5)
     run_with_arrivals(scheduler, {0: b0, 2: i1, 3: i2})
     assert b0.num_preemptions == 1 and i1.num_preemptions == 0 and i2.num_preemptions == 0
     assert i2.finish_time < b0.finish_time
-    for request in (b0, i1, i2):
-        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+    assert_every_token([b0, i1, i2])

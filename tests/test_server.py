@@ -213,6 +213,29 @@ def test_priority_and_service_tiers_reach_the_scheduler_tiers(served, client):
     assert metric(after, queued) - metric(before, queued) == 4
 
 
+def test_integer_priority_reaches_the_engine(served, client, monkeypatch):
+    engine = served[1].engine
+    seen = []
+    add_request = engine.add_request
+
+    def recording(*args, **kwargs):  # the real engine call, with its priority noted on the way
+        seen.append(kwargs.get("priority"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": -5})
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert seen == [-5, 0]
+
+
+def test_completion_stream_reports_usage_only_in_its_last_chunk(client):
+    stream = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 4)
+
+
 def test_seeded_sampling_repeats_and_top_k_one_is_greedy(client):
     kwargs = dict(model=MODEL, prompt="Pick a word:", max_tokens=6, extra_body={"ignore_eos": True})
     first = client.completions.create(temperature=1.0, seed=7, **kwargs).choices[0].text

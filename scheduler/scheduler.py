@@ -4,7 +4,8 @@ One step (`schedule`) runs these parts in order, all under the seat limit (`max_
 the token budget (`max_num_batched_tokens`):
 
 1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
-   before batch work, or SRPT's limited preemption) takes seats and blocks from running victims.
+   before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
+   only as many as let it in this step; it is then admitted past the KV watermark.
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).
@@ -128,37 +129,41 @@ class Scheduler:
         free_seats = self.config.max_num_seqs - len(self.running)
         free_blocks = self.block_manager.num_free_blocks
         budget = self.config.max_num_batched_tokens - len(self.running)
-        reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         for request in list(self.waiting):
             if budget <= 0 or not self.running:
                 return
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
-            victims = self._victims_for(request, num_new, free_seats, free_blocks - reserve, now)
+            candidates = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
+            victims = self._victims_for(request, num_new, free_seats, free_blocks, candidates, now)
             if victims is None:
                 return
             for victim in victims:
                 free_blocks += len(victim.block_ids)
                 self._preempt(victim, plan)
+            if candidates:
+                # Room is made for it now, so it must not then wait on the watermark: without this,
+                # victims would be preempted and the urgent request still not admitted.
+                plan.urgent_ids.add(request.request_id)
             need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
             free_seats += len(victims) - 1
             free_blocks -= need
             budget += len(victims) - num_new
 
-    def _victims_for(self, request: Request, num_new: int, free_seats: int, spare_blocks: float,
-                     now: float) -> list[Request] | None:
-        """The running requests `request` may preempt that give it a seat and its blocks this step,
-        with the watermark kept and the survivors' decodes still fed; [] when it fits already, None
-        when even every eligible victim would not do (then nobody is preempted for nothing)."""
+    def _victims_for(self, request: Request, num_new: int, free_seats: int, free_blocks: int,
+                     candidates: list[Request], now: float) -> list[Request] | None:
+        """The fewest of `candidates`, in victim order, that give `request` a seat and its blocks this
+        step with the survivors' decodes still fed; [] when it fits already, None when even every
+        candidate would not do (then nobody is preempted for nothing)."""
         need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
-        candidates = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
+        candidates = list(candidates)
         victims: list[Request] = []
         while True:
             survivors = [r for r in self.running if r not in victims]
             growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in survivors)
             freed = sum(len(v.block_ids) for v in victims)
-            if free_seats + len(victims) >= 1 and spare_blocks + freed >= need + growth:
+            if free_seats + len(victims) >= 1 and free_blocks + freed >= need + growth:
                 return victims
             if not candidates:
                 return None
@@ -235,7 +240,7 @@ class Scheduler:
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
             num_new = self._num_new_tokens(request, plan.budget)
-            if num_new == 0 or not self._above_watermark(request, num_new):
+            if num_new == 0 or not (request.request_id in plan.urgent_ids or self._above_watermark(request, num_new)):
                 break
             if self.block_manager.allocate_slots(request, num_new) is None:
                 break

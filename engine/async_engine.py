@@ -123,10 +123,9 @@ class AsyncLLMEngine:
         except asyncio.TimeoutError:
             logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
         for request_id, stream in list(self._streams.items()):
-            self._commands.put(_Abort(request_id))
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
-            self.listener.on_aborted(stream.tier)
-            self._forget(request_id)
+            self._commands.put(_Abort(request_id))
+            self._drop_aborted(request_id)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Drain (finish or abort in-flight requests within `grace_s`), then stop the threads."""

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
+
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 
@@ -29,7 +31,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # a torch generator's range
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # a torch generator's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -38,7 +40,7 @@ class _Request(BaseModel):
     user: str | None = None
     # vLLM extras.
     ignore_eos: bool = False
-    priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # lower is served first
+    priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     stop_token_ids: list[int] | None = None
 

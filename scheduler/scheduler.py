@@ -135,8 +135,9 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
+            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
             candidates = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
-            victims = self._victims_for(request, num_new, free_seats, free_blocks, candidates, now)
+            victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
             if victims is None:
                 return
             for victim in victims:
@@ -146,30 +147,27 @@ class Scheduler:
                 # Room is made for it now, so it must not then wait on the watermark: without this,
                 # victims would be preempted and the urgent request still not admitted.
                 plan.urgent_ids.add(request.request_id)
-            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
             free_seats += len(victims) - 1
             free_blocks -= need
             budget += len(victims) - num_new
 
-    def _victims_for(self, request: Request, num_new: int, free_seats: int, free_blocks: int,
-                     candidates: list[Request], now: float) -> list[Request] | None:
-        """The fewest of `candidates`, in victim order, that give `request` a seat and its blocks this
-        step with the survivors' decodes still fed; [] when it fits already, None when even every
-        candidate would not do (then nobody is preempted for nothing)."""
-        need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
+    def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
+                     now: float) -> list[Request] | None:
+        """The fewest of `candidates`, in victim order, that give a request a seat and its `need`
+        blocks this step with the survivors' decodes still fed; [] when it fits already, None when
+        even every candidate would not do (then nobody is preempted for nothing)."""
         candidates = list(candidates)
+        growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in self.running)
         victims: list[Request] = []
-        while True:
-            survivors = [r for r in self.running if r not in victims]
-            growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in survivors)
-            freed = sum(len(v.block_ids) for v in victims)
-            if free_seats + len(victims) >= 1 and free_blocks + freed >= need + growth:
-                return victims
+        while free_seats + len(victims) < 1 or free_blocks < need + growth:
             if not candidates:
                 return None
             victim = self.policy.choose_victim(candidates, now)
             candidates.remove(victim)
             victims.append(victim)
+            free_blocks += len(victim.block_ids)
+            growth -= self.block_manager.num_new_blocks_needed(victim, 1)
+        return victims
 
     def _schedule_running(self, plan: StepPlan, now: float) -> None:
         # By tier, then decodes (one token left to feed) before unfinished prefills, in policy

@@ -124,6 +124,12 @@ class ServerMetrics:
                                     tiered, buckets=LATENCY_BUCKETS, registry=reg)
         self.predictor_latency = Histogram(PREFIX + "predictor_latency_seconds", "Time to score one "
                                            "batch of prompts.", labels, buckets=PREDICT_BUCKETS, registry=reg)
+        # Zero-valued series exist from the start, so dashboards and rate() see a refusal-free
+        # server as 0 rather than as missing data.
+        self.prompt_tokens.labels(model_name)
+        self.generation_tokens.labels(model_name)
+        for tier in Tier:
+            self.rejections.labels(model_name, tier.name.lower())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -311,6 +311,9 @@ def test_wrong_or_missing_api_key_is_401(served):
     for key in ("wrong", None):
         assert error_of(post(served[0], "/v1/completions", body, key=key), 401)["code"] == "invalid_api_key"
     assert httpx.get(served[0] + "/v1/models").status_code == 401
+    # The key is checked before the body is read: a malformed body does not turn a 401 into a 400.
+    error = error_of(post(served[0], "/v1/completions", "{not json", key="wrong"), 401)
+    assert error["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served[0] + "/v1", api_key="wrong", max_retries=0).models.list()
 

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -55,7 +55,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     app = FastAPI(title="lengthwise", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     errors.install_error_handlers(app)
-    auth = [Depends(_api_key_check(settings.api_key))]
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     served = {settings.model_name, *settings.model_aliases}
 
     def check_model(name: str | None) -> None:
@@ -63,17 +64,17 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
             raise errors.APIError(404, f"The model `{name}` does not exist.", type="not_found_error",
                                   param="model", code="model_not_found")
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         return await serving.chat(body, request)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
 
@@ -92,12 +93,23 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     return app
 
 
-def _api_key_check(api_key: str | None):
-    async def check(authorization: str | None = Header(default=None)) -> None:
-        if api_key is None:
-            return
-        expected = f"Bearer {api_key}".encode()
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
-            raise errors.unauthorized()
+class ApiKeyMiddleware:
+    """Refuses /v1 requests without "Authorization: Bearer <key>" before anything reads the body.
 
-    return check
+    A route dependency would run only after FastAPI parsed the JSON body, so a caller with a wrong
+    key and a malformed body learned about the body (400) instead of being refused (401).
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            await errors.unauthorized().response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization")
+        return given is not None and secrets.compare_digest(given, self.expected)

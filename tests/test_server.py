@@ -66,14 +66,41 @@ def running_server(app):
         sock.close()
 
 
+class ThreadRecordingTokenizer:
+    """The real tokenizer, noting which thread each encode or chat template ran on."""
+
+    def __init__(self, tokenizer, threads: set[str]) -> None:
+        self._tokenizer = tokenizer
+        self.threads = threads
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def encode(self, *args, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self._tokenizer.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def tokenize_threads() -> set[str]:
+    return set()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tokenize_threads):
     engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
     async_engine = AsyncLLMEngine(engine, chars_predictor())
     settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
                               info=(("policy", "fcfs"),))
-    app = create_app(async_engine, engine.tokenizer, settings)
+    app = create_app(async_engine, ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads), settings)
     with running_server(app) as (base_url, _):
         yield base_url, async_engine
 
@@ -411,6 +438,12 @@ def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served):
     engine_idle_and_intact(async_engine)
     aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
     assert aborted - aborted_before == 1
+
+
+def test_prompts_are_tokenized_off_the_event_loop(client, tokenize_threads):
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert tokenize_threads and all(name.startswith("lengthwise-tokenize") for name in tokenize_threads)
 
 
 def test_metrics_parse_with_vllm_like_names(served, client):

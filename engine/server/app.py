@@ -51,6 +51,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
         await engine.start()
         yield
         await engine.shutdown(settings.shutdown_grace_s)
+        serving.close()
 
     app = FastAPI(title="lengthwise", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings

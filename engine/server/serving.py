@@ -1,16 +1,17 @@
 """The completion and chat handlers: request -> engine submission -> JSON or server-sent events.
 
-Per request: tokenize (chat template for chat), check the context length, build SamplingParams and
-the tier, submit to the async engine (admission answers here: 429, 503, 400), then either collect
-the final output while watching for a client disconnect, or stream one SSE chunk per engine step
-ending in `data: [DONE]`. A request whose client leaves is aborted, which frees its KV blocks at
-the engine's next step boundary.
+Per request: tokenize on a worker thread (chat template for chat), check the context length,
+build SamplingParams and the tier, submit to the async engine (admission answers here: 429, 503,
+400), then either collect the final output while watching for a client disconnect, or stream one
+SSE chunk per engine step ending in `data: [DONE]`. A request whose client leaves is aborted,
+which frees its KV blocks at the engine's next step boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -61,14 +62,21 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
+        # every other stream. One thread, because a HF fast tokenizer shared between threads can
+        # fail with "Already borrowed" while it sets its padding and truncation state.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
         if isinstance(body.prompt, str):
-            prompt_ids, prompt_text = self._encode(body.prompt), body.prompt
+            prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
         else:
             self._check_token_ids(body.prompt)
-            prompt_ids, prompt_text = list(body.prompt), self.tokenizer.decode(body.prompt)
+            prompt_ids, prompt_text = list(body.prompt), await self._off_loop(self.tokenizer.decode, body.prompt)
         request_id = new_id("cmpl")
         stream = await self._submit(request_id, body, prompt_ids, prompt_text, body.max_tokens, "prompt")
 
@@ -89,12 +97,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-            raise errors.invalid_field("messages", f"messages: {exc}") from exc
-        prompt_ids = self._encode(prompt_text)
+        prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
         request_id = new_id("chatcmpl")
         stream = await self._submit(request_id, body, prompt_ids, prompt_text,
                                     body.requested_max_tokens(), "messages")
@@ -117,6 +120,17 @@ class OpenAIServing:
             choices=[ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
 
     # ---- admission ---------------------------------------------------------------------------
+    async def _off_loop(self, function: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        try:
+            prompt_text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                             add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+            raise errors.invalid_field("messages", f"messages: {exc}") from exc
+        return prompt_text, self._encode(prompt_text)
+
     def _encode(self, text: str) -> list[int]:
         # The chat template already carries any special tokens; plain prompts get none added
         # either, so the ids are exactly the text's tokens.

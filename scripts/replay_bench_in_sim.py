@@ -25,7 +25,6 @@ def main(argv: list[str]) -> None:
     from training import bench_serve, simulate as sim
     from training.sim_metrics import summarize
     from training.sim_workload import Turn, build_workload, predictor_predictions
-    from training.trace import prompt_key
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
@@ -42,8 +41,7 @@ def main(argv: list[str]) -> None:
               dict(enumerate(bench_serve.arrival_offsets(len(items), bench_args.request_rate,
                                                          bench_args.burstiness, bench_args.seed))))
     # The true length is max_tokens: the bench runs with --ignore-eos.
-    turns = [Turn(f"prompt:{prompt_key(item.prompt)}", item.prompt, item.prompt_tokens, item.max_tokens)
-             for item in items]
+    turns = [Turn(item.prompt, item.prompt_tokens, item.max_tokens) for item in items]
     workload = build_workload(turns, predictor_predictions(turns, args.predictor),
                               [starts[item.index] for item in items], [Tier.STANDARD] * len(items))
     sim_parser = argparse.ArgumentParser()

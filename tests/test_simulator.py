@@ -111,3 +111,21 @@ def test_simulate_cli_on_sharegpt(tmp_path) -> None:
         assert {"mean_e2e_s", "p99_e2e_s", "p99_e2e_longest10pct_s", "max_wait_s", "output_tokens_per_s"} <= set(figures)
     assert "placeholder" in report["cost_model"]["source"]
     assert (tmp_path / "sim_cdf.png").exists()
+
+
+def test_cached_predictions_belong_to_their_own_prompt(tmp_path) -> None:
+    from predictor.length import LengthParams, LengthPredictor
+    from predictor.saved import PredictorSpec, save
+    from training.sim_workload import Turn, predictor_predictions
+
+    # Prediction = the prompt's character count, so every distinct prompt has its own.
+    chars = LengthPredictor(LengthParams(intercept=0.0, slope=1.0, residual_p50=0.0, residual_p90=0.5),
+                            PredictorSpec(kind="length", feature_spec={}, data_hash=""))
+    folder = save(chars, tmp_path / "chars")
+    prompts = ["hi", "a longer prompt", "hi", "x" * 40, "continue"]
+    turns = [Turn(prompt, 3, 10) for prompt in prompts]
+    expected = [value for p in chars.predict(prompts) for value in (p.point, p.p50, p.p90)]
+    for _ in range(2):  # computed, then read back from the cache file
+        got = predictor_predictions(turns, folder, cache_dir=tmp_path / "cache")
+        assert [value for p in got for value in (p.point, p.p50, p.p90)] == pytest.approx(expected)
+    assert len(list((tmp_path / "cache").iterdir())) == 1

@@ -3,8 +3,8 @@
 Turns come from `training.dataset.load_turns("test")`, kept when the prompt has at most
 `max_prompt_tokens` tokens and the reply at least one; the true output length is the ShareGPT reply
 length in SmolLM2 tokens, capped at `max_output_tokens` (the requests' max_tokens). Predictions come
-from a saved predictor (`predictor.load`), cached per predictor and table under data/cache/ so a
-rerun does not recompute them, or, for development only, from a noisy oracle (true length times
+from a saved predictor (`predictor.load`), cached per predictor under data/cache/ by a hash of
+the prompt text so a rerun does not recompute them, or, for development only, from a noisy oracle (true length times
 lognormal noise). Arrivals are Poisson or gamma (bursty: coefficient of variation above 1).
 """
 
@@ -32,7 +32,6 @@ ArrivalProcess = Literal["poisson", "gamma"]
 
 @dataclass(frozen=True)
 class Turn:
-    key: str  # conversation_id:turn_index
     prompt: str
     prompt_tokens: int
     output_tokens: int
@@ -50,9 +49,8 @@ def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_ou
 
     table = load_turns("test")
     rows = [
-        Turn(f"{cid}:{turn}", prompt, p, min(r, max_output_tokens))
-        for cid, turn, prompt, p, r in zip(table["conversation_id"], table["turn_index"], table["prompt"],
-                                           table["prompt_tokens"], table["response_tokens"])
+        Turn(prompt, p, min(r, max_output_tokens))
+        for prompt, p, r in zip(table["prompt"], table["prompt_tokens"], table["response_tokens"])
         if p <= max_prompt_tokens and r >= 1
     ]
     rng = random.Random(seed)
@@ -70,17 +68,30 @@ def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
     return out
 
 
-def _cache_path(predictor_path: Path) -> Path:
+# Part of the cache file's name. Version 1 keyed by conversation id and turn index, which name
+# several prompts (the turn index restarts in each `_N` chunk of a conversation), so about a
+# quarter of the requests got another prompt's prediction; its files are not read.
+CACHE_FORMAT = "prompt-hash-v2"
+
+
+def _cache_path(predictor_path: Path, cache_dir: Path) -> Path:
     spec = (predictor_path / "predictor.json").read_text()
-    digest = hashlib.sha256((str(predictor_path.resolve()) + spec).encode()).hexdigest()[:16]
-    return CACHE_DIR / f"{predictor_path.name}_{digest}.json"
+    identity = CACHE_FORMAT + str(predictor_path.resolve()) + spec
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_dir / f"{predictor_path.name}_{digest}.json"
 
 
-def predictor_predictions(turns: Sequence[Turn], predictor_path: Path) -> list[Predicted]:
+def prompt_key(prompt: str) -> str:
+    return hashlib.blake2b(prompt.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def predictor_predictions(turns: Sequence[Turn], predictor_path: Path,
+                          cache_dir: Path = CACHE_DIR) -> list[Predicted]:
     """The saved predictor's predictions, computed once per distinct prompt and cached."""
-    cache_file = _cache_path(predictor_path)
+    cache_file = _cache_path(predictor_path, cache_dir)
     cache: dict[str, list[float]] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    missing = sorted({t.key: t.prompt for t in turns if t.key not in cache}.items())
+    keys = [prompt_key(t.prompt) for t in turns]
+    missing = sorted({key: t.prompt for key, t in zip(keys, turns) if key not in cache}.items())
     if missing:
         import predictor
         from predictor.batching import predict_in_batches
@@ -91,7 +102,7 @@ def predictor_predictions(turns: Sequence[Turn], predictor_path: Path) -> list[P
             cache[key] = [float(p.point), float(p.p50), float(p.p90)]
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps(cache))
-    return [Predicted(*cache[t.key]) for t in turns]
+    return [Predicted(*cache[key]) for key in keys]
 
 
 def arrival_times(count: int, rate_per_s: float, process: ArrivalProcess, cv: float, seed: int) -> list[float]:

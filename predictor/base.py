@@ -11,7 +11,10 @@ class Prediction:
     point: float  # predicted output tokens
     p50: float
     p90: float
-    score: float  # what the scheduler ranks by; lower means shorter
+    # The predictor's own ranking output (lower means shorter): a lambdarank or ListMLE score, or
+    # the head that ranked validation best. The scheduler orders by p50 instead, which is in
+    # tokens so that aging can be added to it; evaluation reports the tau of both.
+    score: float
 
 
 class Predictor(Protocol):

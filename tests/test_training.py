@@ -61,6 +61,14 @@ def test_metrics_on_perfect_reversed_and_constant_orders():
     assert metrics.pairwise_accuracy(true.astype(float), np.zeros(6)) == pytest.approx(0.5)
 
 
+def test_the_primary_tau_is_of_p50_the_order_the_scheduler_uses():
+    true = np.array([5, 1, 30, 7, 100, 2])
+    mixed = [Prediction(point=1.0, p50=float(t), p90=float(t) + 1, score=-float(t)) for t in true]
+    result = metrics.prediction_metrics(true, mixed)
+    assert result.kendall_tau == pytest.approx(1.0) and result.pairwise_accuracy == 1.0
+    assert result.kendall_tau_score == pytest.approx(-1.0)
+
+
 def test_tau_by_bucket_covers_every_row():
     rng = np.random.default_rng(0)
     true = rng.integers(1, 1000, 500)

@@ -23,8 +23,9 @@ LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
 
 @dataclass(frozen=True)
 class EvaluationReport:
-    kendall_tau: float
+    kendall_tau: float  # of p50, the order the scheduler uses
     kendall_tau_dedup: float
+    kendall_tau_score: float  # of the predictor's own score
     spearman: float
     pairwise_accuracy: float
     mae_log: float
@@ -76,7 +77,8 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else float("nan")
                for size, calls in LATENCY_CALLS.items()}
     return EvaluationReport(
-        kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau, spearman=whole.spearman,
+        kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau,
+        kendall_tau_score=whole.kendall_tau_score, spearman=whole.spearman,
         pairwise_accuracy=whole.pairwise_accuracy, mae_log=whole.mae_log, p50_coverage=whole.p50_coverage,
         p90_coverage=whole.p90_coverage, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples, kind=model.kind,

@@ -1,8 +1,10 @@
 """Ranking and calibration metrics of length predictions.
 
-Kendall's tau-b between the score and the true length is the primary figure: the scheduler
-uses only the order. Pairwise accuracy is the share of random pairs with different true
-lengths that the score orders correctly (score ties count half).
+Kendall's tau-b between the predicted median (p50) and the true length is the primary figure:
+the scheduler orders requests by p50 and uses only the order. The predictor's own `score` (a
+lambdarank or ListMLE output, or the head chosen on validation) gets its tau too. Pairwise accuracy
+is the share of random pairs with different true lengths that p50 orders correctly (ties count
+half).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ PAIR_SAMPLE = 200_000
 
 @dataclass(frozen=True)
 class PredictionMetrics:
-    kendall_tau: float
+    kendall_tau: float  # of p50, the order the scheduler uses
+    kendall_tau_score: float  # of the predictor's score
     spearman: float
     pairwise_accuracy: float
     mae_log: float  # mean |log1p(point) - log1p(true)|
@@ -50,9 +53,10 @@ def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Predic
     p50 = np.asarray([p.p50 for p in predictions], dtype=np.float64)
     p90 = np.asarray([p.p90 for p in predictions], dtype=np.float64)
     return PredictionMetrics(
-        kendall_tau=float(stats.kendalltau(score, true).statistic),
-        spearman=float(stats.spearmanr(score, true).statistic),
-        pairwise_accuracy=pairwise_accuracy(true, score),
+        kendall_tau=float(stats.kendalltau(p50, true).statistic),
+        kendall_tau_score=float(stats.kendalltau(score, true).statistic),
+        spearman=float(stats.spearmanr(p50, true).statistic),
+        pairwise_accuracy=pairwise_accuracy(true, p50),
         mae_log=float(np.mean(np.abs(np.log1p(np.maximum(point, 0.0)) - np.log1p(true)))),
         p50_coverage=float(np.mean(true <= p50)),
         p90_coverage=float(np.mean(true <= p90)),

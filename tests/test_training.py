@@ -146,9 +146,12 @@ def test_trace_records_lengths_and_resumes(tmp_path):
     llm = LLM(model=str(dataset.CONVERTED_MODEL_DIR))
     log = tmp_path / "trace.jsonl"
     assert trace.record_trace(llm, rows[:1], log, max_tokens=6, temperature=1.0, window=2, seed=0) == 1
+    with log.open("a") as cut:  # a run killed in the middle of writing a line
+        cut.write('{"key": "0123456789abcdef", "output_tok')
     assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 1
     assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 0
     assert trace.write_trace_table(log, tmp_path / "trace.parquet") == 2
+    assert len(log.read_text().splitlines()) == 2
     table = trace.load_trace(path=tmp_path / "trace.parquet")
     assert sorted(table["conversation_id"]) == ["c0", "c1"]
     assert all(1 <= n <= 6 for n in table["output_tokens"])

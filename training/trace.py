@@ -54,8 +54,18 @@ def read_log(log_path: Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            break  # a line cut off by an interrupted write: everything before it is good
+            continue  # a line cut off by an interrupted write; the lines around it are good
     return records
+
+
+def trim_partial_line(log_path: Path) -> None:
+    """Cut a last line left unfinished by an interrupted write, so appending starts a new line."""
+    if not log_path.exists():
+        return
+    data = log_path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with log_path.open("r+b") as log:
+            log.truncate(data.rfind(b"\n") + 1)
 
 
 def seed_of(key: str, seed: int) -> int:
@@ -89,6 +99,7 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
                 return
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    trim_partial_line(log_path)
     with log_path.open("a", encoding="utf-8") as log, tqdm(total=len(todo), desc="trace", unit="prompt") as bar:
         feed()
         while in_flight:

@@ -129,3 +129,15 @@ def test_cached_predictions_belong_to_their_own_prompt(tmp_path) -> None:
         got = predictor_predictions(turns, folder, cache_dir=tmp_path / "cache")
         assert [value for p in got for value in (p.point, p.p50, p.p90)] == pytest.approx(expected)
     assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_slo_attainment_counts_a_rejected_request_as_a_miss() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import tier_figures
+
+    served = RequestRecord("s", Tier.INTERACTIVE, 0.0, 5, rejected=False, first_scheduled_time=0.0,
+                           first_token_time=0.1, finish_time=1.0)
+    rejected = [RequestRecord(f"r{i}", Tier.INTERACTIVE, 0.0, 5, rejected=True) for i in range(9)]
+    figures = tier_figures([served, *rejected], slo_ttft_s=0.5, slo_e2e_s=10.0)["interactive"]
+    assert (figures["count"], figures["rejected"]) == (1, 9)
+    assert figures["slo_attainment"] == pytest.approx(0.1)

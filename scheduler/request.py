@@ -46,6 +46,9 @@ class Tier(enum.IntEnum):
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
 PRIORITY_LIMIT = 2**63
+# Temperatures below this sample greedily (as in vLLM): dividing float32 logits by a denormal or
+# zero temperature gives inf, softmax NaN, and the draw a meaningless token.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not stop for stop in self.stop):
+            raise ValueError("stop strings must not be empty")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass

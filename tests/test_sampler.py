@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import Sampler, _filtered_probs
@@ -58,6 +59,15 @@ def test_greedy_rows_take_the_argmax_and_seeds_are_per_request():
     sampler.free("b")
     sampler.free("c")
     assert sampler.num_live_generators == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    # float32 logits divided by a denormal or zero temperature are inf and softmax NaN.
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
+    tokens = Sampler(torch.device("cpu"), seed=0).sample(
+        logits, ["a", "b"], [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=1)])
+    assert tokens == logits.argmax(dim=-1).tolist()
 
 
 def test_inverse_cdf_never_picks_a_zero_probability_token():

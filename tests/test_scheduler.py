@@ -199,6 +199,8 @@ def test_bad_input_raises_value_error() -> None:
     scheduler.add_request(make_request("r3", 3, 2))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request("r3", 3, 2))
+    with pytest.raises(ValueError, match="stop strings"):
+        SamplingParams(stop=("end", ""))
 
 
 def test_a_request_whose_fed_tokens_fill_the_cache_exactly_is_served() -> None:

@@ -166,6 +166,10 @@ class AsyncLLMEngine:
             raise EngineDead(self.failure or "engine failed")
         if self.state is not EngineState.RUNNING:
             raise EngineShuttingDown()
+        if request_id in self._streams:
+            # Checked here, not only by the engine: registering a second stream under a live id
+            # would take over the first request's outputs, and its rejection would drop them.
+            raise ValueError(f"request id {request_id!r} is already in use")
         submission = _Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
                                  self.engine.now() if arrival_time is None else arrival_time)
         stream = RequestStream(request_id, tier)

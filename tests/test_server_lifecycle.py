@@ -107,6 +107,24 @@ def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):
     assert free == total
 
 
+def test_a_second_submit_with_a_live_id_is_refused_and_the_first_request_finishes(engine):
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+        stream = await async_engine.submit("same", prompt_ids(engine, "Hello"), "Hello", params)
+        with pytest.raises(ValueError, match="already in use"):
+            await async_engine.submit("same", prompt_ids(engine, "Other"), "Other", params)
+        outputs = await asyncio.wait_for(drain(stream), timeout=60)
+        await async_engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 12
+    free, total = free_and_total(engine)
+    assert free == total
+
+
 def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))

@@ -69,8 +69,15 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        try:
+            while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: nobody will collect these, so free their blocks.
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            raise
         return [finished[request_id] for request_id in request_ids]

@@ -179,7 +179,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = self.now()
         output: SchedulerOutput = self.scheduler.schedule(start)
-        runner_output = self.runner.execute(output, self._sampling_params_of)
+        try:
+            runner_output = self.runner.execute(output, self._sampling_params_of)
+        except BaseException:
+            self.scheduler.restart_failed_step(output)  # no request stranded mid-step (Ctrl-C, OOM)
+            raise
         done = self.now()
         progressed = self.scheduler.update_from_output(output, runner_output, done)
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)

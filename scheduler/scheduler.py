@@ -255,6 +255,27 @@ class Scheduler:
         reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         return self.block_manager.num_free_blocks - needed >= reserve
 
+    def restart_failed_step(self, output: SchedulerOutput) -> None:
+        """After the model step for `output` raised: the requests it touched start over by recompute.
+
+        Scheduling already advanced their computed tokens, and their KV (and any swap copy) may be
+        half written; left as they were, a request whose sampling chunk was lost would hold its
+        blocks with nothing left to schedule, never finishing. Recompute keeps every token
+        already generated.
+        """
+        touched = {chunk.request_id for chunk in output.chunks} | set(output.preempted_ids)
+        for request_id in touched:
+            request = self._requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            for queue in (self.running, self.swapped, self.waiting):
+                if request in queue:
+                    queue.remove(request)
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.append(request)
+
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            now: float) -> list[Request]:

@@ -102,6 +102,41 @@ def test_abort_frees_everything(llm):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_an_interrupted_generate_frees_its_requests_and_a_failed_step_strands_none(llm, monkeypatch):
+    engine = llm.engine
+    expected = llm.generate([PROMPT, "Count to ten"], greedy(20))
+    execute, calls = engine.runner.execute, []
+
+    def interrupted_on_the_third_step(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return execute(*args)
+
+    monkeypatch.setattr(engine.runner, "execute", interrupted_on_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, "Count to ten"], greedy(20))
+    stats = engine.stats().scheduler
+    assert not engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_total_blocks
+    # A step that fails under the engine's own loop leaves its requests to be recomputed, and
+    # they finish with the tokens an uninterrupted run gives.
+    calls.clear()
+    engine.add_request("x", PROMPT, greedy(20))
+    engine.add_request("y", "Count to ten", greedy(20))
+    finished = {}
+    for _ in range(200):
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            continue
+        finished.update({o.request_id: o for o in outputs if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert [finished["x"].token_ids, finished["y"].token_ids] == [o.token_ids for o in expected]
+    stats = engine.stats().scheduler
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_streamed_text_adds_up_and_never_shows_a_stop_string(llm):
     full = llm.generate(PROMPT, greedy())[0]
     stop = full.text[len(full.text) // 2:][:4]

@@ -77,6 +77,37 @@ def test_preemption_keeps_every_token(mode: str, block_size: int) -> None:
     assert scheduler.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_failed_model_step_strands_no_request_and_leaks_no_block(mode: str) -> None:
+    # Every fifth step's model call "raises": half the time before anything is written, half
+    # after the KV (and swap copies) were written but before the sampled tokens come back.
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    scheduler = Scheduler(config)
+    add_workload(scheduler)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs: dict[str, list[int]] = {}
+    failures = 0
+    for step in range(5000):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(now=float(step))
+        if step % 5 == 3:
+            if step % 10 == 3:
+                runner.execute(output)
+            scheduler.restart_failed_step(output)
+            failures += 1
+        else:
+            for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+                if request.is_finished:
+                    outputs[request.request_id] = list(request.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    assert failures > 10 and scheduler.stats().num_preemptions > 0
+    assert outputs == expected_outputs()
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+    assert scheduler.block_manager.num_requests_holding() == 0
+
+
 def test_swap_preemption_moves_blocks_to_host_and_back() -> None:
     config = SchedulerConfig(num_gpu_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                              max_model_len=24, preemption_mode="swap", num_cpu_blocks=16)

@@ -208,8 +208,13 @@ class LLMEngine:
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
         stops = request.sampling_params.stop
-        if advance(self.tokenizer, state, new_ids, stops) and not request.is_finished:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        if advance(self.tokenizer, state, new_ids, stops):
+            if request.status is RequestStatus.FINISHED_LENGTH:
+                # The stop string came with the last allowed token: the text was cut at it, so
+                # the reason is "stop", as when it comes earlier.
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif not request.is_finished:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
         new_text = release(state, stops, request.is_finished)
         if request.is_finished:
             self._release(request_id)

@@ -57,6 +57,18 @@ def test_stop_string_cuts_text_and_finishes(llm):
     assert list(stopped.token_ids) == list(full.token_ids[:len(stopped.token_ids)])
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
+    full = llm.generate(PROMPT, greedy())[0]
+    before_last = llm.engine.tokenizer.decode(full.token_ids[:-1])
+    # The shortest suffix of the text that occurs nowhere earlier; it ends in the last token.
+    stop = next(full.text[-n:] for n in range(1, len(full.text) + 1)
+                if full.text.find(full.text[-n:]) == len(full.text) - n)
+    assert not before_last.endswith(stop) and stop not in before_last
+    stopped = llm.generate(PROMPT, greedy(stop=(stop,)))[0]
+    assert (stopped.finish_reason, len(stopped.token_ids)) == ("stop", 24)
+    assert stopped.text == full.text[:-len(stop)]
+
+
 def test_stop_token_id_finishes_at_its_first_occurrence(llm):
     full = llm.generate(PROMPT, greedy())[0]
     stop_token = full.token_ids[5]

@@ -33,12 +33,14 @@ class DetokenizerState:
         return cls(token_ids=context, prefix_offset=0, read_offset=len(context))
 
 
-def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int]) -> str:
-    """Add tokens; returns the text they complete (possibly empty)."""
+def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], final: bool = False) -> str:
+    """Add tokens; returns the text they complete (possibly empty). With `final` (the request has
+    ended) an unfinished character is taken as decoded, U+FFFD included, as a full decode shows it,
+    so the text that came with it is not lost."""
     state.token_ids.extend(new_token_ids)
     prefix = tokenizer.decode(state.token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(state.token_ids[state.prefix_offset:], skip_special_tokens=True)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     new_text = full[len(prefix):]
     state.prefix_offset, state.read_offset = state.read_offset, len(state.token_ids)
@@ -57,9 +59,10 @@ def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> int | No
     return found
 
 
-def advance(tokenizer, state: DetokenizerState, new_token_ids: list[int], stops: tuple[str, ...]) -> bool:
+def advance(tokenizer, state: DetokenizerState, new_token_ids: list[int], stops: tuple[str, ...],
+            final: bool = False) -> bool:
     """Decode new tokens into `state.text`; True when a stop string matched (text cut before it)."""
-    new_text = append_tokens(tokenizer, state, new_token_ids)
+    new_text = append_tokens(tokenizer, state, new_token_ids, final)
     if stops and new_text:
         cut = find_stop(state.text, len(new_text), stops)
         if cut is not None:

@@ -208,7 +208,7 @@ class LLMEngine:
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
         stops = request.sampling_params.stop
-        if advance(self.tokenizer, state, new_ids, stops):
+        if advance(self.tokenizer, state, new_ids, stops, final=request.is_finished):
             if request.status is RequestStatus.FINISHED_LENGTH:
                 # The stop string came with the last allowed token: the text was cut at it, so
                 # the reason is "stop", as when it comes earlier.

@@ -1,0 +1,44 @@
+"""Incremental detokenization against a full decode, with SmolLM2's byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.detokenizer import DetokenizerState, advance
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def incremental_text(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    state = DetokenizerState.for_prompt(prompt_ids)
+    for index, token in enumerate(output_ids):
+        advance(tokenizer, state, [token], (), final=index == len(output_ids) - 1)
+    return state.text
+
+
+def test_a_reply_ending_inside_a_character_keeps_its_text(tokenizer):
+    # The emoji spans several tokens; cut before its last one, the reply ends mid-character.
+    ids = tokenizer.encode("ok 🎉", add_special_tokens=False)
+    cut = ids[:-1]
+    full = tokenizer.decode(cut, skip_special_tokens=True)
+    assert full.startswith("ok ") and full.endswith("\ufffd")
+    assert incremental_text(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), cut) == full
+
+
+def test_random_token_streams_decode_to_the_full_text(tokenizer):
+    rng = random.Random(0)
+    prompt = tokenizer.encode("Hello", add_special_tokens=False)
+    for _ in range(100):
+        # Multi-byte characters come from emoji and accented words; random ids add the odd ones.
+        text = "".join(rng.choice(["ok ", "é", "🎉", " naïve", "数据", " a", "\n"]) for _ in range(8))
+        ids = tokenizer.encode(text, add_special_tokens=False)[: rng.randint(1, 12)]
+        ids += [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 2))]
+        expected = tokenizer.decode(prompt[-5:] + ids, skip_special_tokens=True)
+        expected = expected[len(tokenizer.decode(prompt[-5:], skip_special_tokens=True)):]
+        assert incremental_text(tokenizer, prompt, ids) == expected, ids

@@ -5,7 +5,8 @@ the token budget (`max_num_batched_tokens`):
 
 1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
-   only as many as let it in this step; it is then admitted past the KV watermark.
+   only as many as let it in this step, and is admitted at once, past the KV watermark and ahead
+   of the running requests' prefill chunks (which would otherwise take the room made for it).
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).
@@ -143,13 +144,23 @@ class Scheduler:
             for victim in victims:
                 free_blocks += len(victim.block_ids)
                 self._preempt(victim, plan)
-            if candidates:
-                # Room is made for it now, so it must not then wait on the watermark: without this,
-                # victims would be preempted and the urgent request still not admitted.
-                plan.urgent_ids.add(request.request_id)
+            if candidates and not self._admit_now(request, num_new, plan):
+                return
             free_seats += len(victims) - 1
             free_blocks -= need
             budget += len(victims) - num_new
+
+    def _admit_now(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Admit an urgent request before anything else takes the room made for it: the watermark
+        and the running requests' prefill chunks would otherwise leave it waiting while its victims
+        were already preempted."""
+        if self.block_manager.allocate_slots(request, num_new) is None:
+            return False  # not reached: the room was counted; but never admit without blocks
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.add(request, num_new)
+        return True
 
     def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
                      now: float) -> list[Request] | None:
@@ -178,8 +189,8 @@ class Scheduler:
         for request in order:
             if plan.budget <= 0:
                 return
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted as a victim earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.request_id in plan.scheduled_ids:
+                continue  # preempted as a victim earlier in this loop, or admitted as urgent
             num_new = self._num_new_tokens(request, plan.budget)
             if num_new > 0 and self._allocate_or_preempt(request, num_new, plan, now):
                 plan.add(request, num_new)
@@ -238,7 +249,7 @@ class Scheduler:
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
             num_new = self._num_new_tokens(request, plan.budget)
-            if num_new == 0 or not (request.request_id in plan.urgent_ids or self._above_watermark(request, num_new)):
+            if num_new == 0 or not self._above_watermark(request, num_new):
                 break
             if self.block_manager.allocate_slots(request, num_new) is None:
                 break

@@ -17,7 +17,6 @@ class StepPlan:
     grants: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
     scheduled_ids: set[str] = field(default_factory=set)
     preempted_ids: list[str] = field(default_factory=list)
-    urgent_ids: set[str] = field(default_factory=set)  # room made for them: they skip the KV watermark
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 

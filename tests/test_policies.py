@@ -334,3 +334,32 @@ def test_a_swapped_request_never_waits_behind_running_lower_tier_work(policy: st
                 break
         assert_every_token(requests)
     assert steps_with_both > 100  # the property was exercised, not vacuous
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [10, 14])
+def test_an_urgent_request_is_admitted_before_running_batch_prefill_chunks(num_gpu_blocks: int) -> None:
+    # Two batch requests hold the cache, one still in a long prefill. The interactive arrival is
+    # admitted in its first step: the batch prefill chunk must not take the budget and blocks
+    # first (before, it waited three steps, and with 10 blocks a batch request was preempted
+    # for it and the other batch request's prefill took the room).
+    config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=16, max_num_batched_tokens=32,
+                             max_model_len=512, max_num_seqs=8, policy="priority")
+    scheduler = Scheduler(config)
+    b2 = req("b2", 0.0, tier=Tier.BATCH, priority=5, prompt_len=57, max_tokens=100)
+    b1 = req("b1", 2.0, tier=Tier.BATCH, priority=0, prompt_len=137, max_tokens=20)
+    urgent = req("i", 4.0, tier=Tier.INTERACTIVE, prompt_len=37, max_tokens=5)
+    runner = PagedTokenRunner(num_gpu_blocks, 16)
+    arrivals = {0: b2, 2: b1, 4: urgent}
+    for step in range(400):
+        if step in arrivals:
+            scheduler.add_request(arrivals[step])
+        output = scheduler.schedule(float(step))
+        if step == 4:
+            assert "i" in {c.request_id for c in output.chunks}
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert urgent.num_preemptions == 0
+    assert_every_token([b1, b2, urgent])
+    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks

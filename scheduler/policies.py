@@ -201,14 +201,21 @@ class GoodputPolicy(SJFPolicy):
         deadline = self.deadline(request)
         if deadline is None:
             return (int(request.tier), 1, self.score(request, now), request.arrival_time, request.request_id)
-        first_token_only = request.tier == Tier.INTERACTIVE
-        cost_tokens = 1.0 if first_token_only else refined_remaining(request)
-        slack = deadline - now - cost_tokens * self.config.goodput_s_per_token
+        if request.tier == Tier.INTERACTIVE:
+            cost_steps = self._steps_to_first_token(request)
+        else:
+            cost_steps = refined_remaining(request)  # one decode step per remaining token
+        slack = deadline - now - cost_steps * self.config.goodput_s_per_token
         if 0.0 <= slack <= self.config.goodput_urgent_slack_s:
             group, value = 0, slack
         else:
             group, value = (1 if slack > 0 else 2), self.score(request, now)
         return (int(request.tier), group, value, request.arrival_time, request.request_id)
+
+    def _steps_to_first_token(self, request: Request) -> float:
+        # The prefill still to feed goes through in chunks of at most a step's token budget.
+        to_feed = request.num_tokens - request.num_computed_tokens
+        return float(max(1, -(-to_feed // self.config.max_num_batched_tokens)))
 
 
 POLICIES: dict[str, Callable[[SchedulerConfig], SchedulingPolicy]] = {

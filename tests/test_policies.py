@@ -163,6 +163,19 @@ def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> No
     assert order("sjf", [relaxed, urgent], now=6.0, aging_tokens_per_s=0.0) == ["relaxed", "urgent"]
 
 
+def test_goodput_costs_an_interactive_request_its_prefill_steps() -> None:
+    # TTFT SLO 0.5 s, 0.05 s per step, 64 tokens a step. A 640-token prompt needs 10 prefill steps
+    # (0.5 s): at t=0.1 it can no longer make its deadline, while a 4-token prompt has 0.35 s of
+    # slack and is urgent. Costing both as one token would call the long one urgent too.
+    config = SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=64, max_model_len=2048,
+                             slo_ttft_interactive_s=0.5, goodput_s_per_token=0.05, goodput_urgent_slack_s=2.0)
+    policy = GoodputPolicy(config)
+    long_prompt = req("long", tier=Tier.INTERACTIVE, prompt_len=640, predicted=5)
+    short_prompt = req("short", tier=Tier.INTERACTIVE, prompt_len=4, predicted=50)
+    assert policy.sort_key(short_prompt, 0.1)[1] == 0  # urgent
+    assert policy.sort_key(long_prompt, 0.1)[1] == 2  # past saving: ranked by length after the urgent
+
+
 def test_make_policy_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lottery", CONFIG)

@@ -1,13 +1,15 @@
 """Clock-free discrete-event core of the scheduling simulator.
 
 It drives the real `Scheduler` (policy, block manager, admission control) with a step-cost model
-instead of a model: each step's duration is `a + b * batched_tokens + c * sum of context lengths`
-(the context of a chunk is its end position, which its attention reads). Every request carries its
+instead of a model: each step's duration is `a + b * batched_tokens + c * sum of context lengths
++ d * blocks swapped` (the context of a chunk is its end position, which its attention reads; a
+swap-preemption step copies each block out or in once). Every request carries its
 true output length as `max_tokens` with `ignore_eos`, so it finishes exactly there; the policy sees
 only the predicted length (the oracle policy reads `true_len`). Time advances step by step; when
 nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
 
-`lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c).
+`lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c,
+d; a file without d charges nothing for swaps).
 """
 
 from __future__ import annotations
@@ -30,27 +32,34 @@ class StepCostModel:
     a_s: float  # fixed cost of a step (launch, scheduling, sampling)
     b_s_per_token: float  # per token fed (prefill chunk tokens and decode tokens)
     c_s_per_context_token: float  # per context token attended to, summed over the batch
+    d_s_per_swapped_block: float = 0.0  # per KV block copied to or from the host pool
 
     def __post_init__(self) -> None:
-        if min(self.a_s, self.b_s_per_token, self.c_s_per_context_token) < 0 or self.a_s <= 0:
+        coefficients = (self.a_s, self.b_s_per_token, self.c_s_per_context_token, self.d_s_per_swapped_block)
+        if min(coefficients) < 0 or self.a_s <= 0:
             raise ValueError(f"step cost coefficients must be >= 0 with a_s > 0, got {self}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:
         """Reads either these field names or the calibration's short keys a, b, c. A least-squares
         fit may give a slightly negative b or c; those are clamped to 0 (a cost cannot be negative)."""
-        def coefficient(long: str, short: str) -> float:
-            return max(0.0, float(data[long] if long in data else data[short]))
+        def coefficient(long: str, short: str, default: float | None = None) -> float:
+            value = data.get(long, data.get(short, default))
+            if value is None:
+                raise KeyError(f"step cost needs {long!r} (or {short!r})")
+            return max(0.0, float(value))
 
         return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b"),
-                   coefficient("c_s_per_context_token", "c"))
+                   coefficient("c_s_per_context_token", "c"), coefficient("d_s_per_swapped_block", "d", 0.0))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
     def step_time(self, output: SchedulerOutput) -> float:
         context = sum(chunk.start_position + len(chunk.token_ids) for chunk in output.chunks)
-        return self.a_s + self.b_s_per_token * output.num_batched_tokens + self.c_s_per_context_token * context
+        swapped = len(output.swap_out) + len(output.swap_in)
+        return (self.a_s + self.b_s_per_token * output.num_batched_tokens + self.c_s_per_context_token * context
+                + self.d_s_per_swapped_block * swapped)
 
 
 @dataclass(frozen=True)

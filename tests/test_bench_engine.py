@@ -33,7 +33,7 @@ def test_bench_engine_smoke(tiny_model_dir, tmp_path):
         summary["tokens_per_s"]["engine"] / summary["tokens_per_s"]["hf_static"])
     assert 0.0 <= summary["overhead_share"] < 1.0
     assert out.with_suffix(".png").stat().st_size > 0
-    assert {"a", "b", "c", "kv_cache_memory_gib"} <= set(json.loads(step_cost.read_text()))
+    assert {"a", "b", "c", "d", "kv_cache_memory_gib"} <= set(json.loads(step_cost.read_text()))
 
 
 def test_step_cost_fit_recovers_known_coefficients():

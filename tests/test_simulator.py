@@ -50,6 +50,10 @@ def test_step_time_follows_the_cost_model() -> None:
     chunks = (ScheduledChunk("a", (1,) * 10, 0, (0,), True), ScheduledChunk("b", (1,), 40, (1, 2, 3), True))
     output = SchedulerOutput(chunks, (), (), (), (), num_batched_tokens=11)
     assert COST.step_time(output) == pytest.approx(0.01 + 0.001 * 11 + 1e-5 * (10 + 41))
+    swapping = SchedulerOutput(chunks, (), (), ((5, 0), (6, 1)), ((2, 9),), num_batched_tokens=11)
+    with_swaps = StepCostModel.from_dict({"a": 0.01, "b": 0.001, "c": 1e-5, "d": 0.002})
+    assert with_swaps.step_time(swapping) == pytest.approx(COST.step_time(output) + 0.002 * 3)
+    assert StepCostModel.from_dict({"a": 0.01, "b": 0.001, "c": 1e-5}).d_s_per_swapped_block == 0.0
 
 
 def test_single_seat_oracle_runs_shortest_first_and_the_clock_adds_up() -> None:

@@ -8,8 +8,9 @@ concurrency (`--max-num-seqs`). The JSON holds useful tokens/s per system, the r
 overhead share (step time outside the model forward) and the peak RSS; a bar chart goes next to it.
 
 `--calibrate` also fits the engine's step time as a + b * batched_tokens + c * sum_context_tokens by
-least squares over its steps and writes the coefficients (plus the KV budget used) to
-`--step-cost-out` for the simulator.
+least squares over its steps, times a swap copy of the engine's KV blocks (d, seconds per block
+copied out or in), and writes the coefficients (plus the KV budget used) to `--step-cost-out` for
+the simulator.
 """
 
 from __future__ import annotations
@@ -170,13 +171,36 @@ def _kv_cache_tokens(config: EngineConfig) -> int:
     return geometry.blocks_for(config.kv_cache_memory_gib) * config.block_size
 
 
+def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: int = 5) -> float:
+    """Median time to copy one KV block of the engine's geometry out to the host pool or back in."""
+    import time
+
+    import torch
+
+    from engine.kv_cache import CacheGeometry, KVCache
+    from engine.model.arch import LlamaArch
+
+    arch = LlamaArch.from_model_dir(config.model)
+    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, torch.float32)
+    cache = KVCache(geometry, num_blocks, num_blocks, torch.device("cpu"))
+    pairs = tuple((i, num_blocks - 1 - i) for i in range(num_blocks))
+    per_block = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        cache.swap_out(pairs)
+        cache.swap_in(pairs)
+        per_block.append((time.perf_counter() - start) / (2 * num_blocks))
+    return float(np.median(per_block))
+
+
 def write_step_cost(steps: list[StepRecord], config: EngineConfig, path: Path) -> dict:
     fit = fit_step_cost(steps)
+    fit["d"] = swap_seconds_per_block(config)
     fit.update(kv_cache_memory_gib=config.kv_cache_memory_gib, num_gpu_blocks=_kv_cache_tokens(config) // config.block_size,
                block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                max_num_batched_tokens=config.max_num_batched_tokens, threads=config.num_threads, model=config.model)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fit, indent=2) + "\n")
-    log.info("step cost: %.4f + %.2e * tokens + %.2e * context (R^2 %.3f) -> %s",
-             fit["a"], fit["b"], fit["c"], fit["r2"], path)
+    log.info("step cost: %.4f + %.2e * tokens + %.2e * context + %.2e * swapped blocks (R^2 %.3f) -> %s",
+             fit["a"], fit["b"], fit["c"], fit["d"], fit["r2"], path)
     return fit

@@ -46,10 +46,11 @@ def latency_ms_per_prompt(model, prompts: Sequence[str], batch_size: int, calls:
     model.predict(list(prompts[:batch_size]))  # warm-up: lazy inits, allocator
     per_prompt = []
     for _ in range(calls):
-        batch = [prompts[i] for i in rng.choice(len(prompts), size=batch_size, replace=False)]
+        size = min(batch_size, len(prompts))  # a --limit below the batch size times what there is
+        batch = [prompts[i] for i in rng.choice(len(prompts), size=size, replace=False)]
         start = time.perf_counter()
         model.predict(batch)
-        per_prompt.append((time.perf_counter() - start) * 1000.0 / batch_size)
+        per_prompt.append((time.perf_counter() - start) * 1000.0 / size)
     return float(np.median(per_prompt))
 
 

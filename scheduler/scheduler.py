@@ -137,7 +137,9 @@ class Scheduler:
             if num_new == 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
             need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
-            candidates = [r for r in self.running if self.policy.should_preempt_for(request, r, now)]
+            # Not a request admitted earlier in this loop: its grant is already in the plan.
+            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids
+                          and self.policy.should_preempt_for(request, r, now)]
             victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
             if victims is None:
                 return

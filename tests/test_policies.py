@@ -376,3 +376,22 @@ def test_an_urgent_request_is_admitted_before_running_batch_prefill_chunks(num_g
     assert urgent.num_preemptions == 0
     assert_every_token([b1, b2, urgent])
     assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
+
+
+@pytest.mark.parametrize("seats, arrivals", [
+    (3, [(0, 1, 11, 17), (2, 10, 9, 16), (7, 40, 11, 26), (8, 20, 12, 32), (10, 40, 7, 25), (13, 5, 6, 36),
+         (14, 5, 2, 40), (16, 1, 3, 26)]),
+    (2, [(3, 5, 7, 31), (6, 40, 2, 39), (11, 1, 8, 21), (13, 5, 7, 20), (15, 1, 7, 8), (18, 40, 4, 40),
+         (19, 40, 3, 18)]),
+])
+def test_srpt_never_preempts_a_request_admitted_in_the_same_step(seats: int, arrivals: list) -> None:
+    # (step, predicted, prompt, max_tokens). With strong aging a long-waiting request ranks first
+    # and is admitted by preempting running work; a shorter waiting request after it may preempt
+    # too, but not the request whose grant is already in this step's plan: its chunk had no blocks
+    # (these two workloads hit that before the fix).
+    scheduler = Scheduler(config_with_preemption("recompute", 32, max_num_seqs=seats, max_num_batched_tokens=32,
+                                                 kv_watermark=0.0, policy="srpt", aging_tokens_per_s=5.0))
+    requests = {step: req(f"r{i}", float(step), predicted=predicted, prompt_len=prompt, max_tokens=max_tokens)
+                for i, (step, predicted, prompt, max_tokens) in enumerate(arrivals)}
+    run_with_arrivals(scheduler, requests, steps=2000)
+    assert_every_token(list(requests.values()))

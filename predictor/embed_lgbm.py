@@ -26,8 +26,12 @@ PRIOR_FOLDER = "prior"
 
 
 def embed_lgbm_features(embeddings: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-    """The head's input: [embedding | lexical features], the same in training and serving."""
-    return np.hstack([embeddings.astype(np.float32), lexical_matrix(prompts)])
+    """The head's input: [embedding | lexical features], the same in training and serving.
+
+    Embeddings are rounded to float16, as the training cache stores them, so a served prompt gets
+    exactly the features its copy in training had (fp32 differs in the fourth digit, enough to
+    move a tree split)."""
+    return np.hstack([embeddings.astype(np.float16).astype(np.float32), lexical_matrix(prompts)])
 
 
 def with_prior(features: np.ndarray, prior: LgbmHeads | None) -> np.ndarray:

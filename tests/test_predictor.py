@@ -188,9 +188,13 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder):
     spec = PredictorSpec(kind="embed_lgbm", data_hash="h",
                          feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
     loaded = predictor.load(save(EmbedLgbmPredictor(encoder, heads, spec), tmp_path / "emb"))
+    # Rounded to fp16 like the cache, served features equal the cached ones but where batching
+    # moved an fp32 value across a rounding boundary (one fp16 step, in a few elements per 1,000).
+    differ = embed_lgbm_features(encoder.encode(prompts), prompts) != embed_lgbm_features(cached, prompts)
+    assert differ.mean() < 0.005
     served = np.asarray([p.point for p in loaded.predict(prompts)])
     trained = np.expm1(heads.predict(embed_lgbm_features(cached, prompts)).log_point)
-    np.testing.assert_allclose(served, trained, rtol=0.05)
+    np.testing.assert_allclose(served, trained, rtol=0.01)
 
 
 @pytest.mark.integration

@@ -68,10 +68,11 @@ def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
     return out
 
 
-# Part of the cache file's name. Version 1 keyed by conversation id and turn index, which name
-# several prompts (the turn index restarts in each `_N` chunk of a conversation), so about a
-# quarter of the requests got another prompt's prediction; its files are not read.
-CACHE_FORMAT = "prompt-hash-v2"
+# Part of the cache file's name; changed whenever cached predictions would differ, so old files
+# are not read. Version 1 keyed by conversation id and turn index, which name several prompts (the
+# turn index restarts in each `_N` chunk of a conversation): about a quarter of the requests got
+# another prompt's prediction. Then served embeddings were rounded to fp16 like training's.
+CACHE_FORMAT = "prompt-hash-v2, fp16-rounded embeddings"
 
 
 def _cache_path(predictor_path: Path, cache_dir: Path) -> Path:

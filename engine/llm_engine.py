@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -92,6 +92,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             policy=config.policy, **config.scheduler_options))
         self.eos_token_id = self.tokenizer.eos_token_id
+        # A checkpoint may end a reply with several ids (config.json's eos_token_id list, as in
+        # Llama 3); the tokenizer names one. The others stop a request like it, unless ignore_eos.
+        self.extra_eos_token_ids = tuple(i for i in self.arch.eos_token_ids if i != self.eos_token_id)
         self.predictor = None
         if config.predictor is not None:
             from predictor.saved import load as load_predictor
@@ -147,6 +150,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_ids(prompt)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         if prediction is None and self.predictor is not None:
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
             prediction = self.predictor.predict([text])[0]

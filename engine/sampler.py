@@ -85,7 +85,10 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     drop = ranks >= k
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+    # top_p 1 means no cut: in float32 the mass before the last tokens can round up to 1.0, so a
+    # row without top-p must not be compared at all (it shares this path with top-k rows).
+    thresholds = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=device)[:, None]
+    drop |= mass_before >= thresholds
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

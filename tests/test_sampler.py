@@ -77,3 +77,14 @@ def test_inverse_cdf_never_picks_a_zero_probability_token():
     for u in (0.0, 0.25, 0.4999, 0.5, 0.9999999):
         picked = inverse_cdf(probs, torch.tensor([u, u])).tolist()
         assert picked[0] == (1 if u < 0.5 else 3) and picked[1] == 2
+
+
+def test_a_row_without_top_p_keeps_its_tail_when_sharing_the_sort_path():
+    # A peaked row: float32 mass before its tail tokens rounds to 1.0. Batched with a top-k row
+    # (which sends every row through the sort), it must keep the distribution it has alone.
+    logits = torch.full((1, 1000), -30.0)
+    logits[0, 0] = 30.0
+    alone = _filtered_probs(logits, [SamplingParams()])
+    shared = _filtered_probs(torch.cat([logits, logits]), [SamplingParams(), SamplingParams(top_k=5)])
+    assert (alone[0] > 0).sum() == 1000
+    torch.testing.assert_close(shared[0], alone[0], rtol=0, atol=0)

@@ -7,6 +7,7 @@ the token budget (`max_num_batched_tokens`):
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
    only as many as let it in this step, and is admitted at once, past the KV watermark and ahead
    of the running requests' prefill chunks (which would otherwise take the room made for it).
+   Never one ranked after a request still swapped out: that one keeps its place.
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).
@@ -130,9 +131,12 @@ class Scheduler:
         free_seats = self.config.max_num_seqs - len(self.running)
         free_blocks = self.block_manager.num_free_blocks
         budget = self.config.max_num_batched_tokens - len(self.running)
+        limit = self._swapped_limit(now)
         for request in list(self.waiting):
             if budget <= 0 or not self.running:
                 return
+            if limit is not None and self.policy.sort_key(request, now) >= limit:
+                return  # a swapped request ranks first and keeps its place
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
@@ -239,9 +243,13 @@ class Scheduler:
             self.running.append(request)
             plan.add(request, num_new)
 
+    def _swapped_limit(self, now: float) -> tuple | None:
+        """The best-ranked swapped request's key: a swapped request still out keeps its place, so
+        nothing ranked after it is admitted (here or as urgent) before it comes back."""
+        return min((self.policy.sort_key(r, now) for r in self.swapped), default=None)
+
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
-        # A swapped request still out keeps its place: nothing ranked after it is admitted.
-        limit = min((self.policy.sort_key(r, now) for r in self.swapped), default=None)
+        limit = self._swapped_limit(now)
         admitted = 0
         for request in self.waiting:
             if len(self.running) >= self.config.max_num_seqs or plan.budget <= 0:

@@ -319,16 +319,18 @@ def test_a_swapped_batch_request_does_not_come_back_ahead_of_a_waiting_interacti
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt"])
-def test_a_swapped_request_never_waits_behind_running_lower_tier_work(policy: str) -> None:
+def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_work(policy: str) -> None:
     # Victims are taken lowest tier first, and nothing ranked after a swapped request is admitted
-    # or swapped in before it, so a swapped request never needs tier preemption on its behalf:
+    # (not even as urgent) or swapped in before it, so a swapped request never needs tier
+    # preemption on its behalf:
     # every running request is of its tier or a more urgent one. Random tiers, lengths and arrivals
     # on a cache a third the size of the work.
     steps_with_both = 0
-    for seed in range(15):
+    for seed in range(40):
         rng = random.Random(seed)
         scheduler = Scheduler(config_with_preemption("swap", 24, max_num_seqs=6, max_num_batched_tokens=16,
-                                                     kv_watermark=0.0, policy=policy))
+                                                     kv_watermark=0.0, policy=policy,
+                                                     aging_tokens_per_s=rng.choice([None, 5.0])))
         runner = PagedTokenRunner(24, 4, 48)
         steps = rng.sample(range(40), 12)
         requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
@@ -338,7 +340,13 @@ def test_a_swapped_request_never_waits_behind_running_lower_tier_work(policy: st
         for step in range(2000):
             if step in arrivals:
                 scheduler.add_request(arrivals[step])
+            waiting_before, swapped_before = {r.request_id for r in scheduler.waiting}, list(scheduler.swapped)
             output = scheduler.schedule(float(step))
+            keys_out = [scheduler.policy.sort_key(r, float(step)) for r in swapped_before if r in scheduler.swapped]
+            for chunk in output.chunks:  # nobody ranked after a request still swapped out is admitted
+                if chunk.request_id in waiting_before and keys_out:
+                    admitted = scheduler.get_request(chunk.request_id)
+                    assert scheduler.policy.sort_key(admitted, float(step)) < min(keys_out), (seed, step)
             scheduler.update_from_output(output, runner.execute(output), float(step))
             least_urgent_running = max((r.tier for r in scheduler.running), default=Tier.INTERACTIVE)
             assert all(least_urgent_running <= s.tier for s in scheduler.swapped), (seed, step)

@@ -172,23 +172,29 @@ def _kv_cache_tokens(config: EngineConfig) -> int:
 
 
 def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: int = 5) -> float:
-    """Median time to copy one KV block of the engine's geometry out to the host pool or back in."""
+    """Median time to copy one KV block of the engine's geometry (layers, heads, dtype, device) out
+    to the host pool or back in."""
     import time
 
     import torch
 
     from engine.kv_cache import CacheGeometry, KVCache
+    from engine.llm_engine import resolve_device
     from engine.model.arch import LlamaArch
 
     arch = LlamaArch.from_model_dir(config.model)
-    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, torch.float32)
-    cache = KVCache(geometry, num_blocks, num_blocks, torch.device("cpu"))
+    device = resolve_device(config.device)
+    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim,
+                             getattr(torch, config.dtype))
+    cache = KVCache(geometry, num_blocks, num_blocks, device)
     pairs = tuple((i, num_blocks - 1 - i) for i in range(num_blocks))
     per_block = []
     for _ in range(rounds):
         start = time.perf_counter()
         cache.swap_out(pairs)
         cache.swap_in(pairs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         per_block.append((time.perf_counter() - start) / (2 * num_blocks))
     return float(np.median(per_block))
 

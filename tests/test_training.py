@@ -104,6 +104,10 @@ def test_champion_follows_best_validation_tau(tmp_path):
             runs[name] = tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: tau}, folder, [], {})
             champion = tracking.update_champion()
             assert champion == (runs["first"] if name == "first" else runs["better"])
+        # A run whose tau was of another ranking (the score, before runs were tagged) never wins.
+        folder = _saved_length_predictor(tmp_path / "old", 4.0)
+        tracking.log_run("old", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [], {"tau_of": "score"})
+        assert tracking.update_champion() == runs["better"]
     local = tracking.download_champion(tmp_path / "download", store=store)
     loaded = predictor.load(local)
     assert loaded.params.intercept == 2.0

@@ -22,6 +22,10 @@ MODEL_NAME = "lengthwise-predictor"
 CHAMPION_ALIAS = "champion"
 EXPERIMENT_NAME = "lengthwise-predictor"
 SELECTION_METRIC = "val_kendall_tau"
+# What SELECTION_METRIC is the tau of. Runs before it was tagged measured the predictor's score,
+# which for a lambdarank or ListMLE run is not the order the scheduler uses (p50); only runs
+# with this tag compete for champion.
+TAU_OF = "p50"
 ARTIFACT_PATH = "predictor"
 
 
@@ -67,7 +71,8 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
     import mlflow
 
     with mlflow.start_run(run_name=run_name) as run:
-        mlflow.set_tags({"git_sha": git_sha(), "feature_version": str(FEATURE_SPEC_VERSION), **tags})
+        mlflow.set_tags({"git_sha": git_sha(), "feature_version": str(FEATURE_SPEC_VERSION), "tau_of": TAU_OF,
+                         **tags})
         mlflow.log_params({key: str(value)[:500] for key, value in params.items()})
         mlflow.log_metrics({key: float(value) for key, value in metrics.items()})
         for plot in plots:
@@ -79,7 +84,8 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
 def best_run_id() -> str | None:
     import mlflow
 
-    loadable = f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
+    loadable = (f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
+                f" AND tags.tau_of = '{TAU_OF}'")
     runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
                               order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
                               output_format="list")

@@ -4,7 +4,8 @@ Decoding a single new token is not enough: byte-level BPE may split a character 
 tokens, and some tokenizers drop a leading space at the start of a decode. So each step decodes a
 short window (a few tokens before the unread ones plus the new ones) and keeps only the text beyond
 the window's already-emitted prefix; a trailing U+FFFD means an unfinished character, and the
-tokens wait for the next step. The window starts with a few prompt tokens for the same reason.
+tokens wait for the next step (after the last token it is kept, as a full decode shows it). The
+window starts with a few prompt tokens for the same reason.
 
 A stop string is searched only where it could newly end: in the text from len(stop) - 1
 characters before this step's new text. The text is cut where a stop string begins. While a request

@@ -47,8 +47,9 @@ class SchedulerConfig:
     # srpt: a waiting request must be this many times shorter than the running one to preempt it,
     # so near-equal requests do not thrash.
     srpt_preempt_ratio: float = 4.0
-    # goodput: seconds per output token used to turn predicted remaining tokens into time, and the
-    # slack (seconds) below which a request with a deadline is treated as urgent.
+    # goodput: seconds per step, which turns the steps a request still needs into time (one per
+    # predicted remaining token; for an interactive request, its prefill chunks to the first
+    # token), and the slack (seconds) below which a request with a deadline is treated as urgent.
     goodput_s_per_token: float = 0.05
     goodput_urgent_slack_s: float = 2.0
 

@@ -62,7 +62,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
@@ -76,7 +76,7 @@ class LLMEngine:
         if config.retain_host_memory:
             retain_freed_host_memory()
         self.device = resolve_device(config.device)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, config.dtype, self.device, config.max_model_len)
         self.arch = model.arch
         if config.max_model_len > self.arch.max_position_embeddings:

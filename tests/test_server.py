@@ -473,3 +473,15 @@ def test_kendall_tau_of_the_metrics_window():
     assert kendall_tau([(1, 10), (2, 20), (3, 30)]) == pytest.approx(1.0)
     assert kendall_tau([(1, 30), (2, 20), (3, 10)]) == pytest.approx(-1.0)
     assert kendall_tau([(1, 5), (2, 5)]) is None and kendall_tau([(1, 5)]) is None
+
+
+def test_the_tokenizer_thread_comes_back_after_close(tokenizer):
+    import asyncio
+
+    from engine.server.serving import OpenAIServing
+
+    serving = OpenAIServing(None, tokenizer, MODEL, MAX_MODEL_LEN)  # no engine: tokenizing only
+    first = asyncio.run(serving._off_loop(serving._encode, "Hello there"))
+    serving.close()  # the app's lifespan ended; a second lifespan serves again
+    assert asyncio.run(serving._off_loop(serving._encode, "Hello there")) == first
+    serving.close()

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import predictor
     from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import LLMEngine, load_tokenizer
     from engine.server.app import ServerSettings, create_app
 
     config = build_engine_config(args)
@@ -144,12 +144,18 @@ def run(args: argparse.Namespace) -> int:
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
                                   overlap_prediction=engine.device.type == "cuda")
-    app = create_app(async_engine, engine.tokenizer, settings)
+    # The HTTP layer's own tokenizer: the engine thread decodes with its copy while requests are
+    # encoded, and a fast tokenizer shared across threads can fail with "Already borrowed".
+    app = create_app(async_engine, load_tokenizer(config.model), settings)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=FLUSH_AFTER_DRAIN_S),
                             async_engine, args.shutdown_grace)
     logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host, args.port)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
+        return 130
     return 0
 
 

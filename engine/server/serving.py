@@ -65,10 +65,13 @@ class OpenAIServing:
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
         # fail with "Already borrowed" while it sets its padding and truncation state.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
+        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the tokenizer thread; a later request (a new lifespan) starts another."""
+        pool, self._tokenize_pool = self._tokenize_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
@@ -121,6 +124,8 @@ class OpenAIServing:
 
     # ---- admission ---------------------------------------------------------------------------
     async def _off_loop(self, function: Callable, *args: Any) -> Any:
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:

@@ -475,6 +475,23 @@ def test_kendall_tau_of_the_metrics_window():
     assert kendall_tau([(1, 5), (2, 5)]) is None and kendall_tau([(1, 5)]) is None
 
 
+def test_the_served_tau_metric_reads_the_predicted_median():
+    from engine.outputs import RequestOutput
+    from engine.server.metrics import ServerMetrics
+    from predictor.base import Prediction
+    from scheduler.request import Tier
+
+    metrics = ServerMetrics(MODEL, lambda: None)
+    for length in (3, 6, 9):
+        # The median orders the lengths; the point estimate orders them backwards.
+        prediction = Prediction(point=100.0 - length, p50=float(length), p90=2.0 * length, score=float(length))
+        output = RequestOutput(f"r{length}", (1,), (5,) * length, (5,), "", "", True, "length", 0.0, 0.0, 0.1, 1.0)
+        metrics.on_finished(output, Tier.STANDARD, prediction)
+    samples = {(f.name, s.name): s.value for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    assert samples[("lengthwise:predictor_kendall_tau", "lengthwise:predictor_kendall_tau")] == pytest.approx(1.0)
+
+
 def test_the_tokenizer_thread_comes_back_after_close(tokenizer):
     import asyncio
 

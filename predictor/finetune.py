@@ -65,8 +65,9 @@ class FinetunePredictor:
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file
 
-        state = {name: tensor.detach().to(torch.float16).contiguous()
-                 for name, tensor in self.network.state_dict().items()}
+        # In the dtype it was trained and evaluated in: fp16 weights would serve a network other
+        # than the one the logged metrics describe.
+        state = {name: tensor.detach().contiguous() for name, tensor in self.network.state_dict().items()}
         save_file(state, str(folder / WEIGHTS_FILENAME))
 
     @classmethod

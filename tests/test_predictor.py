@@ -230,7 +230,7 @@ def test_finetune_round_trip(tmp_path, encoder):
     after = predictor.load(save(model, tmp_path / "ft")).predict(prompts)
     for a, b in zip(before, after):
         assert isinstance(b, Prediction) and b.p90 >= b.p50
-        assert b.score == pytest.approx(a.score, abs=0.02)
+        assert (b.score, b.p50, b.p90) == (a.score, a.p50, a.p90)  # the very network evaluated
 
 
 @pytest.mark.parametrize("name", ["lexical", pytest.param("default", marks=pytest.mark.integration)])

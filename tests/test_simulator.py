@@ -145,3 +145,16 @@ def test_slo_attainment_counts_a_rejected_request_as_a_miss() -> None:
     figures = tier_figures([served, *rejected], slo_ttft_s=0.5, slo_e2e_s=10.0)["interactive"]
     assert (figures["count"], figures["rejected"]) == (1, 9)
     assert figures["slo_attainment"] == pytest.approx(0.1)
+
+
+def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, capsys) -> None:
+    from training.cli import main
+
+    for argv, flag in ((["simulate", "--load", "-1"], "--load"), (["simulate", "--sweep-loads", "0.5,0"], "--sweep-loads"),
+                       (["simulate", "--num-requests", "0"], "--num-requests"), (["serve", "--port", "99999"], "--port")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and flag in capsys.readouterr().err
+    assert main(["eval-predictor", "--predictor", str(tmp_path / "none"), "--no-latency"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "not a saved predictor folder" in error

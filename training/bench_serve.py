@@ -184,8 +184,11 @@ def _payload(args: argparse.Namespace, item: WorkItem, model: str) -> dict:
 
 def server_model(args: argparse.Namespace) -> str:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
-    response.raise_for_status()
+    try:
+        response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"bench serve: cannot list the models of {args.base_url}: {exc}") from None
     return response.json()["data"][0]["id"]
 
 

@@ -51,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except FileNotFoundError as exc:  # a wrong path on the command line: one line, not a traceback
+        print(f"lengthwise: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

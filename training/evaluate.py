@@ -69,8 +69,8 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     from training import labels as label_data
     from training.metrics import prediction_metrics
 
+    model = predictor.load(predictor_path)  # first: a wrong path fails before the data loads
     test = label_data.subsample(label_data.load_split("test", labels), limit, seed=2)
-    model = predictor.load(predictor_path)
     predictions = predict_in_batches(model, test.prompts, batch_size=32, progress=True)
     whole = prediction_metrics(test.lengths, predictions)
     keep = ~test.in_train

@@ -20,6 +20,7 @@ from pathlib import Path
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
+from training.arg_types import non_negative_float, positive_float, positive_float_list, positive_int
 from training.sim_metrics import goal_checks, mean, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,
@@ -38,27 +39,27 @@ KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 K
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="fcfs,sjf,srpt,oracle", help="comma-separated: " + ",".join(POLICIES))
-    parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--load", type=float, default=0.9, help="offered load, share of saturated throughput")
-    parser.add_argument("--sweep-loads", default="", help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
+    parser.add_argument("--num-requests", type=positive_int, default=2000)
+    parser.add_argument("--load", type=positive_float, default=0.9, help="offered load, share of saturated throughput")
+    parser.add_argument("--sweep-loads", type=positive_float_list, default=[], help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    parser.add_argument("--arrival-cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
+    parser.add_argument("--arrival-cv", type=positive_float, default=2.0, help="gamma arrivals: coefficient of variation")
     parser.add_argument("--tier-mix", default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
     parser.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST)
-    parser.add_argument("--kv-blocks", type=int, default=None,
+    parser.add_argument("--kv-blocks", type=positive_int, default=None,
                         help=f"device KV blocks (the binding budget); default: the calibrated engine's "
                              f"num_gpu_blocks from --step-cost, else {DEFAULT_KV_BLOCKS}")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
-    parser.add_argument("--max-output-tokens", type=int, default=1024)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
+    parser.add_argument("--max-output-tokens", type=positive_int, default=1024)
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    parser.add_argument("--aging-tokens-per-s", type=float, default=SchedulerConfig.aging_tokens_per_s,
+    parser.add_argument("--aging-tokens-per-s", type=non_negative_float, default=SchedulerConfig.aging_tokens_per_s,
                         help="fixed sjf/srpt aging rate (default: --aging-tokens-per-step per measured step)")
-    parser.add_argument("--aging-tokens-per-step", type=float, default=SchedulerConfig.aging_tokens_per_step)
+    parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=SchedulerConfig.aging_tokens_per_step)
     parser.add_argument("--admission", action="store_true", help="enable token admission control")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     main, latencies = run_load(config, base, cost, policies, args.load, saturated, args)
     aging_bound = main["policies"].get("sjf", {}).get("aging_bound_s")
     sweep = [main]
-    for load in [float(x) for x in args.sweep_loads.split(",") if x.strip()]:
+    for load in args.sweep_loads:
         sweep.append(run_load(config, base, cost, policies, load, saturated, args)[0])
     sweep.sort(key=lambda entry: entry["load"])
     report = {

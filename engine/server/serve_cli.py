@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--policy", choices=POLICIES, default="fcfs", help="waiting-queue order")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
@@ -157,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
     return 0
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
+    return port
 
 
 def attention_backend_name(engine) -> str:

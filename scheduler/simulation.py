@@ -3,9 +3,9 @@
 It drives the real `Scheduler` (policy, block manager, admission control) with a step-cost model
 instead of a model: each step's duration is `a + b * batched_tokens + c * sum of context lengths
 + d * blocks swapped` (the context of a chunk is its end position, which its attention reads; a
-swap-preemption step copies each block out or in once). Every request carries its
-true output length as `max_tokens` with `ignore_eos`, so it finishes exactly there; the policy sees
-only the predicted length (the oracle policy reads `true_len`). Time advances step by step; when
+swap-preemption step copies each block out or in once). Every request carries its true output
+length as `max_tokens` with `ignore_eos`, so it finishes exactly there; the policy sees only the
+predicted length (the oracle policy reads `true_len`). Time advances step by step; when
 nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
 
 `lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c,
@@ -41,8 +41,9 @@ class StepCostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:
-        """Reads either these field names or the calibration's short keys a, b, c. A least-squares
-        fit may give a slightly negative b or c; those are clamped to 0 (a cost cannot be negative)."""
+        """Reads either these field names or the calibration's short keys a, b, c, d (d optional). A
+        least-squares fit may give a slightly negative b or c; those are clamped to 0 (a cost cannot
+        be negative)."""
         def coefficient(long: str, short: str, default: float | None = None) -> float:
             value = data.get(long, data.get(short, default))
             if value is None:

@@ -40,10 +40,13 @@ KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 K
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="fcfs,sjf,srpt,oracle", help="comma-separated: " + ",".join(POLICIES))
     parser.add_argument("--num-requests", type=positive_int, default=2000)
-    parser.add_argument("--load", type=positive_float, default=0.9, help="offered load, share of saturated throughput")
-    parser.add_argument("--sweep-loads", type=positive_float_list, default=[], help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
+    parser.add_argument("--load", type=positive_float, default=0.9,
+                        help="offered load, share of saturated throughput")
+    parser.add_argument("--sweep-loads", type=positive_float_list, default=[],
+                        help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    parser.add_argument("--arrival-cv", type=positive_float, default=2.0, help="gamma arrivals: coefficient of variation")
+    parser.add_argument("--arrival-cv", type=positive_float, default=2.0,
+                        help="gamma arrivals: coefficient of variation")
     parser.add_argument("--tier-mix", default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
@@ -57,9 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
     parser.add_argument("--max-output-tokens", type=positive_int, default=1024)
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    parser.add_argument("--aging-tokens-per-s", type=non_negative_float, default=SchedulerConfig.aging_tokens_per_s,
+    parser.add_argument("--aging-tokens-per-s", type=non_negative_float,
+                        default=SchedulerConfig.aging_tokens_per_s,
                         help="fixed sjf/srpt aging rate (default: --aging-tokens-per-step per measured step)")
-    parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=SchedulerConfig.aging_tokens_per_step)
+    parser.add_argument("--aging-tokens-per-step", type=non_negative_float,
+                        default=SchedulerConfig.aging_tokens_per_step)
     parser.add_argument("--admission", action="store_true", help="enable token admission control")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))

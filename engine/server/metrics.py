@@ -89,8 +89,8 @@ class _EngineStateCollector(Collector):
                                              labels=["model_name"])
                 family.add_metric([self._model_name], preemptions)
                 yield family
-        yield from self._gauge("predictor_kendall_tau", "Kendall's tau of predicted median against actual "
-                               f"output tokens over the last {TAU_WINDOW} finished requests.",
+        yield from self._gauge("predictor_kendall_tau", "Kendall's tau of the predicted median against "
+                               f"actual output tokens over the last {TAU_WINDOW} finished requests.",
                                kendall_tau(list(self._tau_pairs)))
 
 

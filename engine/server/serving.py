@@ -79,7 +79,8 @@ class OpenAIServing:
             prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
         else:
             self._check_token_ids(body.prompt)
-            prompt_ids, prompt_text = list(body.prompt), await self._off_loop(self.tokenizer.decode, body.prompt)
+            prompt_ids = list(body.prompt)
+            prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
         request_id = new_id("cmpl")
         stream = await self._submit(request_id, body, prompt_ids, prompt_text, body.max_tokens, "prompt")
 

@@ -5,7 +5,8 @@ Turns come from `training.dataset.load_turns("test")`, kept when the prompt has 
 length in SmolLM2 tokens, capped at `max_output_tokens` (the requests' max_tokens). Predictions come
 from a saved predictor (`predictor.load`), cached per predictor under data/cache/ by a hash of
 the prompt text so a rerun does not recompute them, or, for development only, from a noisy oracle
-(true length times lognormal noise). Arrivals are Poisson or gamma (bursty: coefficient of variation above 1).
+(true length times lognormal noise). Arrivals are Poisson or gamma (bursty: coefficient of
+variation above 1).
 """
 
 from __future__ import annotations

@@ -84,11 +84,14 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        self._remove_from_queues(request)
+        self._finish(request, status, now)
+        return True
+
+    def _remove_from_queues(self, request: Request) -> None:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
-        self._finish(request, status, now)
-        return True
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None) -> None:
         self.block_manager.free(request)
@@ -163,10 +166,14 @@ class Scheduler:
         if self.block_manager.allocate_slots(request, num_new) is None:
             return False  # not reached: the room was counted; but never admit without blocks
         self.waiting.remove(request)
+        self._start_running(request, num_new, plan)
+        return True
+
+    def _start_running(self, request: Request, num_new: int, plan: StepPlan) -> None:
+        """A request that holds its blocks for this step's chunk joins the running batch."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add(request, num_new)
-        return True
 
     def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
                      now: float) -> list[Request] | None:
@@ -239,9 +246,7 @@ class Scheduler:
             plan.swap_in.extend(self.block_manager.swap_in(request))
             self.block_manager.allocate_slots(request, num_new)  # fits: checked by can_swap_in
             self.swapped.pop(0)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.add(request, num_new)
+            self._start_running(request, num_new, plan)
 
     def _swapped_limit(self, now: float) -> tuple | None:
         """The best-ranked swapped request's key: a swapped request still out keeps its place, so
@@ -263,9 +268,7 @@ class Scheduler:
                 break
             if self.block_manager.allocate_slots(request, num_new) is None:
                 break
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.add(request, num_new)
+            self._start_running(request, num_new, plan)
             admitted += 1
         del self.waiting[:admitted]
 
@@ -289,9 +292,7 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            for queue in (self.running, self.swapped, self.waiting):
-                if request in queue:
-                    queue.remove(request)
+            self._remove_from_queues(request)
             self.block_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED

@@ -5,8 +5,9 @@ temperature, then top-k and top-p are applied together on one descending sort (t
 smallest prefix whose mass reaches p, and always the first token). A token is drawn by inverse
 CDF: one uniform number per row, located in the row's cumulative probabilities. It is drawn from
 the request's own torch.Generator when it brings a seed (so its tokens do not depend on what else
-is in the batch), else from the engine's generator. (The exponential race, argmax of p / E with E ~ Exp(1), needs a
-random number per vocabulary entry: about 1 ms a row on a CPU, a fifth of a decode step.)
+is in the batch), else from the engine's generator. (The exponential race, argmax of p / E with
+E ~ Exp(1), needs a random number per vocabulary entry: about 1 ms a row on a CPU, a fifth of a
+decode step.)
 Seeded generators live until the request finishes (`free`); preemption keeps them, so a resumed
 request continues its stream.
 """

@@ -159,15 +159,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_cache_tokens(config: EngineConfig) -> int:
-    """The engine's KV capacity in tokens, so HF's continuous batching gets the same memory."""
+def _cache_geometry(config: EngineConfig, dtype):
+    """The KV block geometry of the engine `config` describes, in `dtype`."""
     from engine.kv_cache import CacheGeometry
     from engine.model.arch import LlamaArch
 
+    arch = LlamaArch.from_model_dir(config.model)
+    return CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+
+
+def _kv_cache_tokens(config: EngineConfig) -> int:
+    """The engine's KV capacity in tokens, so HF's continuous batching gets the same memory."""
     import torch
 
-    arch = LlamaArch.from_model_dir(config.model)
-    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, torch.float32)
+    geometry = _cache_geometry(config, torch.float32)
     return geometry.blocks_for(config.kv_cache_memory_gib) * config.block_size
 
 
@@ -178,15 +183,11 @@ def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: i
 
     import torch
 
-    from engine.kv_cache import CacheGeometry, KVCache
+    from engine.kv_cache import KVCache
     from engine.llm_engine import resolve_device
-    from engine.model.arch import LlamaArch
 
-    arch = LlamaArch.from_model_dir(config.model)
     device = resolve_device(config.device)
-    geometry = CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim,
-                             getattr(torch, config.dtype))
-    cache = KVCache(geometry, num_blocks, num_blocks, device)
+    cache = KVCache(_cache_geometry(config, getattr(torch, config.dtype)), num_blocks, num_blocks, device)
     pairs = tuple((i, num_blocks - 1 - i) for i in range(num_blocks))
     per_block = []
     for _ in range(rounds):

@@ -72,8 +72,9 @@ def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
 # Part of the cache file's name; changed whenever cached predictions would differ, so old files
 # are not read. Version 1 keyed by conversation id and turn index, which name several prompts (the
 # turn index restarts in each `_N` chunk of a conversation): about a quarter of the requests got
-# another prompt's prediction. Then served embeddings were rounded to fp16 like training's.
-CACHE_FORMAT = "prompt-hash-v2, fp16-rounded embeddings"
+# another prompt's prediction. Then served embeddings were rounded to fp16 like training's; then
+# the key became the trace's prompt key.
+CACHE_FORMAT = "prompt-hash-v3, fp16-rounded embeddings"
 
 
 def _cache_path(predictor_path: Path, cache_dir: Path) -> Path:
@@ -83,15 +84,13 @@ def _cache_path(predictor_path: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{predictor_path.name}_{digest}.json"
 
 
-def prompt_key(prompt: str) -> str:
-    return hashlib.blake2b(prompt.encode("utf-8"), digest_size=16).hexdigest()
-
-
 def predictor_predictions(turns: Sequence[Turn], predictor_path: Path,
                           cache_dir: Path = CACHE_DIR) -> list[Predicted]:
     """The saved predictor's predictions, computed once per distinct prompt and cached."""
     cache_file = _cache_path(predictor_path, cache_dir)
     cache: dict[str, list[float]] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    from training.trace import prompt_key  # the key the trace gives a prompt
+
     keys = [prompt_key(t.prompt) for t in turns]
     missing = sorted({key: t.prompt for key, t in zip(keys, turns) if key not in cache}.items())
     if missing:

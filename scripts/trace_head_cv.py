@@ -1,17 +1,17 @@
 """Would a head trained on the served model's own lengths rank them better than the default predictor?
 
-The trace's test split has 219 prompts and its validation split 175, so one split's tau has a
-standard error near 0.045: too coarse to choose between predictors. This script pools the train
-and validation prompts of `data/traces/smollm2_sharegpt.parquet` (1,781) and compares, by 5-fold
-cross-validated Kendall's tau against the traced lengths:
+One split of the trace is a few hundred prompts (with 200, a tau has a standard error near 0.045):
+too coarse to choose between predictors. This script pools the train and validation prompts of
+`data/traces/smollm2_sharegpt.parquet` and compares, by 5-fold cross-validated Kendall's tau
+against the traced lengths:
 - the default predictor's p50 as it is (trained on ChatGPT's lengths);
 - a ridge regression of log length on [MiniLM embedding | lexical features] (the default's inputs);
 - the same with the default's log p50, p90 and point added (a stacked head);
 - a ridge on those three outputs alone (a recalibration).
-Embeddings come from the training cache where present, else from the encoder.
+Embeddings come from the training cache, filled first as training fills it.
 
 Caveat: the default predictor was trained on ShareGPT's train split, which holds the trace's train
-prompts (with ChatGPT's lengths), so on 1,606 of the 1,781 prompts its outputs are in-sample; the
+prompts (with ChatGPT's lengths), so on most pooled prompts its outputs are in-sample; the
 figures for it and for the heads built on its outputs lean optimistic. Only the ridge on the
 embedding and lexical features is free of that.
 
@@ -26,15 +26,14 @@ import numpy as np
 
 
 def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[embedding | lexical], the predictor's log outputs, and the log true lengths."""
-    from predictor.embed_lgbm import embed_lgbm_features
+    """[embedding | lexical] as training builds them, the predictor's log outputs, and the log true
+    lengths."""
     from training import embedding_cache
+    from training.train_models import _embed_features
 
-    embeddings, found = embedding_cache.cached_embeddings(split.prompts, model.encoder.config)
-    if not found.all():
-        embeddings[~found] = model.encoder.encode([p for p, hit in zip(split.prompts, found) if not hit])
+    embedding_cache.fill_cache(split.prompts, model.encoder.config, encoder=model.encoder)
     outputs = np.log1p([[p.p50, p.p90, p.point] for p in model.predict(split.prompts)])
-    return embed_lgbm_features(embeddings, split.prompts), outputs, np.log1p(split.lengths.astype(float))
+    return _embed_features(split, model.encoder.config), outputs, np.log1p(split.lengths.astype(float))
 
 
 def main() -> None:
@@ -43,15 +42,15 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=5)
     args = parser.parse_args()
 
-    import torch
     from scipy import stats
     from sklearn.linear_model import RidgeCV
     from sklearn.model_selection import KFold
 
     import predictor
     from training import labels
+    from training.train_models import limit_torch_threads
 
-    torch.set_num_threads(2)
+    limit_torch_threads()
     model = predictor.load(args.predictor)
     parts = [features(model, labels.load_split(name, "trace")) for name in ("train", "validation")]
     x, outputs, y = (np.concatenate([part[i] for part in parts]) for i in range(3))

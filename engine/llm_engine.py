@@ -162,7 +162,8 @@ class LLMEngine:
             tier=Tier(tier), priority=priority, true_len=true_len,
             predicted_len=None if prediction is None else prediction.point,
             predicted_p50=None if prediction is None else prediction.p50,
-            predicted_p90=None if prediction is None else prediction.p90)
+            predicted_p90=None if prediction is None else prediction.p90,
+            predicted_rank_len=None if prediction is None else prediction.rank_len)
         self.scheduler.add_request(request, now)
         self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids)
         self._num_reported[request_id] = 0

@@ -12,9 +12,13 @@ class Prediction:
     p50: float
     p90: float
     # The predictor's own ranking output (lower means shorter): a lambdarank or ListMLE score, or
-    # the head that ranked validation best. The scheduler orders by p50 instead, which is in
-    # tokens so that aging can be added to it; evaluation reports the tau of both.
+    # the head that ranked validation best. Not in tokens, so the scheduler cannot add aging to it.
     score: float
+    # What the scheduler orders by: the output tokens of the predictor's best-ranking head among
+    # those in tokens (point, p50 or p90, chosen on validation). Not always p50: a head trained on
+    # labels piled at a max_tokens cap can predict the cap for every prompt at p50 while its point
+    # head still ranks.
+    rank_len: float
 
 
 class Predictor(Protocol):

@@ -60,7 +60,8 @@ class FinetunePredictor:
         score, log_p50, log_p90 = (t.float().numpy() for t in self.network(*self.network.inputs(prompts)))
         p50 = np.expm1(np.maximum(log_p50, 0.0))
         p90 = np.maximum(np.expm1(np.maximum(log_p90, 0.0)), p50)
-        return [Prediction(float(b), float(b), float(c), float(s)) for b, c, s in zip(p50, p90, score)]
+        # Its only head in tokens is the quantile head, so the scheduler ranks by p50.
+        return [Prediction(float(b), float(b), float(c), float(s), float(b)) for b, c, s in zip(p50, p90, score)]
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file

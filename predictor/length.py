@@ -48,6 +48,7 @@ class LengthPredictor:
                 p50=math.expm1(max(value + self.params.residual_p50, 0.0)),
                 p90=math.expm1(max(value + max(self.params.residual_p90, self.params.residual_p50), 0.0)),
                 score=float(value),
+                rank_len=math.expm1(max(value, 0.0)),
             )
             for value in log_point
         ]

@@ -87,10 +87,10 @@ def predicted_total(request: Request) -> float:
 
 
 def ranking_length(request: Request) -> float:
-    """The length to order by: the predicted median when known (the predictor's best-ranking head,
-    and unlike a lambdarank score it is in tokens, so aging can be added to it), else the point."""
-    if request.predicted_p50 is not None:
-        return max(1.0, min(request.predicted_p50, request.sampling_params.max_tokens))
+    """The length to order by: the predictor's ranking length when known (its best-ranking head in
+    tokens; unlike a lambdarank score, aging can be added to it), else the point."""
+    if request.predicted_rank_len is not None:
+        return max(1.0, min(request.predicted_rank_len, request.sampling_params.max_tokens))
     return predicted_total(request)
 
 

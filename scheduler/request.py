@@ -108,7 +108,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    predicted_p50: float | None = None  # median of the predicted output length: what sjf/srpt rank by
+    predicted_p50: float | None = None  # median of the predicted output length (srpt's tail fit)
+    # The predictor's ranking length in output tokens: what sjf and srpt order by (see
+    # predictor.base.Prediction.rank_len).
+    predicted_rank_len: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -73,13 +73,15 @@ class SimRequest:
     predicted_p50: float | None = None
     predicted_p90: float | None = None
     tier: Tier = Tier.STANDARD
+    predicted_rank_len: float | None = None
 
     def to_request(self) -> Request:
         return Request(
             request_id=self.request_id, prompt_token_ids=[SIMULATED_TOKEN] * self.prompt_tokens,
             sampling_params=SamplingParams(max_tokens=self.output_tokens, ignore_eos=True),
             arrival_time=self.arrival_time, tier=self.tier, predicted_len=self.predicted_len,
-            predicted_p50=self.predicted_p50, predicted_p90=self.predicted_p90, true_len=self.output_tokens)
+            predicted_p50=self.predicted_p50, predicted_p90=self.predicted_p90,
+            predicted_rank_len=self.predicted_rank_len, true_len=self.output_tokens)
 
 
 @dataclass(frozen=True)

@@ -228,11 +228,13 @@ def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:
     assert policy.aging_rate == pytest.approx(10.0) and policy.aging_bound_s(waiting) == pytest.approx(100.0)
 
 
-def test_sjf_ranks_by_predicted_median_not_point() -> None:
-    # The median head ranks best; the point estimate only feeds token budgets.
-    a = req("a", predicted=10, predicted_p50=120)
-    b = req("b", predicted=100, predicted_p50=30)
+def test_sjf_ranks_by_the_ranking_length_not_point_or_median() -> None:
+    # The ranking length is the head that ranked validation best; a median at the max_tokens cap
+    # for every prompt must not stop the order, and the point estimate only feeds token budgets.
+    a = req("a", predicted=10, predicted_p50=256, predicted_rank_len=120)
+    b = req("b", predicted=100, predicted_p50=256, predicted_rank_len=30)
     assert order("sjf", [a, b], aging_tokens_per_s=0.0) == ["b", "a"]
+    assert order("srpt", [a, b], aging_tokens_per_s=0.0) == ["b", "a"]
     assert order("sjf", [req("c", predicted=10), req("d", predicted=100)], aging_tokens_per_s=0.0) == ["c", "d"]
 
 

@@ -61,11 +61,13 @@ def test_lexical_matrix_rows_equal_single_prompt_features():
 
 def test_quantile_outputs_are_ordered_and_in_tokens():
     outputs = HeadOutputs(score=np.array([0.3, -1.0]), log_point=np.log1p([100.0, 5.0]),
-                          log_p50=np.log1p([90.0, 7.0]), log_p90=np.log1p([50.0, 30.0]))
+                          log_p50=np.log1p([90.0, 7.0]), log_p90=np.log1p([50.0, 30.0]),
+                          log_rank_len=np.log1p([100.0, 5.0]))
     first, second = to_predictions(outputs)
     assert first.point == pytest.approx(100.0) and first.p50 == pytest.approx(90.0)
     assert first.p90 == pytest.approx(90.0)  # a p90 below p50 is raised to p50
     assert second.p90 == pytest.approx(30.0) and second.score == -1.0
+    assert (first.rank_len, second.rank_len) == pytest.approx((100.0, 5.0))
 
 
 def _length_predictor() -> LengthPredictor:
@@ -116,6 +118,30 @@ def _synthetic_prompts(count: int, seed: int = 0) -> tuple[list[str], np.ndarray
         prompts.append(chat(("user", f"please {word} " + "x" * int(rng.integers(1, 50)))))
         lengths.append(400 if word in ("essay", "code", "explain") else 20 + int(rng.integers(0, 10)))
     return prompts, np.asarray(lengths)
+
+
+def test_ranking_length_comes_from_a_head_that_ranks_when_the_median_sits_at_a_cap(tmp_path):
+    from scipy import stats
+
+    from predictor.heads import LgbmHeads
+
+    # Most replies reach the max_tokens cap, more so as x grows: the conditional median is the cap
+    # everywhere, so a p50 head ranks nothing, while the point head (the mean of log length) does.
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.0, 1.0, (3000, 1))
+    capped = rng.uniform(0.0, 1.0, 3000) < 0.55 + 0.4 * x[:, 0]
+    lengths = np.where(capped, 256, rng.integers(1, 255, 3000))
+    heads = _tiny_heads(x, lengths)
+    assert heads.length_head != "p50"
+    predictions = to_predictions(heads.predict(x))
+    rank_tau = stats.kendalltau([p.rank_len for p in predictions], lengths).statistic
+    p50_tau = stats.kendalltau([p.p50 for p in predictions], lengths).statistic
+    assert rank_tau > 0.1 and not p50_tau >= rank_tau  # nan (a constant median) or lower
+    heads.save(tmp_path)
+    assert LgbmHeads.load(tmp_path).length_head == heads.length_head
+    # A folder saved before heads.json named a length head ranked by p50 in the scheduler.
+    (tmp_path / "heads.json").write_text('{"score_head": "point"}')
+    assert LgbmHeads.load(tmp_path).length_head == "p50"
 
 
 def test_lexical_predictor_round_trip_and_learns_keywords(tmp_path):

@@ -49,7 +49,8 @@ def test_pinball_loss_matches_its_definition():
 
 
 def _predictions(scores) -> list[Prediction]:
-    return [Prediction(point=float(s) + 1, p50=float(s) + 1, p90=float(s) + 2, score=float(s)) for s in scores]
+    return [Prediction(point=float(s) + 1, p50=float(s) + 1, p90=float(s) + 2, score=float(s), rank_len=float(s) + 1)
+            for s in scores]
 
 
 def test_metrics_on_perfect_reversed_and_constant_orders():
@@ -61,9 +62,9 @@ def test_metrics_on_perfect_reversed_and_constant_orders():
     assert metrics.pairwise_accuracy(true.astype(float), np.zeros(6)) == pytest.approx(0.5)
 
 
-def test_the_primary_tau_is_of_p50_the_order_the_scheduler_uses():
+def test_the_primary_tau_is_of_the_ranking_length_the_order_the_scheduler_uses():
     true = np.array([5, 1, 30, 7, 100, 2])
-    mixed = [Prediction(point=1.0, p50=float(t), p90=float(t) + 1, score=-float(t)) for t in true]
+    mixed = [Prediction(point=1.0, p50=256.0, p90=256.0, score=-float(t), rank_len=float(t)) for t in true]
     result = metrics.prediction_metrics(true, mixed)
     assert result.kendall_tau == pytest.approx(1.0) and result.pairwise_accuracy == 1.0
     assert result.kendall_tau_score == pytest.approx(-1.0)

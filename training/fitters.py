@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from predictor.heads import LgbmHeads
+from predictor.heads import TOKEN_HEADS, LgbmHeads
 from predictor.length import LengthParams, LengthPredictor, prompt_length_feature
 from predictor.saved import PredictorSpec
 from training.labels import LabelledSplit
@@ -103,13 +103,20 @@ def fit_lgbm_heads(x_train: np.ndarray, y_train: np.ndarray, x_valid: np.ndarray
             lightgbm.Dataset(x_train[train_order], train_rel, group=train_groups),
             lightgbm.Dataset(x_valid[valid_order], valid_rel, group=valid_groups),
         )
-    return LgbmHeads(boosters, best_score_head(boosters, x_valid, y_valid))
+    taus = validation_taus(boosters, x_valid, y_valid)
+    return LgbmHeads(boosters, score_head=best_head(taus, boosters), length_head=best_head(taus, TOKEN_HEADS))
 
 
-def best_score_head(boosters: dict, x_valid: np.ndarray, y_valid: np.ndarray) -> str:
-    """The head whose output orders the validation split best by Kendall's tau."""
+def validation_taus(boosters: dict, x_valid: np.ndarray, y_valid: np.ndarray) -> dict[str, float]:
+    """Kendall's tau of each head's output on the validation split; -inf where it is undefined
+    (a head that predicts one value for every prompt, as p50 does when most labels sit at a cap)."""
     from scipy import stats
 
     taus = {name: stats.kendalltau(booster.predict(x_valid), y_valid).statistic
             for name, booster in boosters.items()}
-    return max(taus, key=taus.get)
+    return {name: float(tau) if np.isfinite(tau) else -np.inf for name, tau in taus.items()}
+
+
+def best_head(taus: dict[str, float], candidates) -> str:
+    """The candidate head that orders the validation split best (the first one on a tie)."""
+    return max(candidates, key=lambda name: taus[name])

@@ -1,10 +1,10 @@
 """Ranking and calibration metrics of length predictions.
 
-Kendall's tau-b between the predicted median (p50) and the true length is the primary figure:
-the scheduler orders requests by p50 and uses only the order. The predictor's own `score` (a
-lambdarank or ListMLE output, or the head chosen on validation) gets its tau too. Pairwise accuracy
-is the share of random pairs with different true lengths that p50 orders correctly (ties count
-half).
+Kendall's tau-b between the ranking length (`rank_len`) and the true length is the primary
+figure: the scheduler orders requests by it and uses only the order. The predictor's own `score`
+(a lambdarank or ListMLE output, or the head chosen on validation) gets its tau too. Pairwise
+accuracy is the share of random pairs with different true lengths that the ranking length orders
+correctly (ties count half).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PAIR_SAMPLE = 200_000
 
 @dataclass(frozen=True)
 class PredictionMetrics:
-    kendall_tau: float  # of p50, the order the scheduler uses
+    kendall_tau: float  # of rank_len, the order the scheduler uses
     kendall_tau_score: float  # of the predictor's score
     spearman: float
     pairwise_accuracy: float
@@ -52,11 +52,12 @@ def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Predic
     point = np.asarray([p.point for p in predictions], dtype=np.float64)
     p50 = np.asarray([p.p50 for p in predictions], dtype=np.float64)
     p90 = np.asarray([p.p90 for p in predictions], dtype=np.float64)
+    rank_len = np.asarray([p.rank_len for p in predictions], dtype=np.float64)
     return PredictionMetrics(
-        kendall_tau=float(stats.kendalltau(p50, true).statistic),
+        kendall_tau=float(stats.kendalltau(rank_len, true).statistic),
         kendall_tau_score=float(stats.kendalltau(score, true).statistic),
-        spearman=float(stats.spearmanr(p50, true).statistic),
-        pairwise_accuracy=pairwise_accuracy(true, p50),
+        spearman=float(stats.spearmanr(rank_len, true).statistic),
+        pairwise_accuracy=pairwise_accuracy(true, rank_len),
         mae_log=float(np.mean(np.abs(np.log1p(np.maximum(point, 0.0)) - np.log1p(true)))),
         p50_coverage=float(np.mean(true <= p50)),
         p90_coverage=float(np.mean(true <= p90)),

@@ -42,8 +42,8 @@ def predicted_vs_true(true: np.ndarray, predictions: Sequence[Prediction], path:
 def tau_by_prompt_bucket(true: np.ndarray, predictions: Sequence[Prediction], prompt_tokens: np.ndarray,
                          path: Path, title: str) -> Path:
     plt = _pyplot()
-    p50 = np.asarray([p.p50 for p in predictions])  # the order the scheduler uses
-    buckets = tau_by_bucket(true, p50, prompt_tokens)
+    rank_len = np.asarray([p.rank_len for p in predictions])  # the order the scheduler uses
+    buckets = tau_by_bucket(true, rank_len, prompt_tokens)
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.bar([b.label for b in buckets], [b.kendall_tau for b in buckets], color="tab:blue")
     axis.set_xlabel("prompt tokens (quintile bucket)")

@@ -43,6 +43,7 @@ class Predicted:
     point: float
     p50: float
     p90: float
+    rank_len: float
 
 
 def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_output_tokens: int) -> list[Turn]:
@@ -65,7 +66,7 @@ def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
     out = []
     for turn in turns:
         point = max(1.0, turn.output_tokens * math.exp(rng.gauss(0.0, NOISY_ORACLE_SIGMA)))
-        out.append(Predicted(point, point, point * math.exp(Z90 * NOISY_ORACLE_SIGMA)))
+        out.append(Predicted(point, point, point * math.exp(Z90 * NOISY_ORACLE_SIGMA), point))
     return out
 
 
@@ -73,15 +74,18 @@ def noisy_oracle(turns: Sequence[Turn], seed: int) -> list[Predicted]:
 # are not read. Version 1 keyed by conversation id and turn index, which name several prompts (the
 # turn index restarts in each `_N` chunk of a conversation): about a quarter of the requests got
 # another prompt's prediction. Then served embeddings were rounded to fp16 like training's; then
-# the key became the trace's prompt key.
-CACHE_FORMAT = "prompt-hash-v3, fp16-rounded embeddings"
+# the key became the trace's prompt key; then each entry gained the ranking length.
+CACHE_FORMAT = "prompt-hash-v4, fp16-rounded embeddings, rank_len"
 
 
 def _cache_path(predictor_path: Path, cache_dir: Path) -> Path:
-    spec = (predictor_path / "predictor.json").read_text()
-    identity = CACHE_FORMAT + str(predictor_path.resolve()) + spec
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_dir / f"{predictor_path.name}_{digest}.json"
+    """Named by the predictor's folder and every byte in it, so a predictor retrained or edited in
+    place (heads.json picks the heads) gets a new cache."""
+    hasher = hashlib.sha256((CACHE_FORMAT + str(predictor_path.resolve())).encode())
+    for path in sorted(p for p in predictor_path.rglob("*") if p.is_file()):
+        hasher.update(str(path.relative_to(predictor_path)).encode())
+        hasher.update(path.read_bytes())
+    return cache_dir / f"{predictor_path.name}_{hasher.hexdigest()[:16]}.json"
 
 
 def predictor_predictions(turns: Sequence[Turn], predictor_path: Path,
@@ -100,7 +104,7 @@ def predictor_predictions(turns: Sequence[Turn], predictor_path: Path,
         model = predictor.load(predictor_path)
         predictions = predict_in_batches(model, [prompt for _, prompt in missing], progress=True)
         for (key, _), p in zip(missing, predictions):
-            cache[key] = [float(p.point), float(p.p50), float(p.p90)]
+            cache[key] = [float(p.point), float(p.p50), float(p.p90), float(p.rank_len)]
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps(cache))
     return [Predicted(*cache[key]) for key in keys]
@@ -131,6 +135,7 @@ def build_workload(turns: Sequence[Turn], predictions: Sequence[Predicted], arri
     return [
         SimRequest(request_id=f"req{i}", arrival_time=arrival, prompt_tokens=turn.prompt_tokens,
                    output_tokens=turn.output_tokens, predicted_len=max(1.0, pred.point),
-                   predicted_p50=max(1.0, pred.p50), predicted_p90=max(1.0, pred.p90), tier=tier)
+                   predicted_p50=max(1.0, pred.p50), predicted_p90=max(1.0, pred.p90),
+                   predicted_rank_len=max(1.0, pred.rank_len), tier=tier)
         for i, (turn, pred, arrival, tier) in enumerate(zip(turns, predictions, arrivals, tiers))
     ]

@@ -22,10 +22,11 @@ MODEL_NAME = "lengthwise-predictor"
 CHAMPION_ALIAS = "champion"
 EXPERIMENT_NAME = "lengthwise-predictor"
 SELECTION_METRIC = "val_kendall_tau"
-# What SELECTION_METRIC is the tau of. Runs before it was tagged measured the predictor's score,
-# which for a lambdarank or ListMLE run is not the order the scheduler uses (p50); only runs
-# with this tag compete for champion.
-TAU_OF = "p50"
+# What SELECTION_METRIC is the tau of: the order the scheduler uses. Untagged runs measured the
+# predictor's score (for a lambdarank or ListMLE run not that order), runs tagged "p50" the
+# median, which a head trained on capped labels can predict as the cap for every prompt; only
+# runs with this tag compete for champion.
+TAU_OF = "rank_len"
 ARTIFACT_PATH = "predictor"
 
 

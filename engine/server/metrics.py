@@ -89,7 +89,7 @@ class _EngineStateCollector(Collector):
                                              labels=["model_name"])
                 family.add_metric([self._model_name], preemptions)
                 yield family
-        yield from self._gauge("predictor_kendall_tau", "Kendall's tau of the predicted median against "
+        yield from self._gauge("predictor_kendall_tau", "Kendall's tau of the predicted ranking length against "
                                f"actual output tokens over the last {TAU_WINDOW} finished requests.",
                                kendall_tau(list(self._tau_pairs)))
 
@@ -170,4 +170,4 @@ class ServerMetrics:
             # The predicted median, the order the scheduler uses, but not clamped to max_tokens as
             # the scheduler's key is: in a benchmark with ignore_eos, max_tokens is the true
             # length, and with clamping a served sjf run reported 0.75 where unclamped gave 0.39.
-            self._tau_pairs.append((prediction.p50, float(len(output.token_ids))))
+            self._tau_pairs.append((prediction.rank_len, float(len(output.token_ids))))

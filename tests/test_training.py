@@ -194,3 +194,6 @@ def test_trace_agreement_needs_an_existing_table(tmp_path):
         trace.run(parser.parse_args(["--agreement", str(tmp_path / "missing.parquet")]))
     with pytest.raises(SystemExit, match="--num-prompts"):
         trace.run(parser.parse_args([]))
+    for bad in (["--num-prompts", "0"], ["--max-tokens", "-1"], ["--window", "0"], ["--temperature", "-0.5"]):
+        with pytest.raises(SystemExit):  # argparse's one-line usage error
+            parser.parse_args(bad)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from training import dataset
+from training.arg_types import non_negative_float, positive_int
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
 DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
@@ -141,15 +142,15 @@ def trace_hash(path: Path = DEFAULT_TRACE) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, help="prompts in the trace (resumes); required unless --agreement")
+    parser.add_argument("--num-prompts", type=positive_int, help="prompts in the trace (resumes); required unless --agreement")
     parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
     # Defaults are the committed trace's: at ~40 prompts a minute on this CPU, 2,000 prompts fit an
     # hour only with replies capped at 256 tokens (about half of SmolLM2's reach the cap).
-    parser.add_argument("--max-tokens", type=int, default=256, help="output cap per prompt")
-    parser.add_argument("--temperature", type=float, default=1.0, help="the server's default")
-    parser.add_argument("--max-prompt-tokens", type=int, default=384,
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="output cap per prompt")
+    parser.add_argument("--temperature", type=non_negative_float, default=1.0, help="the server's default")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=384,
                         help="only prompts this short (and always what fits the context with --max-tokens)")
-    parser.add_argument("--window", type=int, default=64,
+    parser.add_argument("--window", type=positive_int, default=64,
                         help="prompts queued in the engine at once (above max_num_seqs keeps the batch full)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
@@ -193,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from engine.llm import LLM
 
-    if args.num_prompts is None or args.num_prompts < 1 or args.max_tokens < 1:
-        raise SystemExit("--num-prompts and --max-tokens must be positive")
+    if args.num_prompts is None:
+        raise SystemExit("--num-prompts is required (unless --agreement)")
     if args.resample_split is not None and (args.out == DEFAULT_TRACE or args.log == DEFAULT_LOG):
         raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
     llm = LLM(model=args.model)

@@ -62,6 +62,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def gpu_block_count(config: EngineConfig, geometry: CacheGeometry) -> int:
+    """KV blocks on the device: `num_gpu_blocks` when set, else what `kv_cache_memory_gib` holds."""
+    return config.num_gpu_blocks or geometry.blocks_for(config.kv_cache_memory_gib)
+
+
 def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
@@ -110,7 +115,7 @@ class LLMEngine:
         config = self.config
         geometry = CacheGeometry(self.arch.num_layers, config.block_size, self.arch.num_kv_heads,
                                  self.arch.head_dim, dtype)
-        num_gpu_blocks = config.num_gpu_blocks or geometry.blocks_for(config.kv_cache_memory_gib)
+        num_gpu_blocks = gpu_block_count(config, geometry)
         if num_gpu_blocks <= 0:
             raise ValueError(f"kv_cache_memory_gib {config.kv_cache_memory_gib} holds no KV block")
         num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if config.preemption_mode == "swap" else 0

@@ -44,3 +44,14 @@ def test_step_cost_fit_recovers_known_coefficients():
     assert fit["b"] == pytest.approx(2e-4)
     assert fit["c"] == pytest.approx(3e-6)
     assert fit["r2"] == pytest.approx(1.0)
+
+
+def test_hf_baseline_gets_the_engines_kv_capacity(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from training.bench_engine import _kv_cache_tokens
+
+    for options in ({"dtype": "float32"}, {"dtype": "float16"}, {"num_gpu_blocks": 7}):
+        config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory_gib=0.001, device="cpu", **options)
+        engine = LLMEngine(config)
+        assert _kv_cache_tokens(config) == engine.kv_cache.num_gpu_blocks * config.block_size

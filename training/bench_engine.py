@@ -169,11 +169,13 @@ def _cache_geometry(config: EngineConfig, dtype):
 
 
 def _kv_cache_tokens(config: EngineConfig) -> int:
-    """The engine's KV capacity in tokens, so HF's continuous batching gets the same memory."""
+    """The engine's KV capacity in tokens (its dtype, or its fixed block count), so HF's continuous
+    batching gets the same memory."""
     import torch
 
-    geometry = _cache_geometry(config, torch.float32)
-    return geometry.blocks_for(config.kv_cache_memory_gib) * config.block_size
+    from engine.llm_engine import gpu_block_count
+
+    return gpu_block_count(config, _cache_geometry(config, getattr(torch, config.dtype))) * config.block_size
 
 
 def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: int = 5) -> float:

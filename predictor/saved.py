@@ -31,6 +31,9 @@ class PredictorSpec:
     feature_spec: dict[str, Any]  # what the features are (names, versions, encoder and truncation)
     data_hash: str  # hash of the training table, "" when unknown
     labels: str = "sharegpt"  # whose output lengths it learned: "sharegpt" or "trace"
+    # Conversations kept out of its training, e.g. "trace:<trace hash>" for the trace's: a model
+    # whose outputs become features of a trace-trained one must not have seen those prompts.
+    held_out: str = ""
     version: int = FORMAT_VERSION
     metrics: dict[str, float] = field(default_factory=dict)  # validation figures at save time
 

@@ -124,10 +124,11 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     from training import evaluate, train
 
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=600, max_eval=300, store=tmp_path / "mlruns",
-                              save=tmp_path / "saved", no_register=False, seed=0, prior=None)
+                              save=tmp_path / "saved", no_register=False, seed=0, prior=None, hold_out_trace=True)
     run_id, logged = train.train_and_log(args)
     assert -1 <= logged["val_kendall_tau"] <= 1 and logged["test_num_examples"] == 300
-    assert json.loads((tmp_path / "saved" / "predictor.json").read_text())["kind"] == "lexical"
+    spec = json.loads((tmp_path / "saved" / "predictor.json").read_text())
+    assert spec["kind"] == "lexical" and spec["held_out"].startswith("trace:")
     path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")
     report = evaluate.evaluate(path, limit=200, measure_latency=False)
     assert report.num_examples == 200 and report.kind == "lexical"
@@ -197,3 +198,36 @@ def test_trace_agreement_needs_an_existing_table(tmp_path):
     for bad in (["--num-prompts", "0"], ["--max-tokens", "-1"], ["--window", "0"], ["--temperature", "-0.5"]):
         with pytest.raises(SystemExit):  # argparse's one-line usage error
             parser.parse_args(bad)
+
+
+@pytest.mark.integration
+def test_held_out_conversations_leave_train_and_validation():
+    from training import dataset, labels
+
+    held_out = labels.trace_conversations()
+    for split in ("train", "validation"):
+        turns = dataset.load_turns(split)
+        kept = sum(c not in held_out for c in turns["conversation_id"])
+        assert kept < len(turns)  # the trace drew prompts from every split
+        assert len(labels.load_split(split, "sharegpt", held_out)) == kept
+
+
+def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_path):
+    from predictor.heads import LgbmHeads
+    from predictor.saved import PredictorSpec, write_spec
+    from training.labels import trace_hold_out
+    from training.train_models import _load_prior
+
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(200, 3))
+    lengths = np.exp(features[:, 0] + 3).astype(int) + 1
+    config = fitters.LgbmConfig(num_leaves=4, max_rounds=5, early_stopping_rounds=2, min_data_in_leaf=5, num_threads=1)
+    fitters.fit_lgbm_heads(features, lengths, features, lengths, config).save(tmp_path)
+    feature_spec = {"names": ["a", "b", "c"]}
+    for held_out, labels in (("", "trace"), ("trace:0123456789abcdef", "trace"), (trace_hold_out(), "sharegpt")):
+        write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=held_out))
+        with pytest.raises(SystemExit, match="without the trace's conversations"):
+            _load_prior(tmp_path, feature_spec, labels)
+    write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=trace_hold_out()))
+    heads, spec = _load_prior(tmp_path, feature_spec, "trace")
+    assert isinstance(heads, LgbmHeads) and spec.held_out == trace_hold_out()

@@ -28,7 +28,9 @@ class LabelledSplit:
                              self.prompt_tokens[rows])
 
 
-def load_split(split: str, labels: LabelSource = "sharegpt") -> LabelledSplit:
+def load_split(split: str, labels: LabelSource = "sharegpt",
+               without_conversations: frozenset[str] = frozenset()) -> LabelledSplit:
+    """One split's labelled prompts, less the turns of `without_conversations` (base ids)."""
     if labels == "sharegpt":
         table, length_column = dataset.load_turns(split), "response_tokens"
     elif labels == "trace":
@@ -37,6 +39,8 @@ def load_split(split: str, labels: LabelSource = "sharegpt") -> LabelledSplit:
         table, length_column = trace.load_trace(split), "output_tokens"
     else:
         raise ValueError(f"labels must be one of {LABEL_SOURCES}, got {labels!r}")
+    if without_conversations:
+        table = table.filter(lambda c: c not in without_conversations, input_columns="conversation_id")
     return LabelledSplit(
         prompts=list(table["prompt"]),
         lengths=np.asarray(table[length_column], dtype=np.int64),
@@ -57,3 +61,15 @@ def trace_hash() -> str:
     from training import trace
 
     return trace.trace_hash()
+
+
+def trace_conversations() -> frozenset[str]:
+    """Base ids of every conversation the trace took a prompt from (all its splits)."""
+    from training import trace
+
+    return frozenset(trace.load_trace()["conversation_id"])
+
+
+def trace_hold_out() -> str:
+    """What a predictor trained without the trace's conversations records as `held_out`."""
+    return f"trace:{trace_hash()}"

@@ -37,10 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
     parser.add_argument("--prior", type=Path, default=None,
                         help="embed_lgbm: stack on this saved embed_lgbm predictor (its outputs become features)")
+    parser.add_argument("--hold-out-trace", action="store_true",
+                        help="leave the trace's conversations out of train and validation, so the model "
+                             "can be a --prior of a trace-trained one")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None, prior: Path | None = None):
+def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None, prior: Path | None = None,
+              hold_out_trace: bool = False):
     from training import dataset, labels as label_data
     from training.train_models import TrainingData
 
@@ -48,14 +52,17 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
     train_limit = max_train if max_train is not None else train_limit
     valid_limit = max_eval if max_eval is not None else valid_limit
     test_limit = max_eval if max_eval is not None else test_limit
+    held_out = label_data.trace_conversations() if hold_out_trace else frozenset()
     # Fixed seeds per split so every model sees the same subsamples (and the embedding cache hits).
+    # The test split keeps every row: held-out conversations only matter to what the fit sees.
     return TrainingData(
-        train=label_data.subsample(label_data.load_split("train", labels), train_limit, seed=0),
-        valid=label_data.subsample(label_data.load_split("validation", labels), valid_limit, seed=1),
+        train=label_data.subsample(label_data.load_split("train", labels, held_out), train_limit, seed=0),
+        valid=label_data.subsample(label_data.load_split("validation", labels, held_out), valid_limit, seed=1),
         test=label_data.subsample(label_data.load_split("test", labels), test_limit, seed=2),
         labels=labels,
         data_hash=dataset.table_hash() if labels == "sharegpt" else label_data.trace_hash(),
         prior=prior,
+        held_out=label_data.trace_hold_out() if hold_out_trace else "",
     )
 
 
@@ -92,7 +99,9 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
 
     if args.prior is not None and args.model != "embed_lgbm":
         raise SystemExit("--prior applies to --model embed_lgbm only")
-    data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior)
+    if args.hold_out_trace and args.labels != "sharegpt":
+        raise SystemExit("--hold-out-trace applies to --labels sharegpt only")
+    data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior, args.hold_out_trace)
     config = fitters.LgbmConfig(seed=args.seed)
     trained = TRAINERS[args.model](data, config)
     metrics = evaluate_trained(data, trained)

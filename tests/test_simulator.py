@@ -88,15 +88,21 @@ def test_metrics_match_hand_computation() -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
     policies = {"fcfs": {"mean_e2e_s": 9.0, "p99_e2e_longest10pct_s": 20.0, "output_tokens_per_s": 100.0,
-                         "max_wait_s": 5.0},
+                         "max_wait_s": 5.0, "num_rejected": 0},
                 "sjf": {"mean_e2e_s": 3.0, "p99_e2e_longest10pct_s": 30.0, "output_tokens_per_s": 98.0,
-                        "max_wait_s": 12.0},
-                "oracle": {"mean_e2e_s": 1.0}}
+                        "max_wait_s": 12.0, "num_rejected": 0},
+                "oracle": {"mean_e2e_s": 1.0, "num_rejected": 0}}
     checks = goal_checks(policies, aging_bound_s=10.0)
     assert checks["fcfs_over_sjf_mean_e2e"] == pytest.approx(3.0)
     assert checks["sjf_share_of_oracle_gain"] == pytest.approx(0.5)  # log 3 / log 9
     assert checks["meets_longest10pct_2x"] and checks["meets_throughput_5pct"]
     assert checks["meets_wait_within_aging_bound"] and not checks["meets_oracle_share_60pct"]
+    assert "not_comparable" not in checks
+    # Shedding different requests per policy: the ratios compare different sets; no goal claimed.
+    policies["sjf"]["num_rejected"] = 40
+    shed = goal_checks(policies, aging_bound_s=10.0)
+    assert shed["fcfs_over_sjf_mean_e2e"] == pytest.approx(3.0) and "sjf" in shed["not_comparable"]
+    assert all(value is None for key, value in shed.items() if key.startswith("meets_"))
 
 
 @pytest.mark.integration

@@ -89,7 +89,7 @@ class LLMEngine:
                              f"{self.arch.max_position_embeddings} positions")
         self.kv_cache = self._make_cache(model.embed_tokens.weight.dtype)
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads)
-        self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(self.device, config.seed), self.device)
+        self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(config.seed), self.device)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.kv_cache.num_gpu_blocks, num_cpu_blocks=self.kv_cache.num_cpu_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -181,7 +181,6 @@ class LLMEngine:
     def _release(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
         self._num_reported.pop(request_id, None)
-        self.runner.sampler.free(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

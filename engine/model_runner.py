@@ -32,6 +32,7 @@ class StepBatch:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [S] rows of the flat batch whose logits are sampled
     sample_request_ids: tuple[str, ...]  # [S]
+    sample_positions: tuple[int, ...]  # [S] the position of each sampled token (tokens before it)
 
 
 @dataclass
@@ -62,12 +63,12 @@ def build_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size,
         query_start_loc_host=query_start_loc, seq_lens_host=seq_lens)
-    sampling = [(query_start_loc[b + 1] - 1, c.request_id) for b, c in enumerate(chunks) if c.sample]
+    sampling = [(query_start_loc[b + 1] - 1, c.request_id, seq_lens[b]) for b, c in enumerate(chunks) if c.sample]
     input_ids = torch.tensor(list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
                              dtype=torch.int64, device=device)
     return StepBatch(input_ids, positions, metadata,
-                     torch.tensor([row for row, _ in sampling], dtype=torch.int64, device=device),
-                     tuple(request_id for _, request_id in sampling))
+                     torch.tensor([row for row, _, _ in sampling], dtype=torch.int64, device=device),
+                     tuple(request_id for _, request_id, _ in sampling), tuple(position for _, _, position in sampling))
 
 
 class ModelRunner:
@@ -87,8 +88,6 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput,
                 params_of: Callable[[str], SamplingParams]) -> ModelRunnerOutput:
         start = self._clock()
-        for request_id in output.finished_ids:
-            self.sampler.free(request_id)
         self.kv_cache.swap_out(output.swap_out)
         self.kv_cache.swap_in(output.swap_in)
         if output.is_empty:
@@ -104,7 +103,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         if logits is not None:
             params = [params_of(request_id) for request_id in batch.sample_request_ids]
-            tokens = self.sampler.sample(logits, batch.sample_request_ids, params)
+            tokens = self.sampler.sample(logits, batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
         self.last_times = StepTimes(prepared - start, forwarded - prepared, self._clock() - forwarded)
         return ModelRunnerOutput(sampled_token_ids=sampled)

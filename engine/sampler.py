@@ -3,13 +3,16 @@
 Rows with a temperature below 1e-5 take the argmax. The other rows are scaled by their
 temperature, then top-k and top-p are applied together on one descending sort (top-p keeps the
 smallest prefix whose mass reaches p, and always the first token). A token is drawn by inverse
-CDF: one uniform number per row, located in the row's cumulative probabilities. It is drawn from
-the request's own torch.Generator when it brings a seed (so its tokens do not depend on what else
-is in the batch), else from the engine's generator. (The exponential race, argmax of p / E with
-E ~ Exp(1), needs a random number per vocabulary entry: about 1 ms a row on a CPU, a fifth of a
-decode step.)
-Seeded generators live until the request finishes (`free`); preemption keeps them, so a resumed
-request continues its stream.
+CDF: one uniform number per row, located in the row's cumulative probabilities. (The exponential
+race, argmax of p / E with E ~ Exp(1), needs a random number per vocabulary entry: about 1 ms a
+row on a CPU, a fifth of a decode step.)
+
+A request that brings a seed draws the token at position p from a generator seeded with a hash of
+(seed, p): a pure function of the request and the position, with no state kept between steps. So
+its tokens depend neither on the rest of the batch, nor on a preemption, nor on a step that drew
+and then failed and was run again, and there is nothing to free when it finishes. Requests without
+a seed draw from the engine's one generator. Numbers are drawn on the CPU (a few a step) and sent
+to the logits' device in one copy.
 """
 
 from __future__ import annotations
@@ -21,40 +24,43 @@ import torch
 from scheduler.request import SamplingParams
 
 
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(value: int) -> int:
+    """A 64-bit mixing function: nearby inputs give unrelated outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at `position` (a torch seed: 64 bits)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
-        self._engine_generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
+    def __init__(self, seed: int) -> None:
+        self._engine_generator = torch.Generator().manual_seed(seed)
+        self._position_generator = torch.Generator()  # reseeded for every seeded draw
 
-    def free(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
-
-    @property
-    def num_live_generators(self) -> int:
-        return len(self._request_generators)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _uniform(self, params: SamplingParams, position: int) -> torch.Tensor:
         if params.seed is None:
-            return self._engine_generator
-        generator = self._request_generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._request_generators[request_id] = generator
-        return generator
+            return torch.rand((), generator=self._engine_generator)
+        self._position_generator.manual_seed(position_seed(params.seed, position))
+        return torch.rand((), generator=self._position_generator)
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
-               params: Sequence[SamplingParams]) -> list[int]:
-        """logits float32 [R, vocab], one row per request; returns one token id per row."""
+    def sample(self, logits: torch.Tensor, positions: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
+        """logits float32 [R, vocab], one row per request; `positions` [R]: where each row's new
+        token goes in its sequence (prompt and output tokens before it). One token id per row."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             chosen = [params[i] for i in random_rows]
             probs = _filtered_probs(logits[random_rows], chosen)
-            uniforms = torch.stack([
-                torch.rand((), generator=self._generator(request_ids[row], params[row]), device=self.device)
-                for row in random_rows])
-            tokens[random_rows] = inverse_cdf(probs, uniforms)
+            uniforms = torch.stack([self._uniform(params[row], positions[row]) for row in random_rows])
+            tokens[random_rows] = inverse_cdf(probs, uniforms.to(logits.device))
         return tokens.tolist()
 
 

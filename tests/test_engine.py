@@ -52,6 +52,18 @@ def test_preemption_gives_hf_tokens(tiny_model_dir, prompts, expected, mode):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tiny_model_dir, prompts, mode):
+    params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ample = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    reference = [o.token_ids for o in ample.generate(prompts, params)]
+    tight = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, preemption_mode=mode,
+                max_num_batched_tokens=64)
+    assert [o.token_ids for o in tight.generate(prompts, params)] == reference
+    assert tight.engine.stats().scheduler.num_preemptions > 0
+
+
 def test_seats_limit_gives_hf_tokens(tiny_model_dir, prompts, expected):
     tokens, _ = run(tiny_model_dir, prompts, max_num_seqs=2, max_num_batched_tokens=64)
     assert tokens == expected

@@ -90,7 +90,30 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     assert alone == in_batch
     different = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))
     assert different[0].token_ids != alone
-    assert llm.engine.runner.sampler.num_live_generators == 0  # freed on finish
+
+
+def test_a_failed_step_that_had_sampled_leaves_seeded_tokens_unchanged(llm, monkeypatch):
+    seeded = [SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True) for seed in (1, 2)]
+    expected = [o.token_ids for o in llm.generate([PROMPT, "Count to ten"], seeded)]
+    engine, execute, calls = llm.engine, llm.engine.runner.execute, []
+
+    def fails_after_sampling_on_the_fourth_step(*args):
+        calls.append(1)
+        result = execute(*args)  # the sampler has drawn this step's numbers
+        if len(calls) == 4:
+            raise RuntimeError("device error after sampling")
+        return result
+
+    monkeypatch.setattr(engine.runner, "execute", fails_after_sampling_on_the_fourth_step)
+    for request_id, prompt, params in zip("xy", [PROMPT, "Count to ten"], seeded):
+        engine.add_request(request_id, prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        except RuntimeError:
+            continue
+    assert len(calls) > 4 and [finished["x"], finished["y"]] == expected
 
 
 def test_top_k_one_is_greedy(llm):

@@ -58,3 +58,4 @@ def test_build_batch_lays_out_tokens_slots_and_sampled_rows():
     assert batch.metadata.block_tables.tolist() == [[3, 0], [0, 2], [1, 0]]
     assert batch.sample_rows.tolist() == [2, 3]
     assert batch.sample_request_ids == ("a", "b")
+    assert batch.sample_positions == (3, 6)  # where each sampled token goes: tokens before it

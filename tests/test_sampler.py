@@ -40,33 +40,43 @@ def test_rows_get_their_own_filters():
 
 
 def test_draws_follow_the_distribution():
-    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler = Sampler(seed=0)
     params = [SamplingParams(temperature=1.0)] * 4000
-    tokens = sampler.sample(LOGITS.repeat(4000, 1), [f"r{i}" for i in range(4000)], params)
+    tokens = sampler.sample(LOGITS.repeat(4000, 1), [7] * 4000, params)
     frequencies = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     torch.testing.assert_close(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
 
 
-def test_greedy_rows_take_the_argmax_and_seeds_are_per_request():
-    sampler = Sampler(torch.device("cpu"), seed=0)
+def test_greedy_rows_take_the_argmax_and_seeded_draws_depend_only_on_seed_and_position():
+    sampler = Sampler(seed=0)
     logits = torch.randn(3, 100)
-    params = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(seed=3)]
-    tokens = sampler.sample(logits, ["a", "b", "c"], params)
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(seed=4)]
+    tokens = sampler.sample(logits, [5, 5, 5], params)
     assert tokens[0] == int(logits[0].argmax())
-    fresh = Sampler(torch.device("cpu"), seed=123)
-    assert fresh.sample(logits[1:2], ["x"], [SamplingParams(seed=3)]) == [tokens[1]]
-    assert sampler.num_live_generators == 2
-    sampler.free("b")
-    sampler.free("c")
-    assert sampler.num_live_generators == 0
+    # Another engine seed, draws in between, another batch: the same token at the same position.
+    fresh = Sampler(seed=123)
+    fresh.sample(logits, [9, 9, 9], [SamplingParams(), SamplingParams(seed=3), SamplingParams(seed=3)])
+    assert fresh.sample(logits[1:2], [5], [SamplingParams(seed=3)]) == [tokens[1]]
+    # Over positions, a seed's draws follow the distribution (they are not one number repeated).
+    many = [Sampler(seed=0).sample(LOGITS, [p], [SamplingParams(seed=3)])[0] for p in range(2000)]
+    frequencies = torch.bincount(torch.tensor(many), minlength=4).float() / 2000
+    torch.testing.assert_close(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04, rtol=0)
+
+
+def test_position_seeds_differ_for_neighbouring_seeds_and_positions():
+    from engine.sampler import position_seed
+
+    seeds = {position_seed(seed, position) for seed in (-1, 0, 1, 2, 2**64 - 1) for position in range(50)}
+    assert len(seeds) == 5 * 50 - 50  # -1 and 2**64 - 1 are the same 64-bit seed
+    assert all(0 <= s < 2**64 for s in seeds)
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])
 def test_a_vanishing_temperature_is_greedy(temperature):
     # float32 logits divided by a denormal or zero temperature are inf and softmax NaN.
     logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
-    tokens = Sampler(torch.device("cpu"), seed=0).sample(
-        logits, ["a", "b"], [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=1)])
+    tokens = Sampler(seed=0).sample(
+        logits, [3, 3], [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=1)])
     assert tokens == logits.argmax(dim=-1).tolist()
 
 

@@ -97,7 +97,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             policy=config.policy, **config.scheduler_options))
         self.eos_token_id = self.tokenizer.eos_token_id
-        # A checkpoint may end a reply with several ids (config.json's eos_token_id list, as in
+        # A checkpoint may end a reply with several ids (config.json and generation_config.json, as in
         # Llama 3); the tokenizer names one. The others stop a request like it, unless ignore_eos.
         self.extra_eos_token_ids = tuple(i for i in self.arch.eos_token_ids if i != self.eos_token_id)
         self.predictor = None

@@ -186,20 +186,22 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(llm):
     assert output.finish_reason == "stop"
 
 
-def test_every_end_id_of_the_checkpoint_stops_a_reply(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("config_file", ["config.json", "generation_config.json"])
+def test_every_end_id_of_the_checkpoint_stops_a_reply(tiny_model_dir, tmp_path, config_file):
     import json
     import shutil
 
-    # The tiny model with config.json naming a second end id: the token greedy decoding emits
+    # The tiny model with its config naming a second end id: the token greedy decoding emits
     # fourth. A reply stops there (reason "stop"), unless ignore_eos.
     base = LLM(str(tiny_model_dir), max_model_len=128, num_gpu_blocks=64, num_threads=1)
     tokens = base.generate(PROMPT, greedy(8))[0].token_ids
     end_id = tokens[3]
     first = tokens.index(end_id)
     model_dir = shutil.copytree(tiny_model_dir, tmp_path / "two_ends")
-    config = json.loads((model_dir / "config.json").read_text())
+    path = model_dir / config_file
+    config = json.loads(path.read_text()) if path.exists() else {}
     config["eos_token_id"] = [base.engine.eos_token_id, end_id]
-    (model_dir / "config.json").write_text(json.dumps(config))
+    path.write_text(json.dumps(config))
     llm = LLM(str(model_dir), max_model_len=128, num_gpu_blocks=64, num_threads=1)
     stopped = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert (stopped.finish_reason, stopped.token_ids) == ("stop", tokens[:first + 1])

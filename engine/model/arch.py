@@ -1,4 +1,5 @@
-"""The architecture numbers of a Llama-family checkpoint, read from its config.json."""
+"""The architecture numbers of a Llama-family checkpoint, read from its config.json (and the end
+ids of generation_config.json)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,6 @@ class LlamaArch:
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -50,5 +49,19 @@ class LlamaArch:
             rope_theta=float(theta),
             max_position_embeddings=raw["max_position_embeddings"],
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_end_ids(Path(model_dir), raw),
         )
+
+
+def _ids(value) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+
+
+def _end_ids(model_dir: Path, config: dict) -> tuple[int, ...]:
+    """Every id that ends a reply: config.json's eos_token_id and generation_config.json's, which
+    is where checkpoints such as Llama 3 Instruct list the end-of-turn ids HF's generate stops at."""
+    ids = _ids(config.get("eos_token_id"))
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        ids += _ids(json.loads(generation_config.read_text()).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))  # in order, without repeats

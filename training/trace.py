@@ -142,7 +142,8 @@ def trace_hash(path: Path = DEFAULT_TRACE) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=positive_int, help="prompts in the trace (resumes); required unless --agreement")
+    parser.add_argument("--num-prompts", type=positive_int,
+                        help="prompts in the trace (resumes); required unless --agreement")
     parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
     # Defaults are the committed trace's: at ~40 prompts a minute on this CPU, 2,000 prompts fit an
     # hour only with replies capped at 256 tokens (about half of SmolLM2's reach the cap).

@@ -13,6 +13,7 @@ output tokens/s, mean / p50 / p99 end-to-end latency, steps, and mean step time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -45,10 +46,7 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
         for output in engine.step():
             if output.finished:
                 finished[int(output.request_id)] = (time.perf_counter() - origin, len(output.token_ids))
-        record = engine.last_step
-        steps.append({"t": time.perf_counter() - origin, "tokens": record.num_batched_tokens,
-                      "seqs": record.num_seqs, "context": record.sum_context_tokens,
-                      "step_s": record.step_time_s, "forward_s": record.forward_time_s,
+        steps.append({"t": time.perf_counter() - origin, **dataclasses.asdict(engine.last_step),
                       "waiting": engine.stats().scheduler.num_waiting})
     duration = time.perf_counter() - origin
     out.write_text("".join(json.dumps(s) + "\n" for s in steps))
@@ -57,7 +55,7 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
             "output_tokens_per_s": sum(n for _, n in finished.values()) / duration,
             "mean_e2e_s": statistics.fmean(e2e), "p50_e2e_s": e2e[len(e2e) // 2],
             "p99_e2e_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
-            "num_steps": len(steps), "mean_step_s": statistics.fmean(s["step_s"] for s in steps)}
+            "num_steps": len(steps), "mean_step_s": statistics.fmean(s["step_time_s"] for s in steps)}
 
 
 def main(argv: list[str]) -> None:

@@ -1,8 +1,9 @@
 """`lengthwise serve` with every engine step logged, for diagnosing served throughput.
 
 Each line of $STEP_LOG: the step's start and end (perf_counter), the process CPU seconds it took
-(all threads, so above 1 means the event loop or torch's second thread ran alongside), its batched
-tokens, sequences, summed context, forward seconds and the waiting-queue length. Arguments are
+(all threads, so above 1 means the event loop or torch's second thread ran alongside), the
+engine's StepRecord (batched tokens, sequences, summed context, step and forward seconds) and the
+waiting-queue length. Arguments are
 those of `lengthwise serve`.
 
     STEP_LOG=out/steps_sjf.jsonl python scripts/serve_step_log.py serve --policy sjf --port 8010
@@ -10,6 +11,7 @@ those of `lengthwise serve`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,11 +27,8 @@ def install_step_log(path: str) -> None:
     def logged_step(self):
         started, cpu = time.perf_counter(), time.process_time()
         outputs = step(self)
-        record = self.last_step
-        log.write(json.dumps({
-            "t0": started, "t1": time.perf_counter(), "cpu": time.process_time() - cpu,
-            "tokens": record.num_batched_tokens, "seqs": record.num_seqs, "context": record.sum_context_tokens,
-            "forward": record.forward_time_s, "waiting": len(self.scheduler.waiting)}) + "\n")
+        log.write(json.dumps({"t0": started, "t1": time.perf_counter(), "cpu": time.process_time() - cpu,
+                              **dataclasses.asdict(self.last_step), "waiting": len(self.scheduler.waiting)}) + "\n")
         return outputs
 
     llm_engine.LLMEngine.step = logged_step

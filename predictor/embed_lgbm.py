@@ -3,8 +3,8 @@
 The encoder runs first (torch), then the boosters (single-threaded LightGBM): never both at once.
 
 Optionally stacked on a prior: the heads of another embed_lgbm predictor over the same features
-(in practice the one trained on 40k ChatGPT reply lengths), whose four outputs become extra
-features. A trace of the served model has a few thousand labels; the prior brings what the large
+(in practice one trained on ChatGPT reply lengths without the trace's conversations), whose four
+outputs become extra features. A trace of the served model has a few thousand labels; the prior brings what the large
 table taught about which prompts ask for long answers. The prior's heads live in `prior/`.
 """
 

@@ -22,8 +22,13 @@ from predictor.base import Prediction
 HEAD_NAMES = ("point", "p50", "p90", "rank")
 TOKEN_HEADS = ("point", "p50", "p90")  # heads whose output is a log length, unlike lambdarank's
 HEADS_FILENAME = "heads.json"
-# Folders saved before heads.json named a length head were ranked by p50 in the scheduler.
-LEGACY_LENGTH_HEAD = "p50"
+
+
+def legacy_length_head(score_head: str) -> str:
+    """The length head of a folder saved before heads.json named one. Its score head was the best
+    of all heads on validation, so when that is a head in tokens it is also the best of those, the
+    head a fit now picks; after a lambdarank score, p50 (what the scheduler then ordered by)."""
+    return score_head if score_head in TOKEN_HEADS else "p50"
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class LgbmHeads:
     """Boosters by head name (`rank` is optional), the head that gives the score and the head in
     tokens that gives the ranking length."""
 
-    def __init__(self, boosters: dict, score_head: str = "point", length_head: str = LEGACY_LENGTH_HEAD) -> None:
+    def __init__(self, boosters: dict, score_head: str, length_head: str) -> None:
         missing = set(TOKEN_HEADS) - set(boosters)
         if missing:
             raise ValueError(f"missing heads: {sorted(missing)}")
@@ -85,4 +90,5 @@ class LgbmHeads:
             if path.exists():
                 boosters[name] = lightgbm.Booster(model_file=str(path))
         chosen = json.loads((folder / HEADS_FILENAME).read_text())
-        return cls(boosters, chosen["score_head"], chosen.get("length_head", LEGACY_LENGTH_HEAD))
+        score_head = chosen["score_head"]
+        return cls(boosters, score_head, chosen.get("length_head", legacy_length_head(score_head)))

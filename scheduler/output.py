@@ -25,10 +25,11 @@ class ScheduledChunk:
 class SchedulerOutput:
     # In batch order; the runner returns one sampled token per chunk with sample=True.
     chunks: tuple[ScheduledChunk, ...]
-    # Requests preempted this step (recompute or swap); the runner drops their per-step state.
+    # Requests preempted this step (recompute or swap). The runner keeps no per-request state
+    # (a seeded draw depends only on seed and position), so these and `finished_ids` are for
+    # observers such as tests and logs.
     preempted_ids: tuple[str, ...]
-    # Requests that finished or were aborted since the previous step; the runner frees their state
-    # (for example a seeded random generator).
+    # Requests that finished or were aborted since the previous step.
     finished_ids: tuple[str, ...]
     # (device block, host block) pairs to copy out before the forward (swap preemption).
     swap_out: tuple[tuple[int, int], ...]

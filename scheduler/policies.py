@@ -10,7 +10,8 @@ within a tier.
 - fcfs: score 0, so arrival order within a tier.
 - priority: vLLM's semantics, the integer `priority` (lower first), ties by arrival; a waiting
   request preempts running ones of a worse priority.
-- sjf: predicted median output length minus the aging rate times the seconds waited. The order
+- sjf: the predicted ranking length (output tokens of the predictor's best-ranking head) minus
+  the aging rate times the seconds waited. The order
   this gives equals the order of `arrival_time + length / rate`, which does not change while the
   rate holds, so a request is never overtaken by one arriving more than `length / rate` seconds
   after it: the aging bound. The rate is `aging_tokens_per_s`, or by default `aging_tokens_per_step`
@@ -157,17 +158,19 @@ def _upper_tail_ratio(a: float, b: float) -> float:
 def refined_remaining(request: Request) -> float:
     """Predicted output tokens still to come, refined once generation outgrows the first estimate.
 
-    Before the output reaches the ranking estimate: estimate minus tokens so far. After: fit a
-    lognormal to the predicted p50 and p90 and take E[X | X > generated] - generated.
+    Before the output reaches the ranking estimate: estimate minus tokens so far. After: a
+    lognormal centred on the ranking estimate, its spread from the predicted p90 / p50 (a default
+    when they give none, as when both sit at the max_tokens cap), and E[X | X > generated] -
+    generated. Centring on p50 instead would give every overrunning request of a model whose
+    median sits at the cap the same remaining length, the cap minus its output.
     """
     generated = request.num_output_tokens
-    point = ranking_length(request)
-    if generated < point:
-        return point - generated
-    p50 = request.predicted_p50 if request.predicted_p50 else point
-    p90 = request.predicted_p90
-    sigma = math.log(p90 / p50) / Z90 if p90 and p90 > p50 else DEFAULT_LOG_SPREAD
-    mu, log_g = math.log(p50), math.log(max(generated, 1))
+    estimate = ranking_length(request)
+    if generated < estimate:
+        return estimate - generated
+    p50, p90 = request.predicted_p50, request.predicted_p90
+    sigma = math.log(p90 / p50) / Z90 if p50 and p90 and p90 > p50 else DEFAULT_LOG_SPREAD
+    mu, log_g = math.log(estimate), math.log(max(generated, 1))
     b = (log_g - mu) / sigma
     expected = math.exp(mu + sigma * sigma / 2.0) * _upper_tail_ratio(b - sigma, b)
     limit = request.sampling_params.max_tokens

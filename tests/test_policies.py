@@ -9,8 +9,8 @@ import random
 import pytest
 
 from scheduler.config import SchedulerConfig
-from scheduler.policies import (GoodputPolicy, SJFPolicy, SRPTPolicy, make_policy, predicted_total,
-                                refined_remaining)
+from scheduler.policies import (DEFAULT_LOG_SPREAD, Z90, GoodputPolicy, SJFPolicy, SRPTPolicy, make_policy,
+                                predicted_total, refined_remaining)
 from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.testing import PagedTokenRunner, reference_output
@@ -118,6 +118,21 @@ def test_srpt_refines_remaining_after_outgrowing_the_estimate() -> None:
     narrow = req("b", predicted=50, predicted_p50=50, predicted_p90=60)
     narrow.output_token_ids = [1] * 80
     assert refined_remaining(narrow) < beyond  # a tighter spread expects the end sooner
+
+
+def test_srpt_refines_around_the_ranking_length_when_the_median_sits_at_the_cap() -> None:
+    # A trace-trained model: p50 = p90 = the 256-token cap for every prompt, the point head ranks.
+    short = req("a", predicted=30, predicted_p50=256, predicted_p90=256, predicted_rank_len=30, max_tokens=256)
+    long = req("b", predicted=60, predicted_p50=256, predicted_p90=256, predicted_rank_len=60, max_tokens=256)
+    short.output_token_ids = [1] * 29
+    assert refined_remaining(short) == 1
+    short.output_token_ids = [1] * 35
+    long.output_token_ids = [1] * 65
+    # Overrunning its estimate, each keeps a remaining length on its own scale (default spread)
+    # instead of the cap minus its output for both (221 and 191), so the shorter stays first.
+    default_p90 = 30.0 * math.exp(Z90 * DEFAULT_LOG_SPREAD)
+    assert refined_remaining(short) == pytest.approx(lognormal_tail_mean(30.0, default_p90, 35.0) - 35.0, rel=1e-3)
+    assert refined_remaining(short) < refined_remaining(long) < 100
 
 
 def lognormal_tail_mean(p50: float, p90: float, g: float, steps: int = 20_000) -> float:

@@ -139,8 +139,11 @@ def test_ranking_length_comes_from_a_head_that_ranks_when_the_median_sits_at_a_c
     assert rank_tau > 0.1 and not p50_tau >= rank_tau  # nan (a constant median) or lower
     heads.save(tmp_path)
     assert LgbmHeads.load(tmp_path).length_head == heads.length_head
-    # A folder saved before heads.json named a length head ranked by p50 in the scheduler.
+    # A folder saved before heads.json named a length head: its best token head was its score head,
+    # unless that was lambdarank's.
     (tmp_path / "heads.json").write_text('{"score_head": "point"}')
+    assert LgbmHeads.load(tmp_path).length_head == "point"
+    (tmp_path / "heads.json").write_text('{"score_head": "rank"}')
     assert LgbmHeads.load(tmp_path).length_head == "p50"
 
 

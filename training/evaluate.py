@@ -23,7 +23,7 @@ LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
 
 @dataclass(frozen=True)
 class EvaluationReport:
-    kendall_tau: float  # of p50, the order the scheduler uses
+    kendall_tau: float  # of rank_len, the order the scheduler uses
     kendall_tau_dedup: float
     kendall_tau_score: float  # of the predictor's own score
     spearman: float

@@ -4,7 +4,9 @@ Algorithm. Candidate prompts are the turn table's prompts that fit the context w
 `max_tokens` of output, deduplicated by text, in a seeded random order (so any prefix is a
 random sample across splits, and each row keeps its turn-table split). They run through the
 offline engine (`engine.llm.LLM`), fed continuously, with the served defaults (temperature 1.0, top_p
-1.0) and a per-prompt seed, so a rerun reproduces a length. Each finished prompt is appended
+1.0) and a per-prompt seed, so a rerun reproduces a length. (Rows logged before session 6 drew
+from per-request generator streams, which the stateless sampler replaced: a rerun of those
+prompts now gives another sample from the same distribution.) Each finished prompt is appended
 to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
 log is then written as a parquet table that `lengthwise train --labels trace` learns from.
 """

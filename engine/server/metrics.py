@@ -167,7 +167,7 @@ class ServerMetrics:
         if scheduled is not None:
             self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
         if prediction is not None:
-            # The predicted median, the order the scheduler uses, but not clamped to max_tokens as
+            # The predicted ranking length, the order the scheduler uses, but not clamped to max_tokens as
             # the scheduler's key is: in a benchmark with ignore_eos, max_tokens is the true
             # length, and with clamping a served sjf run reported 0.75 where unclamped gave 0.39.
             self._tau_pairs.append((prediction.rank_len, float(len(output.token_ids))))

@@ -46,7 +46,10 @@ class PredictorSpec:
 
 def write_spec(folder: Path, spec: PredictorSpec) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / SPEC_FILENAME).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+    fields = asdict(spec)
+    if not spec.held_out:
+        del fields["held_out"]  # so code from before the field existed still reads the folder
+    (folder / SPEC_FILENAME).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def read_spec(folder: Path) -> PredictorSpec:

@@ -102,12 +102,18 @@ def test_champion_follows_best_validation_tau(tmp_path):
         runs = {}
         for name, tau, intercept in (("first", 0.2, 1.0), ("better", 0.4, 2.0), ("worse", 0.1, 3.0)):
             folder = _saved_length_predictor(tmp_path / name, intercept)
-            runs[name] = tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: tau}, folder, [], {})
+            runs[name] = tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: tau}, folder, [],
+                                          tracking.comparison_tags("sharegpt", ""))
             champion = tracking.update_champion()
             assert champion == (runs["first"] if name == "first" else runs["better"])
         # A run whose tau was of another ranking (the score, before runs were tagged) never wins.
         folder = _saved_length_predictor(tmp_path / "old", 4.0)
-        tracking.log_run("old", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [], {"tau_of": "score"})
+        tracking.log_run("old", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
+                         {"tau_of": "score", **tracking.comparison_tags("sharegpt", "")})
+        # Nor does a run validated on other labels, or on a split with the trace's prompts held out.
+        for labels, held_out in (("trace", ""), ("sharegpt", "trace:0123")):
+            tracking.log_run("other", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
+                             tracking.comparison_tags(labels, held_out))
         assert tracking.update_champion() == runs["better"]
     local = tracking.download_champion(tmp_path / "download", store=store)
     loaded = predictor.load(local)
@@ -124,11 +130,11 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     from training import evaluate, train
 
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=600, max_eval=300, store=tmp_path / "mlruns",
-                              save=tmp_path / "saved", no_register=False, seed=0, prior=None, hold_out_trace=True)
+                              save=tmp_path / "saved", no_register=False, seed=0, prior=None, hold_out_trace=False)
     run_id, logged = train.train_and_log(args)
     assert -1 <= logged["val_kendall_tau"] <= 1 and logged["test_num_examples"] == 300
     spec = json.loads((tmp_path / "saved" / "predictor.json").read_text())
-    assert spec["kind"] == "lexical" and spec["held_out"].startswith("trace:")
+    assert spec["kind"] == "lexical" and "held_out" not in spec  # readable by code older than the field
     path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")
     report = evaluate.evaluate(path, limit=200, measure_latency=False)
     assert report.num_examples == 200 and report.kind == "lexical"
@@ -201,15 +207,25 @@ def test_trace_agreement_needs_an_existing_table(tmp_path):
 
 
 @pytest.mark.integration
-def test_held_out_conversations_leave_train_and_validation():
+def test_held_out_conversations_and_prompts_leave_train_and_validation():
     from training import dataset, labels
+    from training.trace import load_trace, prompt_key
 
-    held_out = labels.trace_conversations()
+    trace = load_trace()
+    conversations, keys = set(trace["conversation_id"]), set(trace["key"])
+    held_out = labels.trace_held_out()
     for split in ("train", "validation"):
         turns = dataset.load_turns(split)
-        kept = sum(c not in held_out for c in turns["conversation_id"])
-        assert kept < len(turns)  # the trace drew prompts from every split
-        assert len(labels.load_split(split, "sharegpt", held_out)) == kept
+        outside = [c not in conversations for c in turns["conversation_id"]]
+        kept = [o and prompt_key(p) not in keys for o, p in zip(outside, turns["prompt"])]
+        # The trace drew prompts from every split, and ShareGPT repeats some of them ("hi") in
+        # conversations the trace never touched: those copies go too.
+        assert sum(kept) < sum(outside) < len(turns)
+        assert len(labels.load_split(split, "sharegpt", held_out)) == sum(kept)
+    from training import train
+
+    data = train.load_data("sharegpt", "lexical", None, 100, hold_out_trace=True)
+    assert data.held_out == labels.trace_hold_out() and len(data.test) == 100  # test rows stay
 
 
 def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_path):

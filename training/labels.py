@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -28,9 +28,23 @@ class LabelledSplit:
                              self.prompt_tokens[rows])
 
 
-def load_split(split: str, labels: LabelSource = "sharegpt",
-               without_conversations: frozenset[str] = frozenset()) -> LabelledSplit:
-    """One split's labelled prompts, less the turns of `without_conversations` (base ids)."""
+@dataclass(frozen=True)
+class HeldOut:
+    """Rows a model must not train on: whole conversations (base ids) and, since ShareGPT repeats
+    prompt texts across conversations ("hi", "continue"), every copy of some prompts (by
+    `training.trace.prompt_key`)."""
+
+    conversations: frozenset[str] = field(default_factory=frozenset)
+    prompt_keys: frozenset[str] = field(default_factory=frozenset)
+
+    def keeps(self, conversation_id: str, prompt: str) -> bool:
+        from training.trace import prompt_key
+
+        return conversation_id not in self.conversations and prompt_key(prompt) not in self.prompt_keys
+
+
+def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut | None = None) -> LabelledSplit:
+    """One split's labelled prompts, less the rows `held_out` names."""
     if labels == "sharegpt":
         table, length_column = dataset.load_turns(split), "response_tokens"
     elif labels == "trace":
@@ -39,8 +53,8 @@ def load_split(split: str, labels: LabelSource = "sharegpt",
         table, length_column = trace.load_trace(split), "output_tokens"
     else:
         raise ValueError(f"labels must be one of {LABEL_SOURCES}, got {labels!r}")
-    if without_conversations:
-        table = table.filter(lambda c: c not in without_conversations, input_columns="conversation_id")
+    if held_out is not None:
+        table = table.filter(held_out.keeps, input_columns=["conversation_id", "prompt"])
     return LabelledSplit(
         prompts=list(table["prompt"]),
         lengths=np.asarray(table[length_column], dtype=np.int64),
@@ -63,11 +77,12 @@ def trace_hash() -> str:
     return trace.trace_hash()
 
 
-def trace_conversations() -> frozenset[str]:
-    """Base ids of every conversation the trace took a prompt from (all its splits)."""
+def trace_held_out() -> HeldOut:
+    """Every conversation the trace took a prompt from, and every copy of its prompts (all splits)."""
     from training import trace
 
-    return frozenset(trace.load_trace()["conversation_id"])
+    table = trace.load_trace()
+    return HeldOut(frozenset(table["conversation_id"]), frozenset(table["key"]))
 
 
 def trace_hold_out() -> str:

@@ -4,8 +4,11 @@ Every `lengthwise train` run logs its config, data hash, git sha, metrics, plots
 predictor folder (artifact path `predictor`). After each run the registry is reconciled: the
 run with the best validation Kendall's tau in the experiment is the `champion` alias of model
 `lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
-tagged with this code's lexical feature version compete: a predictor trained on other features
-would not load. The tracking URI is set inside `tracking_session`, never at import.
+whose validation taus are comparable compete: tagged with this code's lexical feature version (a
+predictor trained on other features would not load) and with the tau of the scheduler's order
+(`tau_of`), trained and validated on ShareGPT's labels with nothing held out (a trace run is
+validated on other labels, a `--hold-out-trace` run on a smaller validation split). The tracking
+URI is set inside `tracking_session`, never at import.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAM
         mlflow.set_tracking_uri(previous)
 
 
+def comparison_tags(labels: str, held_out: str) -> dict[str, str]:
+    """The tags that say whether a run's validation tau can be compared for champion."""
+    return {"labels": labels, "held_out": held_out or "none"}
+
+
 def git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -86,7 +94,7 @@ def best_run_id() -> str | None:
     import mlflow
 
     loadable = (f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
-                f" AND tags.tau_of = '{TAU_OF}'")
+                f" AND tags.tau_of = '{TAU_OF}' AND tags.labels = 'sharegpt' AND tags.held_out = 'none'")
     runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
                               order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
                               output_format="list")

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
     parser.add_argument("--prior", type=Path, default=None,
-                        help="embed_lgbm: stack on this saved embed_lgbm predictor (its outputs become features)")
+                        help="embed_lgbm with --labels trace: stack on this saved embed_lgbm predictor, trained "
+                             "with --hold-out-trace (its outputs become features)")
     parser.add_argument("--hold-out-trace", action="store_true",
                         help="leave the trace's conversations out of train and validation, so the model "
                              "can be a --prior of a trace-trained one")
@@ -52,7 +53,7 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
     train_limit = max_train if max_train is not None else train_limit
     valid_limit = max_eval if max_eval is not None else valid_limit
     test_limit = max_eval if max_eval is not None else test_limit
-    held_out = label_data.trace_conversations() if hold_out_trace else frozenset()
+    held_out = label_data.trace_held_out() if hold_out_trace else None
     # Fixed seeds per split so every model sees the same subsamples (and the embedding cache hits).
     # The test split keeps every row: held-out conversations only matter to what the fit sees.
     return TrainingData(
@@ -97,8 +98,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     from training import tracking
     from training.train_models import TRAINERS
 
-    if args.prior is not None and args.model != "embed_lgbm":
-        raise SystemExit("--prior applies to --model embed_lgbm only")
+    if args.prior is not None and (args.model != "embed_lgbm" or args.labels != "trace"):
+        raise SystemExit("--prior applies to --model embed_lgbm --labels trace only")
     if args.hold_out_trace and args.labels != "sharegpt":
         raise SystemExit("--hold-out-trace applies to --labels sharegpt only")
     data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior, args.hold_out_trace)
@@ -117,7 +118,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
                   "num_valid": len(data.valid), "num_test": len(data.test), **trained.params}
         with tracking.tracking_session(args.store):
             run_id = tracking.log_run(f"{args.model}-{args.labels}", params, metrics, folder, plots,
-                                      {"data_hash": data.data_hash, "kind": args.model})
+                                      {"data_hash": data.data_hash, "kind": args.model,
+                                       **tracking.comparison_tags(args.labels, data.held_out)})
             if not args.no_register:
                 tracking.update_champion()
     return run_id, metrics

@@ -65,7 +65,7 @@ def train_lexical(data: TrainingData, config: fitters.LgbmConfig) -> TrainedMode
     model = LexicalPredictor(heads, _spec("lexical", data, lexical_spec()))
     return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
                         predict_in_batches(model, data.test.prompts),
-                        {"score_head": heads.score_head, **config.__dict__})
+                        {"score_head": heads.score_head, "length_head": heads.length_head, **config.__dict__})
 
 
 def _embed_features(split: LabelledSplit, encoder_config) -> np.ndarray:
@@ -96,12 +96,13 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
     heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],
                                    data.valid.lengths, config)
     if prior_spec is not None:
-        feature_spec["prior"] = {"labels": prior_spec.labels, "data_hash": prior_spec.data_hash}
+        feature_spec["prior"] = {"labels": prior_spec.labels, "data_hash": prior_spec.data_hash,
+                                 "held_out": prior_spec.held_out}
     model = EmbedLgbmPredictor(encoder, heads, _spec("embed_lgbm", data, feature_spec), prior)
     return TrainedModel(model, to_predictions(heads.predict(features["valid"])),
                         to_predictions(heads.predict(features["test"])),
-                        {"score_head": heads.score_head, "prior": str(data.prior), **config.__dict__,
-                         **encoder_config.as_dict()})
+                        {"score_head": heads.score_head, "length_head": heads.length_head, "prior": str(data.prior),
+                         **config.__dict__, **encoder_config.as_dict()})
 
 
 def _load_prior(folder: Path | None, feature_spec: dict, labels: str):

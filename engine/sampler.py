@@ -36,8 +36,9 @@ def _splitmix64(value: int) -> int:
 
 
 def position_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw at `position` (a torch seed: 64 bits)."""
-    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+    """The generator seed of a seeded request's draw at `position`: 32 bits, all that torch's
+    CPU generator (mt19937) keeps of a seed."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64) & 0xFFFFFFFF
 
 
 class Sampler:

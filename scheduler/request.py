@@ -42,7 +42,7 @@ class Tier(enum.IntEnum):
     BATCH = 2  # throughput only
 
 
-# What a torch generator takes as a seed; outside it manual_seed raises inside an engine step.
+# Seeds are 64-bit integers, signed or not (the sampler hashes a seed's 64 bits with the position).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
 PRIORITY_LIMIT = 2**63

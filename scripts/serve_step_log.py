@@ -3,8 +3,7 @@
 Each line of $STEP_LOG: the step's start and end (perf_counter), the process CPU seconds it took
 (all threads, so above 1 means the event loop or torch's second thread ran alongside), the
 engine's StepRecord (batched tokens, sequences, summed context, step and forward seconds) and the
-waiting-queue length. Arguments are
-those of `lengthwise serve`.
+waiting-queue length. Arguments are those of `lengthwise serve`.
 
     STEP_LOG=out/steps_sjf.jsonl python scripts/serve_step_log.py serve --policy sjf --port 8010
 """

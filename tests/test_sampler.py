@@ -68,7 +68,7 @@ def test_position_seeds_differ_for_neighbouring_seeds_and_positions():
 
     seeds = {position_seed(seed, position) for seed in (-1, 0, 1, 2, 2**64 - 1) for position in range(50)}
     assert len(seeds) == 5 * 50 - 50  # -1 and 2**64 - 1 are the same 64-bit seed
-    assert all(0 <= s < 2**64 for s in seeds)
+    assert all(0 <= s < 2**32 for s in seeds)
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])

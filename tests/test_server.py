@@ -483,8 +483,8 @@ def test_the_served_tau_metric_reads_the_predicted_median():
 
     metrics = ServerMetrics(MODEL, lambda: None)
     for length in (3, 6, 9):
-        # The ranking length orders the lengths; the point estimate and the median do not.
-        prediction = Prediction(point=100.0 - length, p50=256.0, p90=256.0, score=float(length),
+        # The ranking length orders the lengths; the point estimate, median and score do not.
+        prediction = Prediction(point=100.0 - length, p50=256.0, p90=256.0, score=-float(length),
                                 rank_len=float(length))
         output = RequestOutput(f"r{length}", (1,), (5,) * length, (5,), "", "", True, "length", 0.0, 0.0, 0.1, 1.0)
         metrics.on_finished(output, Tier.STANDARD, prediction)

@@ -98,6 +98,8 @@ def test_metrics_match_hand_computation() -> None:
     assert checks["meets_longest10pct_2x"] and checks["meets_throughput_5pct"]
     assert checks["meets_wait_within_aging_bound"] and not checks["meets_oracle_share_60pct"]
     assert "not_comparable" not in checks
+    # A policy outside the goals shedding requests changes nothing.
+    assert goal_checks({**policies, "srpt": {"num_rejected": 7}}, aging_bound_s=10.0) == checks
     # Shedding different requests per policy: the ratios compare different sets; no goal claimed.
     policies["sjf"]["num_rejected"] = 40
     shed = goal_checks(policies, aging_bound_s=10.0)
@@ -134,11 +136,16 @@ def test_cached_predictions_belong_to_their_own_prompt(tmp_path) -> None:
     folder = save(chars, tmp_path / "chars")
     prompts = ["hi", "a longer prompt", "hi", "x" * 40, "continue"]
     turns = [Turn(prompt, 3, 10) for prompt in prompts]
-    expected = [value for p in chars.predict(prompts) for value in (p.point, p.p50, p.p90)]
+    expected = [value for p in chars.predict(prompts) for value in (p.point, p.p50, p.p90, p.rank_len)]
     for _ in range(2):  # computed, then read back from the cache file
         got = predictor_predictions(turns, folder, cache_dir=tmp_path / "cache")
-        assert [value for p in got for value in (p.point, p.p50, p.p90)] == pytest.approx(expected)
+        assert [value for p in got for value in (p.point, p.p50, p.p90, p.rank_len)] == pytest.approx(expected)
     assert len(list((tmp_path / "cache").iterdir())) == 1
+    # The predictor edited in place (a retrained head, another heads.json) gets a cache of its own.
+    params = folder / "length_params.json"
+    params.write_text(params.read_text().replace('"slope": 1.0', '"slope": 2.0'))
+    doubled = predictor_predictions(turns, folder, cache_dir=tmp_path / "cache")
+    assert doubled[1].rank_len > 1.5 * got[1].rank_len and len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_slo_attainment_counts_a_rejected_request_as_a_miss() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -14,14 +15,14 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:  # also refuses nan
+    if not (math.isfinite(value) and value > 0):  # refuses nan and inf too
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:
+    if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
     return value
 

@@ -31,7 +31,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # a torch generator's range
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # 64 bits, signed or not
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1

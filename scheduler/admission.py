@@ -19,8 +19,12 @@ capacity (a lone decode feeds one token a step), and would refuse an idle server
 - batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
   queued work stays below `batch_shed_share` of `max_queued_tokens`.
 
-Rejections raise `AdmissionRejected(reason, retry_after_s)`; the HTTP layer turns it into a 429
-with Retry-After. The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a
+Admission sheds load, so only work ahead of a request can get it rejected: with nothing ahead of it
+(no such work in the system, an empty queue) a request is admitted even when its own work alone
+misses its SLO or exceeds the bound, since refusing it would help no other request and no retry
+could ever succeed. Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer
+turns them into a 429 with Retry-After: the time for enough of the work ahead to drain (at most
+all of it), between 1 s and an hour. The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a
 sliding window: arrivals per second times mean prompt plus predicted output tokens, against the
 step token budget B divided by the mean step time. Above 1 the queue cannot drain; it is logged
 when it crosses 1.
@@ -29,6 +33,7 @@ when it crosses 1.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Iterable
 
@@ -38,6 +43,7 @@ from scheduler.request import Request, Tier
 logger = logging.getLogger(__name__)
 
 MIN_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a day's wait
 
 
 class AdmissionRejected(Exception):
@@ -143,13 +149,14 @@ class AdmissionController:
             return  # nothing measured yet: no basis for a delay estimate
         if request.tier == Tier.INTERACTIVE:
             ahead = sum(prompt_tokens_left(r) for r in waiting if r.tier == Tier.INTERACTIVE)
-            estimate = (ahead + request.num_prompt_tokens) / throughput
-            self._check_slo(estimate, self.config.slo_ttft_interactive_s, "TTFT", request)
+            own_s = request.num_prompt_tokens / throughput
+            self._check_slo(ahead / throughput, own_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
             ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
             own_decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)
-            estimate = (ahead + request.num_prompt_tokens) / throughput + own_decode_s
-            self._check_slo(estimate, self.config.slo_e2e_standard_s, "end-to-end latency", request)
+            own_s = request.num_prompt_tokens / throughput + own_decode_s
+            self._check_slo(ahead / throughput, own_s, self.config.slo_e2e_standard_s, "end-to-end latency",
+                            request)
 
     def _check_queue_bound(self, request: Request, own_work: float, waiting: list[Request],
                            throughput: float | None) -> None:
@@ -158,17 +165,19 @@ class AdmissionController:
             return
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         queued = token_work(waiting)
-        if queued + own_work > bound * share:
+        if queued > 0 and queued + own_work > bound * share:  # an empty queue is never full
             excess = queued + own_work - bound * share
-            retry = excess / throughput if throughput else MIN_RETRY_AFTER_S
+            retry = min(excess, queued) / throughput if throughput else MIN_RETRY_AFTER_S
             self._reject(f"queue full: {queued:.0f} queued tokens + {own_work:.0f} exceed the "
                          f"{request.tier.name.lower()} bound {bound * share:.0f}", retry)
 
-    def _check_slo(self, estimate: float, slo: float, what: str, request: Request) -> None:
-        if estimate > slo:
+    def _check_slo(self, ahead_s: float, own_s: float, slo: float, what: str, request: Request) -> None:
+        estimate = ahead_s + own_s
+        if ahead_s > 0 and estimate > slo:
             self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
-                         f"SLO of {slo:.2f}s", estimate - slo)
+                         f"SLO of {slo:.2f}s", min(estimate - slo, ahead_s))
 
     def _reject(self, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1
-        raise AdmissionRejected(reason, max(MIN_RETRY_AFTER_S, retry_after_s))
+        retry = retry_after_s if math.isfinite(retry_after_s) else MAX_RETRY_AFTER_S
+        raise AdmissionRejected(reason, min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)))

@@ -38,14 +38,35 @@ def test_standard_rejected_when_predicted_e2e_exceeds_slo() -> None:
     with pytest.raises(AdmissionRejected) as info:
         ctl.check(req("late", 100, 20), waiting, [])  # 9.1 s + 2.0 s
     assert "end-to-end" in info.value.reason and "11.10s" in info.value.reason
-    assert info.value.retry_after_s >= 1.0
+    assert info.value.retry_after_s == pytest.approx(1.1)  # when 1.1 s of the work ahead has drained
 
 
 def test_own_decode_takes_a_step_per_token_however_fast_the_server() -> None:
     ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, but one request gains 10 tokens/s
-    ctl.check(req("short", 100, 90), [], [])  # 0.1 s + 9 s
-    with pytest.raises(AdmissionRejected, match="end-to-end latency 20.10s"):
-        ctl.check(req("long", 100, 200), [], [])  # (100 + 200) / 1000 = 0.3 s by tokens alone
+    ahead = [req("w", 50, 50)]  # 0.1 s of work
+    ctl.check(req("short", 100, 90), ahead, [])  # 0.1 s + 0.1 s + 9 s
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 20.20s") as info:
+        ctl.check(req("long", 100, 200), ahead, [])  # (100 + 200) / 1000 = 0.3 s by tokens alone
+    # It misses the SLO on its own, so only an empty system admits it: retry once the 0.1 s drains.
+    assert info.value.retry_after_s == pytest.approx(1.0)  # the floor
+
+
+def test_with_nothing_ahead_a_request_is_admitted_whatever_its_own_size() -> None:
+    # Refusing it would help no other request, and no retry could succeed: an idle server serves it.
+    ctl = controller(slo_e2e_standard_s=10.0, slo_ttft_interactive_s=0.5, max_queued_tokens=1000)
+    ctl.check(req("long", 100, 900), [], [])  # 90 s of its own decode
+    ctl.check(req("big prompt", 4000, 10, Tier.INTERACTIVE), [], [])  # 4 s to its first token
+    ctl.check(req("big batch", 2000, 10, Tier.BATCH), [], [req("r", 100, 100)])  # the queue is empty
+    assert ctl.num_rejected == 0
+
+
+def test_retry_after_is_finite_and_capped_when_throughput_collapses() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)
+    ctl.record_step(now=1e9, num_tokens=1, step_time_s=1e9)  # a stalled step: the rate all but vanishes
+    assert ctl.capacity_tokens_per_s < 1e-3
+    with pytest.raises(AdmissionRejected) as info:
+        ctl.check(req("s", 100, 100), [req("w", 100, 100)], [])
+    assert 1.0 <= info.value.retry_after_s <= 3600.0
 
 
 def test_an_idle_server_is_judged_by_its_best_step_not_its_served_rate() -> None:

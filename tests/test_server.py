@@ -350,21 +350,46 @@ def test_unknown_model_is_404(served):
     assert error_of(post(served[0], "/v1/completions", body), 404)["code"] == "model_not_found"
 
 
+def fill_every_seat_and_queue_one(async_engine, prompt_ids: list[int]) -> list[str]:
+    """Nine long requests, added on the engine thread: eight take the seats, one waits. Each is
+    predicted one token long, so together they pass the queue bound."""
+    from predictor.base import Prediction
+    from scheduler.request import SamplingParams
+
+    ids = [f"filler{i}" for i in range(9)]
+    short = Prediction(point=1.0, p50=1.0, p90=1.0, score=0.0, rank_len=1.0)
+    params = SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompt_ids), temperature=0.0, ignore_eos=True)
+
+    def add(engine):
+        for request_id in ids:
+            engine.add_request(request_id, prompt_ids, params, prediction=short)
+
+    async_engine.call_in_engine(add).result(timeout=60)
+    return ids
+
+
 def test_admission_rejection_is_429_with_retry_after(served, client, tokenizer):
-    # Prompt tokens alone exceed the queue bound, whatever the predicted output length.
+    # With work queued, a request whose prompt alone exceeds the bound is refused; on an empty
+    # queue it would be admitted (no retry could ever succeed otherwise).
     prompt = " ".join(["word"] * (MAX_QUEUED_TOKENS + 20))
     assert MAX_QUEUED_TOKENS < len(tokenizer.encode(prompt, add_special_tokens=False)) < MAX_MODEL_LEN - 10
     before = metric(scrape(served[0]), "lengthwise:admission_rejections_total")
-    response = post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
-                                                   "service_tier": "flex"})
-    error = error_of(response, 429)
-    assert error["code"] == "rate_limit_exceeded" and "queue full" in error["message"]
-    assert int(response.headers["Retry-After"]) >= 1
-    with pytest.raises(openai.RateLimitError):
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    fillers = fill_every_seat_and_queue_one(served[1], tokenizer.encode("Hello there", add_special_tokens=False))
+    try:
+        response = post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                       "service_tier": "flex"})
+        error = error_of(response, 429)
+        assert error["code"] == "rate_limit_exceeded" and "queue full" in error["message"]
+        assert 1 <= int(response.headers["Retry-After"]) <= 3600
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    finally:
+        served[1].call_in_engine(lambda engine: [engine.abort_request(i) for i in fillers]).result(timeout=60)
     after = scrape(served[0])
     assert metric(after, "lengthwise:admission_rejections_total") - before == 2
     assert metric(after, "lengthwise:admission_rejections_total", tier="batch") >= 1
+    # The queue empty again, the same request is admitted and served.
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=4).choices[0].finish_reason
 
 
 def test_server_keeps_serving_after_bad_requests(served, client):

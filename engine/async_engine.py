@@ -250,11 +250,11 @@ class AsyncLLMEngine:
         started = time.perf_counter()
         try:
             predictions = self.predictor.predict([s.prompt_text for s in batch])
+            self.listener.on_prediction(time.perf_counter() - started, len(batch))
         except Exception:
             # Serving goes on without a prediction; the policy treats the length as unknown.
             logger.exception("predictor failed on a batch of %d prompts", len(batch))
             return
-        self.listener.on_prediction(time.perf_counter() - started, len(batch))
         for submission, prediction in zip(batch, predictions):
             submission.prediction = prediction
 
@@ -285,20 +285,30 @@ class AsyncLLMEngine:
         commands = [self._commands.get()] if block else []
         while not self._commands.empty():
             commands.append(self._commands.get_nowait())
-        if self.predictor is not None and not self.overlap_prediction:
-            arrivals = [c for c in commands if isinstance(c, _Submission) and not c.admitted.cancelled()]
-            if arrivals:
-                self._predict_batch(arrivals)
-        for index, command in enumerate(commands):
-            if isinstance(command, _Stop):
-                for later in commands[index + 1:]:
-                    self._commands.put(later)  # refused once the loop ends, so no caller waits forever
-                for request_id in list(self._live):
-                    self.engine.abort_request(request_id)
-                self._live.clear()
-                self.stats = self.engine.stats()
-                return False
-            self._apply(command)
+        applied, stopped = 0, False
+        try:
+            if self.predictor is not None and not self.overlap_prediction:
+                arrivals = [c for c in commands if isinstance(c, _Submission) and not c.admitted.cancelled()]
+                if arrivals:
+                    self._predict_batch(arrivals)
+            for command in commands:
+                if isinstance(command, _Stop):
+                    stopped = True
+                    break
+                applied += 1  # counted first: a command that raised is not tried again
+                self._apply(command)
+        finally:
+            # What was not applied goes back on the queue, to be refused once the loop ends (after a
+            # _Stop, or when applying a command raised and the loop fails), so no caller waits
+            # forever. A _Stop that was obeyed is not put back; one not reached is.
+            for later in commands[applied + 1:] if stopped else commands[applied:]:
+                self._commands.put(later)
+        if stopped:
+            for request_id in list(self._live):
+                self.engine.abort_request(request_id)
+            self._live.clear()
+            self.stats = self.engine.stats()
+            return False
         if commands:
             self.stats = self.engine.stats()
         return True

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncLLMEngine, EngineShuttingDown, StreamEnd
+from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, StreamEnd
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
@@ -201,6 +201,33 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
     assert "device lost" in lines[-2] and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
     assert health.status_code == 500
+
+
+def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(tiny_model_dir, monkeypatch):
+    engine = tiny_engine(tiny_model_dir)
+
+    def broken_abort(request_id):
+        raise RuntimeError("abort bookkeeping broke")
+
+    monkeypatch.setattr(engine, "abort_request", broken_abort)
+    async_engine = AsyncLLMEngine(engine)
+    ids = prompt_ids(engine, "Hello there")
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await async_engine.start()
+        await async_engine.submit("a", ids, "Hello there", params)
+        gate = threading.Event()
+        async_engine.call_in_engine(lambda _: gate.wait(30))  # holds the engine thread between steps
+        async_engine.abort("a")  # the abort that raises, and after it in the same batch ...
+        waiting = asyncio.ensure_future(async_engine.submit("b", ids, "Hello there", params))
+        await asyncio.sleep(0.1)  # ... the submission of b, queued behind it
+        gate.set()
+        with pytest.raises(EngineDead, match="abort bookkeeping broke"):
+            await asyncio.wait_for(waiting, 60)  # refused, not left waiting forever
+        await async_engine.shutdown(grace_s=0)
+
+    asyncio.run(scenario())
 
 
 def test_predictor_resolution(tmp_path, monkeypatch):

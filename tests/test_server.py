@@ -304,12 +304,30 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 2), ("stop", [""]),
     ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
     ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
+    # Fields that would change the output in ways this server does not implement: refused, not ignored.
+    ("presence_penalty", 1.0), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("logprobs", True), ("top_logprobs", 2),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
     error = error_of(post(served[0], "/v1/chat/completions", body), 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == field
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, presence_penalty=0,
+                                           frequency_penalty=0.0, logit_bias={}, logprobs=False,
+                                           response_format={"type": "text"}, tool_choice="none")
+    assert reply.usage.completion_tokens >= 1
+    one = client.completions.create(model=MODEL, prompt=["Hello"], max_tokens=2, temperature=0, suffix="")
+    assert one.choices[0].text == client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                            temperature=0).choices[0].text
+    for field, value in (("prompt", ["Hello", "there"]), ("logprobs", 0), ("suffix", " end")):
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: value}
+        assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 
 
 def test_missing_field_and_bad_json_are_400(served):
@@ -417,6 +435,11 @@ def test_chat_content_parts_are_joined_and_bad_parts_are_400(served, client):
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     bad = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
     assert error_of(post(served[0], "/v1/chat/completions", bad), 400)["param"].startswith("messages")
+    # An image the text-only model would never see is refused, not dropped.
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": image}]}
+    error = error_of(post(served[0], "/v1/chat/completions", body), 400)
+    assert error["param"] == "messages.0.content" and "image_url" in error["message"]
 
 
 # ---- disconnects and metrics -----------------------------------------------------------------

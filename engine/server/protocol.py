@@ -1,22 +1,32 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
-(see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Fields the
-server cannot honour (n > 1, logprobs) are rejected rather than silently dropped.
+(see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
+fields the server cannot honour (n > 1, logprobs, penalties, logit_bias, tools, JSON mode,
+non-text content) are refused with a 400 unless they carry their neutral value, rather than
+silently dropped: a client would otherwise get other output than it asked for, and no signal.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
+# Output-changing fields this server does not implement -> the values that change nothing.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -35,7 +45,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    logprobs: Literal[False, None] = None
+    logprobs: bool | int | None = None
     service_tier: ServiceTier | None = None
     user: str | None = None
     # vLLM extras.
@@ -43,6 +53,34 @@ class _Request(BaseModel):
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     stop_token_ids: list[int] | None = None
+    # Accepted only with their neutral values (NEUTRAL_VALUES), which clients often send explicitly.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator(*NEUTRAL_VALUES)
+    @classmethod
+    def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value not in NEUTRAL_VALUES[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server (send it unset or "
+                             f"{NEUTRAL_VALUES[info.field_name][-1]!r})")
+        return value
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        # `is`, not ==: a completions logprobs of 0 still asks for the sampled token's logprob.
+        if value is not None and value is not False:
+            raise ValueError("logprobs are not supported by this server")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -61,16 +99,28 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    # A text, or token ids; batches of prompts are not supported (one request, one sequence).
+    # A text, or token ids; batches of prompts are not supported (one request, one sequence), but
+    # a one-text list, as some clients always send, is that text.
     prompt: str | list[int] = Field(min_length=1)
     echo: Literal[False] = False
+    suffix: Literal[""] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and all(isinstance(item, str) for item in prompt):
+            if len(prompt) > 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            return prompt[0]
+        return prompt
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str
-    text: str | None = None
+    # Images, audio and files would be dropped by a text-only model: refused instead.
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
@@ -79,11 +129,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Checked before the union is tried, so the 400 says what is wrong with the part.
+        for index, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part {index} is of type {kind!r}; only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {index} has no text string")
+        return content
+
     def text(self) -> str:
-        """The message's text; content parts other than text are not supported."""
+        """The message's text (content parts are all text, joined as they come)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content if part.type == "text")
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Request):

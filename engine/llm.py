@@ -25,7 +25,10 @@ def _as_params(params: ParamsLike | None) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, Mapping):
-        return SamplingParams(**params)  # SamplingParams validates (ValueError)
+        try:
+            return SamplingParams(**params)  # SamplingParams validates values (ValueError)
+        except TypeError as error:  # an unknown key
+            raise ValueError(f"bad sampling params: {error}") from None
     raise ValueError(f"sampling params must be SamplingParams or a mapping, got {type(params).__name__}")
 
 
@@ -46,8 +49,10 @@ class LLM:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str):
             prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+            prompts = [list(prompts)]  # one prompt of token ids
         prompts = list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):

@@ -51,6 +51,14 @@ PRIORITY_LIMIT = 2**63
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -63,23 +71,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        # Types are checked too: a float seed or a string temperature would otherwise pass here
+        # and fail with a TypeError inside an engine step, part-way through a generate call.
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed must lie in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if any(not stop for stop in self.stop):
-            raise ValueError("stop strings must not be empty")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        stop_token_ids = tuple(self.stop_token_ids or ())
+        if any(not _is_int(i) or i < 0 for i in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {stop_token_ids!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
     (PROMPT, {"max_tokens": -3}, "max_tokens"),
     (PROMPT, {"top_p": 0.0}, "top_p"),
     (PROMPT, {"top_p": 1.5}, "top_p"),
+    # Wrong types fail here, before anything runs, not as a TypeError inside an engine step.
+    (PROMPT, {"seed": 1.5}, "seed"),
+    (PROMPT, {"temperature": "1"}, "temperature"),
+    (PROMPT, {"top_p": "0.5"}, "top_p"),
+    (PROMPT, {"max_tokens": True}, "max_tokens"),
+    (PROMPT, {"top_k": 2.5}, "top_k"),
+    (PROMPT, {"stop": [3]}, "stop"),
+    (PROMPT, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (PROMPT, {"temprature": 0.5}, "temprature"),
 ])
 def test_bad_input_raises_a_clear_value_error(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
@@ -40,6 +49,14 @@ def test_sampling_params_reject_bad_values_directly():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.01)
+    # None means none, as in a JSON body.
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+
+
+def test_a_tuple_of_token_ids_is_one_prompt(llm):
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    as_tuple, as_list = llm.generate(tuple(ids), greedy(4)), llm.generate(ids, greedy(4))
+    assert len(as_tuple) == 1 and as_tuple[0].token_ids == as_list[0].token_ids
 
 
 def greedy(max_tokens: int = 24, **fields) -> SamplingParams:

@@ -349,6 +349,10 @@ def test_prompt_beyond_the_context_is_400_context_length_exceeded(served, tokeni
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN}
     error = error_of(post(served[0], "/v1/completions", body), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    # The field the client used is the one named.
+    body = {"model": MODEL, "messages": CHAT, "max_completion_tokens": MAX_MODEL_LEN}
+    error = error_of(post(served[0], "/v1/chat/completions", body), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_completion_tokens")
 
 
 def test_wrong_or_missing_api_key_is_401(served):

@@ -92,6 +92,10 @@ class _Request(BaseModel):
             raise ValueError("at most 4 stop strings")
         return stop
 
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """(the field the client set the output limit with, its value)."""
+        return "max_tokens", self.max_tokens
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -152,8 +156,10 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class UsageInfo(BaseModel):

@@ -82,7 +82,7 @@ class OpenAIServing:
             prompt_ids = list(body.prompt)
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
         request_id = new_id("cmpl")
-        stream = await self._submit(request_id, body, prompt_ids, prompt_text, body.max_tokens, "prompt")
+        stream = await self._submit(request_id, body, prompt_ids, prompt_text, "prompt")
 
         def chunk(text: str, finish: str | None) -> CompletionResponse:
             return CompletionResponse(id=request_id, model=self.model_name,
@@ -103,8 +103,7 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
         request_id = new_id("chatcmpl")
-        stream = await self._submit(request_id, body, prompt_ids, prompt_text,
-                                    body.requested_max_tokens(), "messages")
+        stream = await self._submit(request_id, body, prompt_ids, prompt_text, "messages")
 
         def chunk(text: str, finish: str | None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
@@ -147,7 +146,8 @@ class OpenAIServing:
         if any(not 0 <= i < vocab for i in ids):
             raise errors.invalid_field("prompt", f"prompt: token ids must lie in [0, {vocab})")
 
-    def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
+    def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
+                       max_tokens_param: str) -> int:
         """The max_tokens to use; raises context_length_exceeded when prompt + output cannot fit."""
         limit = self.max_model_len
         if num_prompt >= limit:
@@ -156,17 +156,17 @@ class OpenAIServing:
         if max_tokens is None:
             return limit - num_prompt
         if num_prompt + max_tokens > limit:
-            raise errors.context_exceeded("max_tokens", f"This model's maximum context length is {limit} "
+            raise errors.context_exceeded(max_tokens_param, f"This model's maximum context length is {limit} "
                                           f"tokens; you requested {num_prompt + max_tokens} ({num_prompt} "
                                           f"in the {prompt_param}, {max_tokens} for the completion).")
         return max_tokens
 
     async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                      prompt_ids: list[int], prompt_text: str, max_tokens: int | None,
-                      prompt_param: str) -> RequestStream:
+                      prompt_ids: list[int], prompt_text: str, prompt_param: str) -> RequestStream:
         if not prompt_ids:
             raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
-        max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param)
+        max_tokens_param, max_tokens = body.requested_max_tokens()
+        max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param, max_tokens_param)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_strings(),

@@ -117,6 +117,8 @@ class AsyncLLMEngine:
         its stream ends with finish_reason "abort", while the client's connection is still open:
         the HTTP server drains through this before it closes connections."""
         self.begin_drain()
+        if self._no_streams.is_set():  # wait_for with a zero grace would time out even so
+            return
         try:
             await asyncio.wait_for(self._no_streams.wait(), timeout=grace_s)
             return

@@ -325,7 +325,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
     one = client.completions.create(model=MODEL, prompt=["Hello"], max_tokens=2, temperature=0, suffix="")
     assert one.choices[0].text == client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
                                                             temperature=0).choices[0].text
-    for field, value in (("prompt", ["Hello", "there"]), ("logprobs", 0), ("suffix", " end")):
+    for field, value in (("prompt", ["Hello", "there"]), ("logprobs", 0), ("suffix", " end"),
+                         ("stream_options", {"include_usage": True})):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: value}
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 

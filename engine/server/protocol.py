@@ -74,6 +74,13 @@ class _Request(BaseModel):
                              f"{NEUTRAL_VALUES[info.field_name][-1]!r})")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM answer
+        return options
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _no_logprobs(cls, value: Any) -> Any:

@@ -22,50 +22,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 # Re-exported: callers import the stream types from here.
 from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
                                  NullListener, RequestStream, StreamEnd)
-from predictor.base import Prediction, Predictor
+from engine.engine_commands import Abort, Call, Stop, Submission
+from predictor.base import Predictor
 from scheduler.request import SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Submission:
-    """One request on its way from the loop, through the predictor, to the engine thread."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt_text: str  # the templated text the predictor scores
-    params: SamplingParams
-    tier: Tier
-    priority: int
-    arrival_time: float
-    admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    prediction: Prediction | None = None
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[Any], Any]
-    result: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
 
 
 class AsyncLLMEngine:
@@ -126,16 +95,16 @@ class AsyncLLMEngine:
             logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
         for request_id, stream in list(self._streams.items()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
-            self._commands.put(_Abort(request_id))
+            self._commands.put(Abort(request_id))
             self._drop_aborted(request_id)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Drain (finish or abort in-flight requests within `grace_s`), then stop the threads."""
         await self.drain(grace_s)
-        # The predictor goes first: it flushes what it holds into the command queue before _Stop.
+        # The predictor goes first: it flushes what it holds into the command queue before Stop.
         self._to_predict.put(None)
         await asyncio.to_thread(self._join_threads, self._threads[1:])
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         await asyncio.to_thread(self._join_threads, self._threads[:1])
         for stream in list(self._streams.values()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
@@ -172,7 +141,7 @@ class AsyncLLMEngine:
             # Checked here, not only by the engine: registering a second stream under a live id
             # would take over the first request's outputs, and its rejection would drop them.
             raise ValueError(f"request id {request_id!r} is already in use")
-        submission = _Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
+        submission = Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
                                  self.engine.now() if arrival_time is None else arrival_time)
         stream = RequestStream(request_id, tier)
         self._streams[request_id] = stream
@@ -185,7 +154,7 @@ class AsyncLLMEngine:
             # a cancelled submission, and the abort covers one it had already added.
             self._forget(request_id)
             if isinstance(exc, asyncio.CancelledError):
-                self._commands.put(_Abort(request_id))
+                self._commands.put(Abort(request_id))
             else:
                 self.listener.on_rejected(tier, exc)
             raise
@@ -195,14 +164,14 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next step boundary. Safe from any thread."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(Abort(request_id))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._drop_aborted, request_id)
 
     def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
         result: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(fn, result))
+        self._commands.put(Call(fn, result))
         return result
 
     def _drop_aborted(self, request_id: str) -> None:
@@ -248,7 +217,7 @@ class AsyncLLMEngine:
             if stopping:
                 return
 
-    def _predict_batch(self, batch: list[_Submission]) -> None:
+    def _predict_batch(self, batch: list[Submission]) -> None:
         started = time.perf_counter()
         try:
             predictions = self.predictor.predict([s.prompt_text for s in batch])
@@ -290,19 +259,19 @@ class AsyncLLMEngine:
         applied, stopped = 0, False
         try:
             if self.predictor is not None and not self.overlap_prediction:
-                arrivals = [c for c in commands if isinstance(c, _Submission) and not c.admitted.cancelled()]
+                arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
                 if arrivals:
                     self._predict_batch(arrivals)
             for command in commands:
-                if isinstance(command, _Stop):
+                if isinstance(command, Stop):
                     stopped = True
                     break
                 applied += 1  # counted first: a command that raised is not tried again
                 self._apply(command)
         finally:
             # What was not applied goes back on the queue, to be refused once the loop ends (after a
-            # _Stop, or when applying a command raised and the loop fails), so no caller waits
-            # forever. A _Stop that was obeyed is not put back; one not reached is.
+            # Stop, or when applying a command raised and the loop fails), so no caller waits
+            # forever. A Stop that was obeyed is not put back; one not reached is.
             for later in commands[applied + 1:] if stopped else commands[applied:]:
                 self._commands.put(later)
         if stopped:
@@ -315,10 +284,10 @@ class AsyncLLMEngine:
             self.stats = self.engine.stats()
         return True
 
-    def _apply(self, command: _Submission | _Abort | _Call) -> None:
-        if isinstance(command, _Submission):
+    def _apply(self, command: Submission | Abort | Call) -> None:
+        if isinstance(command, Submission):
             self._add(command)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, Abort):
             if command.request_id in self._live:
                 self._live.discard(command.request_id)
                 self.engine.abort_request(command.request_id)
@@ -332,13 +301,13 @@ class AsyncLLMEngine:
         """Answer every later command with `error`, so no caller waits forever."""
         while block or not self._commands.empty():
             command = self._commands.get()
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return
-            future = command.admitted if isinstance(command, _Submission) else getattr(command, "result", None)
+            future = command.admitted if isinstance(command, Submission) else getattr(command, "result", None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(error)
 
-    def _add(self, submission: _Submission) -> None:
+    def _add(self, submission: Submission) -> None:
         if not submission.admitted.set_running_or_notify_cancel():
             return  # the client left before the engine got to it
         try:

@@ -300,10 +300,10 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
 
 
 def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):
-    from engine.async_engine import _Stop
+    from engine.engine_commands import Stop
 
     async_engine = AsyncLLMEngine(engine)
-    async_engine._commands.put(_Stop())
+    async_engine._commands.put(Stop())
     late = async_engine.call_in_engine(lambda e: "ran")  # in the same batch as the stop
     assert async_engine._run_commands(block=False) is False
     async_engine._refuse_until_stopped(EngineShuttingDown(), block=False)

@@ -1,0 +1,42 @@
+"""The commands the event loop (and the predictor thread) send the engine thread of
+`AsyncLLMEngine`, applied in queue order between engine steps."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from predictor.base import Prediction
+from scheduler.request import SamplingParams, Tier
+
+
+@dataclass
+class Submission:
+    """One request on its way from the loop, through the predictor, to the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str  # the templated text the predictor scores
+    params: SamplingParams
+    tier: Tier
+    priority: int
+    arrival_time: float
+    admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass

@@ -3,7 +3,11 @@
 - `real_model_dir`: the converted SmolLM2-135M-Instruct (`make model`); tests skip without it.
 - `tiny_model_dir`: a tiny random Llama (2 layers, hidden 64, 4 heads over 2 KV heads, tied
   embeddings, SmolLM2's vocabulary) saved with `save_pretrained` next to SmolLM2's tokenizer
-  files, so engine, kernel and server tests run a real checkpoint in milliseconds per step.
+  files, so engine, kernel and server tests run a real checkpoint in milliseconds per step. Its
+  weights are drawn ten times wider than HF's default (std 0.2, not 0.02): at the default, the
+  attention is nearly uniform and greedy decoding repeats the prompt's last token whatever the
+  context, so a test comparing tokens with HF could not see an attention or KV-cache bug
+  (`test_model.py` checks that the outputs depend on the context).
 
 Engine tests pass `num_threads=1`: on a shared two-core machine two torch threads per process
 make small ops wait on each other, and tests measure tokens, not speed.
@@ -39,7 +43,7 @@ def tiny_llama_config():
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2,
     )
 
 

@@ -1,4 +1,5 @@
-"""Reference tokens from HF transformers for the engine tests (not a test module)."""
+"""Reference tokens from HF transformers for the engine tests, and shared helpers (not a test
+module)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[list
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
+
+
+def stop_string_past_the_middle(text: str, length: int) -> str:
+    """A visible substring of `text` whose first occurrence starts in its second half, so cutting
+    at it keeps a real prefix (a stop found at the start would leave an empty text to compare)."""
+    for start in range(len(text) // 2, len(text) - length + 1):
+        candidate = text[start:start + length]
+        if candidate.strip() and text.find(candidate) == start:
+            return candidate
+    raise AssertionError(f"no stop string of {length} characters first occurs past the middle of {text!r}")

@@ -42,3 +42,31 @@ def test_random_token_streams_decode_to_the_full_text(tokenizer):
         expected = tokenizer.decode(prompt[-5:] + ids, skip_special_tokens=True)
         expected = expected[len(tokenizer.decode(prompt[-5:], skip_special_tokens=True)):]
         assert incremental_text(tokenizer, prompt, ids) == expected, ids
+
+
+def test_a_stop_string_across_tokens_cuts_the_text_and_is_never_shown(tokenizer):
+    from engine.detokenizer import release
+
+    rng = random.Random(1)
+    prompt = tokenizer.encode("Hello", add_special_tokens=False)
+    checked = 0
+    for _ in range(200):
+        text = "".join(rng.choice(["ok ", "é", " naïve", "数据", " a", "\n", " the", "end."]) for _ in range(10))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        length = rng.randint(2, 6)
+        start = rng.randint(0, max(0, len(full) - length))
+        stop = full[start:start + length]
+        if len(stop) < length or full.count(stop) != 1:
+            continue  # only stops found once: the cut is then unambiguous
+        expected = full[:start]
+        state, shown, matched = DetokenizerState.for_prompt(prompt), "", False
+        for index, token in enumerate(ids):
+            matched = advance(tokenizer, state, [token], (stop,), final=index == len(ids) - 1)
+            shown += release(state, (stop,), finished=matched or index == len(ids) - 1)
+            assert expected.startswith(shown), (text, stop, shown)  # no piece of the stop ever shown
+            if matched:
+                break
+        assert matched and shown == expected, (text, stop)
+        checked += 1
+    assert checked > 50

@@ -18,6 +18,15 @@ NUM_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 
+def test_the_tiny_models_greedy_tokens_depend_on_the_whole_context(tiny_model_dir):
+    # Otherwise every token comparison below would pass with attention or the KV cache broken.
+    prompts = random_prompts([17, 40])
+    reference = hf_greedy(tiny_model_dir, prompts, NUM_TOKENS)
+    assert all(len(set(tokens)) > 4 for tokens in reference)
+    first_changed = [[(prompt[0] + 1000) % 49152] + prompt[1:] for prompt in prompts]
+    assert hf_greedy(tiny_model_dir, first_changed, NUM_TOKENS) != reference
+
+
 def test_tiny_model_greedy_matches_hf_in_one_batch(tiny_model_dir):
     prompts = random_prompts([1, 5, 17, 40, 90])
     expected = hf_greedy(tiny_model_dir, prompts, NUM_TOKENS)
@@ -42,3 +51,5 @@ def test_smollm2_greedy_matches_hf_in_one_batch(real_model_dir):
     expected = hf_greedy(real_model_dir, prompts, NUM_TOKENS)
     outputs = llm.generate(prompts, GREEDY)
     assert [list(o.token_ids) for o in outputs] == expected
+    # Both sides read the same converted weights, so a bad conversion would cancel out above.
+    assert "Paris" in outputs[0].text

@@ -118,7 +118,7 @@ class SimulationResult:
     num_preemptions: int
     peak_kv_usage: float
     max_stability_margin: float | None
-    leaked_blocks: int  # device blocks still held when everything finished; must be 0
+    leaked_blocks: int  # device and host blocks still held when everything finished; must be 0
 
 
 def _record(request: Request, rejected: bool = False) -> RequestRecord:
@@ -171,7 +171,9 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
     start = min((r.arrival_time for r in records), default=0.0)
     end = max((r.finish_time or 0.0 for r in served), default=start)
     stats = scheduler.stats()
+    host = scheduler.block_manager.host
     return SimulationResult(
         records=tuple(sorted(records, key=lambda r: r.arrival_time)), makespan_s=end - start,
         num_steps=steps, num_preemptions=stats.num_preemptions, peak_kv_usage=peak_usage,
-        max_stability_margin=margin, leaked_blocks=stats.num_total_blocks - stats.num_free_blocks)
+        max_stability_margin=margin,
+        leaked_blocks=stats.num_total_blocks - stats.num_free_blocks + host.num_blocks - host.num_free)

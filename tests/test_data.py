@@ -35,7 +35,9 @@ def test_conversation_id_drops_only_the_chunk_suffix():
 def test_split_is_deterministic_and_roughly_80_10_10():
     ids = [f"conv{i}" for i in range(5000)]
     splits = [dataset.split_of(i) for i in ids]
-    assert splits == [dataset.split_of(i) for i in ids]
+    # Pinned, not compared with itself: a per-process hash (Python's hash()) would pass that and
+    # reshuffle the splits between runs and machines.
+    assert splits[:6] == ["test", "train", "train", "train", "train", "validation"]
     share = {name: splits.count(name) / len(ids) for name in dataset.SPLITS}
     assert 0.77 < share["train"] < 0.83
     assert 0.08 < share["validation"] < 0.12

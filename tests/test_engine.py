@@ -30,6 +30,21 @@ def run(model_dir, prompts, **config) -> tuple[list[list[int]], LLM]:
     return [list(o.token_ids) for o in outputs], llm
 
 
+def count_swapped_blocks(llm: LLM) -> dict[str, int]:
+    """Wraps the KV cache's real copies to count the blocks moved out to the host and back in."""
+    counts = {"out": 0, "in": 0}
+    cache = llm.engine.kv_cache
+    for direction in ("out", "in"):
+        copy = getattr(cache, f"swap_{direction}")
+
+        def counting(pairs, copy=copy, direction=direction):
+            counts[direction] += len(pairs)
+            return copy(pairs)
+
+        setattr(cache, f"swap_{direction}", counting)
+    return counts
+
+
 @pytest.mark.parametrize("chunked, budget", [(True, 32), (False, 256)])
 def test_chunked_prefill_on_and_off_give_hf_tokens(tiny_model_dir, prompts, expected, chunked, budget):
     tokens, _ = run(tiny_model_dir, prompts, enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
@@ -45,11 +60,16 @@ def test_block_sizes_give_hf_tokens(tiny_model_dir, prompts, expected, block_siz
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_hf_tokens(tiny_model_dir, prompts, expected, mode):
     # 10 blocks of 16 tokens hold the longest request (102 tokens) but not all six at once.
-    tokens, llm = run(tiny_model_dir, prompts, num_gpu_blocks=10, preemption_mode=mode, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, preemption_mode=mode,
+              max_num_batched_tokens=64)
+    swapped = count_swapped_blocks(llm)
+    tokens = [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
     stats = llm.engine.stats().scheduler
     assert stats.num_preemptions > 0
     assert tokens == expected
     assert stats.num_free_blocks == stats.num_total_blocks
+    # The KV tensors really went to host memory and back in swap mode (never in recompute mode).
+    assert (swapped["out"] > 0 and swapped["in"] > 0) == (mode == "swap")
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -60,8 +80,10 @@ def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tin
     reference = [o.token_ids for o in ample.generate(prompts, params)]
     tight = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, preemption_mode=mode,
                 max_num_batched_tokens=64)
+    swapped = count_swapped_blocks(tight)
     assert [o.token_ids for o in tight.generate(prompts, params)] == reference
     assert tight.engine.stats().scheduler.num_preemptions > 0
+    assert (swapped["out"] > 0) == (mode == "swap")
 
 
 def test_seats_limit_gives_hf_tokens(tiny_model_dir, prompts, expected):

@@ -265,6 +265,13 @@ def assert_every_token(requests: list[Request]) -> None:
         assert request.output_token_ids == reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
 
 
+def assert_within_step_limits(scheduler: Scheduler, output) -> None:
+    """The token budget and the seat limit hold on every path (urgent admission, swap-in included)."""
+    config = scheduler.config
+    assert output.num_batched_tokens == sum(len(c.token_ids) for c in output.chunks) <= config.max_num_batched_tokens
+    assert len(output.chunks) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
+
+
 def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, Request], steps: int = 300) -> None:
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
@@ -272,6 +279,7 @@ def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, Request], steps:
         if step in arrivals:
             scheduler.add_request(arrivals[step])
         output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
         scheduler.update_from_output(output, runner.execute(output), float(step))
         scheduler.block_manager.check_integrity()
         if step > max(arrivals) and not scheduler.has_unfinished_requests():
@@ -335,7 +343,7 @@ def test_a_swapped_batch_request_does_not_come_back_ahead_of_a_waiting_interacti
     assert_every_token([b0, i1, i2])
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt", "goodput"])
 def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_work(policy: str) -> None:
     # Victims are taken lowest tier first, and nothing ranked after a swapped request is admitted
     # (not even as urgent) or swapped in before it, so a swapped request never needs tier
@@ -359,6 +367,7 @@ def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_wor
                 scheduler.add_request(arrivals[step])
             waiting_before, swapped_before = {r.request_id for r in scheduler.waiting}, list(scheduler.swapped)
             output = scheduler.schedule(float(step))
+            assert_within_step_limits(scheduler, output)
             keys_out = [scheduler.policy.sort_key(r, float(step)) for r in swapped_before if r in scheduler.swapped]
             for chunk in output.chunks:  # nobody ranked after a request still swapped out is admitted
                 if chunk.request_id in waiting_before and keys_out:

@@ -22,7 +22,9 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int, arrival: flo
     return Request(request_id, prompt, params, arrival_time=arrival, **kwargs)
 
 
-def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000,
+                      swapped_out: list[int] | None = None) -> dict[str, list[int]]:
+    """Outputs by request id; `swapped_out`, when given, gets each step's number of blocks swapped out."""
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
     outputs: dict[str, list[int]] = {}
@@ -32,6 +34,8 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str
         output = scheduler.schedule(now=float(step))
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(output.chunks) <= config.max_num_seqs
+        if swapped_out is not None:
+            swapped_out.append(len(output.swap_out))
         for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
             if request.is_finished:
                 outputs[request.request_id] = list(request.output_token_ids)
@@ -73,8 +77,12 @@ def test_preemption_keeps_every_token(mode: str, block_size: int) -> None:
                              num_cpu_blocks=256 // block_size if mode == "swap" else 0)
     scheduler = Scheduler(config)
     add_workload(scheduler)
-    assert run_to_completion(scheduler) == expected_outputs()
+    swapped_out: list[int] = []
+    assert run_to_completion(scheduler, swapped_out=swapped_out) == expected_outputs()
     assert scheduler.stats().num_preemptions > 0
+    # Swap mode really swaps (it falls back to recompute when the host pool is short), and
+    # recompute never does.
+    assert (sum(swapped_out) > 0) == (mode == "swap")
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

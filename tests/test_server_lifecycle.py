@@ -257,22 +257,19 @@ def test_serve_arguments_build_the_engine_config():
     assert args.host == "127.0.0.1" and args.port == 8000
 
 
-def test_champion_comes_from_the_mlflow_registry(tmp_path, monkeypatch):
-    import mlflow
+def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path, monkeypatch):
+    # Registered by training's own code, resolved by serve's from the repository root: the two
+    # sides name the store, the model and the alias separately (serve never imports training).
+    from training import tracking
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "mlruns").mkdir()
     folder = save(chars_predictor(), tmp_path / "saved")
-    client = mlflow.MlflowClient(tracking_uri=serve_cli.TRACKING_URI, registry_uri=serve_cli.TRACKING_URI)
-    experiment = client.create_experiment("predictors", artifact_location=(tmp_path / "mlruns" / "a").as_uri())
-    run = client.create_run(experiment)
-    client.log_artifacts(run.info.run_id, str(folder), artifact_path="predictor")
-    client.create_registered_model(serve_cli.REGISTERED_PREDICTOR)
-    version = client.create_model_version(serve_cli.REGISTERED_PREDICTOR, f"{run.info.artifact_uri}/predictor",
-                                          run_id=run.info.run_id)
-    client.set_registered_model_alias(serve_cli.REGISTERED_PREDICTOR, "champion", version.version)
+    with tracking.tracking_session(tmp_path / "mlruns"):
+        run_id = tracking.log_run("chars", {"model": "length"}, {tracking.SELECTION_METRIC: 0.5}, folder, [],
+                                  tracking.comparison_tags("sharegpt", ""))
+        assert tracking.update_champion() == run_id
     resolved = serve_cli.resolve_predictor("champion")
-    assert resolved is not None
+    assert resolved is not None and resolved != serve_cli.DEFAULT_PREDICTOR
     assert load(resolved).predict(["abc"]) == chars_predictor().predict(["abc"])
 
 

@@ -4,8 +4,9 @@ The encoder runs first (torch), then the boosters (single-threaded LightGBM): ne
 
 Optionally stacked on a prior: the heads of another embed_lgbm predictor over the same features
 (in practice one trained on ChatGPT reply lengths without the trace's conversations), whose four
-outputs become extra features. A trace of the served model has a few thousand labels; the prior brings what the large
-table taught about which prompts ask for long answers. The prior's heads live in `prior/`.
+outputs become extra features. A trace of the served model has a few thousand labels; the prior
+brings what the large table taught about which prompts ask for long answers. The prior's heads
+live in `prior/`.
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ Admission sheds load, so only work ahead of a request can get it rejected: with 
 misses its SLO or exceeds the bound, since refusing it would help no other request and no retry
 could ever succeed. Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer
 turns them into a 429 with Retry-After: the time for enough of the work ahead to drain (at most
-all of it), between 1 s and an hour. The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a
-sliding window: arrivals per second times mean prompt plus predicted output tokens, against the
-step token budget B divided by the mean step time. Above 1 the queue cannot drain; it is logged
+all of it), between 1 s and an hour.
+
+The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a sliding window:
+arrivals per second times mean prompt plus predicted output tokens, against the step token
+budget B divided by the mean step time. Above 1 the queue cannot drain; it is logged
 when it crosses 1.
 """
 

@@ -59,6 +59,15 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _as_tuple(values: object, name: str) -> tuple:
+    """A list or tuple as a tuple, None as (); anything else is a ValueError naming the field."""
+    if values is None:
+        return ()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {values!r}")
+    return tuple(values)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -85,10 +94,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-        stop_token_ids = tuple(self.stop_token_ids or ())
+        stop_token_ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
         if any(not _is_int(i) or i < 0 for i in stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {stop_token_ids!r}")
         object.__setattr__(self, "stop", stop)

@@ -35,6 +35,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
     (PROMPT, {"max_tokens": True}, "max_tokens"),
     (PROMPT, {"top_k": 2.5}, "top_k"),
     (PROMPT, {"stop": [3]}, "stop"),
+    (PROMPT, {"stop_token_ids": 3}, "stop_token_ids"),
     (PROMPT, {"stop_token_ids": [-1]}, "stop_token_ids"),
     (PROMPT, {"temprature": 0.5}, "temprature"),
 ])

@@ -68,7 +68,8 @@ def build_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch
                              dtype=torch.int64, device=device)
     return StepBatch(input_ids, positions, metadata,
                      torch.tensor([row for row, _, _ in sampling], dtype=torch.int64, device=device),
-                     tuple(request_id for _, request_id, _ in sampling), tuple(position for _, _, position in sampling))
+                     tuple(request_id for _, request_id, _ in sampling),
+                     tuple(position for _, _, position in sampling))
 
 
 class ModelRunner:

@@ -12,10 +12,11 @@ within a tier.
   request preempts running ones of a worse priority.
 - sjf: the predicted ranking length (output tokens of the predictor's best-ranking head) minus
   the aging rate times the seconds waited. The order this gives equals the order of
-  `arrival_time + length / rate`, which does not change while the rate holds, so a request is never overtaken by one arriving more than `length / rate` seconds
-  after it: the aging bound. The rate is `aging_tokens_per_s`, or by default `aging_tokens_per_step`
-  per measured step (a decoding seat gains one token per step), so the bound is a multiple of the
-  request's own predicted decode time.
+  `arrival_time + length / rate`, which does not change while the rate holds, so a request is
+  never overtaken by one arriving more than `length / rate` seconds after it: the aging bound.
+  The rate is `aging_tokens_per_s`, or by default `aging_tokens_per_step` per measured step (a
+  decoding seat gains one token per step), so the bound is a multiple of the request's own
+  predicted decode time.
 - oracle: exact SJF on the true length (benchmarks only), no aging.
 - srpt: predicted remaining output (refined once the output outgrows the first estimate, see
   `refined_remaining`) minus the same aging; preempts a running request of its tier only when the

@@ -56,6 +56,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._to_predict: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[str, Submission] = {}  # submitted, not yet answered (loop only)
         self._no_streams = asyncio.Event()
         self._live: set[str] = set()  # request ids inside the LLMEngine (engine thread only)
         self._threads: list[threading.Thread] = []
@@ -95,6 +96,8 @@ class AsyncLLMEngine:
             logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
         for request_id, stream in list(self._streams.items()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
+            if request_id in self._pending:
+                self._pending[request_id].abandoned = True  # the abort may reach the engine first
             self._commands.put(Abort(request_id))
             self._drop_aborted(request_id)
 
@@ -146,6 +149,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, tier)
         self._streams[request_id] = stream
         self._no_streams.clear()
+        self._pending[request_id] = submission
         (self._to_predict if self.overlap_prediction else self._commands).put(submission)
         try:
             await asyncio.wrap_future(submission.admitted)
@@ -158,6 +162,8 @@ class AsyncLLMEngine:
             else:
                 self.listener.on_rejected(tier, exc)
             raise
+        finally:
+            self._pending.pop(request_id, None)
         stream.prediction = submission.prediction
         self.listener.on_admitted(tier, len(prompt_token_ids))
         return stream
@@ -310,6 +316,9 @@ class AsyncLLMEngine:
     def _add(self, submission: Submission) -> None:
         if not submission.admitted.set_running_or_notify_cancel():
             return  # the client left before the engine got to it
+        if submission.abandoned:
+            submission.admitted.set_exception(EngineShuttingDown())
+            return
         try:
             self.engine.add_request(
                 submission.request_id, submission.prompt_token_ids, submission.params,

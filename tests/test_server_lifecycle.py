@@ -86,6 +86,32 @@ def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overla
     assert free == total
 
 
+def test_a_request_aborted_by_the_drain_while_the_predictor_holds_it_never_runs(engine):
+    # With overlap the submission waits with the predictor while the drain's abort goes straight to
+    # the engine thread, where it finds nothing; the submission arriving after must be refused.
+    recorder = BatchRecorder(chars_predictor())
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=True)
+        await async_engine.start()
+        text = "Tell a story"
+        waiting = asyncio.ensure_future(async_engine.submit(
+            "held", prompt_ids(engine, text), text, SamplingParams(max_tokens=500, ignore_eos=True)))
+        while not recorder.batches:  # the predictor thread holds it
+            await asyncio.sleep(0.01)
+        await async_engine.drain(grace_s=0)
+        recorder.release.set()
+        with pytest.raises(EngineShuttingDown):
+            await asyncio.wait_for(waiting, 60)
+        running = await asyncio.wrap_future(async_engine.call_in_engine(lambda e: e.has_unfinished_requests()))
+        await async_engine.shutdown(grace_s=0)
+        return running
+
+    assert asyncio.run(scenario()) is False
+    free, total = free_and_total(engine)
+    assert free == total
+
+
 def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):
     async def scenario():
         async_engine = AsyncLLMEngine(engine)

@@ -539,7 +539,7 @@ def test_kendall_tau_of_the_metrics_window():
     assert kendall_tau([(1, 5), (2, 5)]) is None and kendall_tau([(1, 5)]) is None
 
 
-def test_the_served_tau_metric_reads_the_predicted_median():
+def test_the_served_tau_metric_reads_the_ranking_length():
     from engine.outputs import RequestOutput
     from engine.server.metrics import ServerMetrics
     from predictor.base import Prediction

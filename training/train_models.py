@@ -85,12 +85,12 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
 
     limit_torch_threads()
     encoder_config = EncoderConfig()
+    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
+    prior, prior_spec = _load_prior(data.prior, feature_spec, data.labels)  # before any encoding
     encoder = MiniLMEncoder(encoder_config)
     # torch finishes all encoding before LightGBM starts: the two never share the cores.
     embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
                                encoder_config, encoder=encoder)
-    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
-    prior, prior_spec = _load_prior(data.prior, feature_spec, data.labels)
     features = {name: with_prior(_embed_features(getattr(data, name), encoder_config), prior)
                 for name in ("train", "valid", "test")}
     heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],

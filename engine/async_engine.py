@@ -11,7 +11,9 @@
 
 Only the engine thread touches the LLMEngine; only the loop touches the stream table. A request
 cancelled before the engine thread reaches it is skipped there, because its admission future is
-cancelled and `set_running_or_notify_cancel` says so atomically.
+cancelled and `set_running_or_notify_cancel` says so atomically. A request aborted while the
+predictor thread still holds it is marked abandoned before the abort is queued (the abort may
+reach the engine thread first and find nothing), and the engine thread refuses it on arrival.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 # Re-exported: callers import the stream types from here.
 from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
-                                 NullListener, RequestStream, StreamEnd)
+                                 NullListener, RequestAborted, RequestStream, StreamEnd)
 from engine.engine_commands import Abort, Call, Stop, Submission
 from predictor.base import Predictor
 from scheduler.request import SamplingParams, Tier
@@ -56,7 +58,8 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._to_predict: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, Submission] = {}  # submitted, not yet answered (loop only)
+        # Submitted, not yet answered: written by the loop, looked up by `abort` from any thread.
+        self._pending: dict[str, Submission] = {}
         self._no_streams = asyncio.Event()
         self._live: set[str] = set()  # request ids inside the LLMEngine (engine thread only)
         self._threads: list[threading.Thread] = []
@@ -96,9 +99,7 @@ class AsyncLLMEngine:
             logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
         for request_id, stream in list(self._streams.items()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
-            if request_id in self._pending:
-                self._pending[request_id].abandoned = True  # the abort may reach the engine first
-            self._commands.put(Abort(request_id))
+            self._abandon_and_abort(request_id, EngineShuttingDown())
             self._drop_aborted(request_id)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
@@ -163,16 +164,23 @@ class AsyncLLMEngine:
                 self.listener.on_rejected(tier, exc)
             raise
         finally:
-            self._pending.pop(request_id, None)
+            if self._pending.get(request_id) is submission:  # not a later request reusing the id
+                del self._pending[request_id]
         stream.prediction = submission.prediction
         self.listener.on_admitted(tier, len(prompt_token_ids))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next step boundary. Safe from any thread."""
-        self._commands.put(Abort(request_id))
+        self._abandon_and_abort(request_id, RequestAborted(request_id))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._drop_aborted, request_id)
+
+    def _abandon_and_abort(self, request_id: str, error: Exception) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.abandoned = error  # first: the abort may reach the engine thread before it
+        self._commands.put(Abort(request_id))
 
     def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
@@ -316,8 +324,8 @@ class AsyncLLMEngine:
     def _add(self, submission: Submission) -> None:
         if not submission.admitted.set_running_or_notify_cancel():
             return  # the client left before the engine got to it
-        if submission.abandoned:
-            submission.admitted.set_exception(EngineShuttingDown())
+        if submission.abandoned is not None:
+            submission.admitted.set_exception(submission.abandoned)
             return
         try:
             self.engine.add_request(

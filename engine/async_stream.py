@@ -37,6 +37,10 @@ class EngineDead(RuntimeError):
     """The engine thread failed; the message says why."""
 
 
+class RequestAborted(RuntimeError):
+    """`abort` was called for the request before the engine admitted it."""
+
+
 class EngineListener(Protocol):
     """What the async engine reports as requests move; the server's metrics implement it."""
 

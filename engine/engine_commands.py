@@ -24,9 +24,9 @@ class Submission:
     arrival_time: float
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     prediction: Prediction | None = None
-    # Set by the loop when a drain aborts the request before the engine thread has it (it may
-    # still be with the predictor, behind the abort); the engine thread then refuses it.
-    abandoned: bool = False
+    # Set when the request is aborted before the engine thread has it (it may still be with the
+    # predictor, behind the abort): the error the engine thread then answers it with.
+    abandoned: Exception | None = None
 
 
 @dataclass(frozen=True)

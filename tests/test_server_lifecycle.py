@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, StreamEnd
+from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestAborted, StreamEnd
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
@@ -86,9 +86,10 @@ def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overla
     assert free == total
 
 
-def test_a_request_aborted_by_the_drain_while_the_predictor_holds_it_never_runs(engine):
-    # With overlap the submission waits with the predictor while the drain's abort goes straight to
-    # the engine thread, where it finds nothing; the submission arriving after must be refused.
+@pytest.mark.parametrize("how, error", [("drain", EngineShuttingDown), ("abort", RequestAborted)])
+def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, error):
+    # With overlap the submission waits with the predictor while the abort goes straight to the
+    # engine thread, where it finds nothing; the submission arriving after must be refused.
     recorder = BatchRecorder(chars_predictor())
 
     async def scenario():
@@ -97,11 +98,17 @@ def test_a_request_aborted_by_the_drain_while_the_predictor_holds_it_never_runs(
         text = "Tell a story"
         waiting = asyncio.ensure_future(async_engine.submit(
             "held", prompt_ids(engine, text), text, SamplingParams(max_tokens=500, ignore_eos=True)))
-        while not recorder.batches:  # the predictor thread holds it
+        for _ in range(6000):  # until the predictor thread holds it
+            if recorder.batches:
+                break
             await asyncio.sleep(0.01)
-        await async_engine.drain(grace_s=0)
+        assert recorder.batches, "the predictor never received the request"
+        if how == "drain":
+            await async_engine.drain(grace_s=0)
+        else:
+            async_engine.abort("held")
         recorder.release.set()
-        with pytest.raises(EngineShuttingDown):
+        with pytest.raises(error):
             await asyncio.wait_for(waiting, 60)
         running = await asyncio.wrap_future(async_engine.call_in_engine(lambda e: e.has_unfinished_requests()))
         await async_engine.shutdown(grace_s=0)

@@ -64,7 +64,7 @@ def _as_tuple(values: object, name: str) -> tuple:
     if values is None:
         return ()
     if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{name} must be a list, got {values!r}")
+        raise ValueError(f"{name} must be a list or tuple, got {values!r}")
     return tuple(values)
 
 

@@ -83,7 +83,7 @@ def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tin
     swapped = count_swapped_blocks(tight)
     assert [o.token_ids for o in tight.generate(prompts, params)] == reference
     assert tight.engine.stats().scheduler.num_preemptions > 0
-    assert (swapped["out"] > 0) == (mode == "swap")
+    assert (swapped["out"] > 0 and swapped["in"] > 0) == (mode == "swap")
 
 
 def test_seats_limit_gives_hf_tokens(tiny_model_dir, prompts, expected):

@@ -71,7 +71,7 @@ def test_stop_string_cuts_text_and_finishes(llm):
     stop = stop_string_past_the_middle(full.text, 3)
     stopped = llm.generate(PROMPT, greedy(stop=(stop,)))[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.text == full.text[:full.text.index(stop)] and len(stopped.text) >= len(full.text) // 2
+    assert stopped.text == full.text[:full.text.index(stop)]
     assert list(stopped.token_ids) == list(full.token_ids[:len(stopped.token_ids)])
 
 
@@ -202,7 +202,7 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(llm):
             pieces.append(output.new_text)
             assert output.text == "".join(pieces)
     assert "".join(pieces) == full.text[:full.text.index(stop)]
-    assert len(pieces) > 2 and output.finish_reason == "stop"
+    assert sum(1 for piece in pieces if piece) > 2 and output.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("config_file", ["config.json", "generation_config.json"])

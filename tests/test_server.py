@@ -293,7 +293,7 @@ def test_stop_string_cuts_the_text(client):
     cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop"
-    assert cut.text == free[:free.index(stop)] and len(cut.text) >= len(free) // 2
+    assert cut.text == free[:free.index(stop)]
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -247,3 +247,19 @@ def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_pat
     write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=trace_hold_out()))
     heads, spec = _load_prior(tmp_path, feature_spec, "trace")
     assert isinstance(heads, LgbmHeads) and spec.held_out == trace_hold_out()
+
+
+def test_a_bad_prior_is_refused_before_the_encoder_loads(monkeypatch):
+    import predictor.encoder
+    from training.labels import LabelledSplit
+    from training.train_models import TrainingData, train_embed_lgbm
+
+    def no_encoder(*args, **kwargs):
+        raise AssertionError("the encoder was loaded before the prior was checked")
+
+    monkeypatch.setattr(predictor.encoder, "MiniLMEncoder", no_encoder)
+    empty = LabelledSplit([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64))
+    data = TrainingData(empty, empty, empty, labels="trace", data_hash="", prior=tracking.REPO_ROOT / "data" /
+                        "predictors" / "default")  # trained on every trace train prompt
+    with pytest.raises(SystemExit, match="hold-out-trace"):
+        train_embed_lgbm(data, fitters.LgbmConfig())

@@ -342,6 +342,22 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 
 
+def test_null_means_unset_and_developer_is_system(served, client):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
+            "stream": None, "top_k": None, "priority": None, "ignore_eos": True}
+    nulls = post(served[0], "/v1/completions", body)
+    assert nulls.status_code == 200, nulls.text
+    unset = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, seed=1,
+                                      extra_body={"ignore_eos": True})
+    assert post(served[0], "/v1/completions", {**body, "seed": 1}).json()["choices"][0]["text"] == unset.choices[0].text
+    as_developer, as_system = (
+        client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                       messages=[{"role": role, "content": "Be brief."}, *CHAT])
+        for role in ("developer", "system"))
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+
+
 def test_missing_field_and_bad_json_are_400(served):
     assert error_of(post(served[0], "/v1/completions", {"model": MODEL}), 400)["param"] == "prompt"
     assert error_of(post(served[0], "/v1/completions", "{not json"), 400)["param"] is None

@@ -66,6 +66,12 @@ class _Request(BaseModel):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    @field_validator("temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI's API (and its clients) take an explicit null as "not set".
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator(*NEUTRAL_VALUES)
     @classmethod
     def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
@@ -151,6 +157,11 @@ class ChatMessage(BaseModel):
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {index} has no text string")
         return content
+
+    def template_role(self) -> str:
+        """The role the chat template sees: OpenAI treats `developer` as `system` for models that
+        predate it, and chat templates such as SmolLM2's know no `developer` turn."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """The message's text (content parts are all text, joined as they come)."""

@@ -100,7 +100,7 @@ class OpenAIServing:
             choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
         request_id = new_id("chatcmpl")
         stream = await self._submit(request_id, body, prompt_ids, prompt_text, "messages")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from predictor.base import Prediction
@@ -62,6 +62,9 @@ class StreamEnd:
 
     reason: str  # "abort" | "error"
     message: str = ""
+    # The request's text so far when the end replaced an output nobody had read yet, so the
+    # reader can still send what was generated since its last read; "" otherwise.
+    text: str = ""
 
 
 class RequestStream:
@@ -82,6 +85,8 @@ class RequestStream:
     def put(self, item: RequestOutput | StreamEnd) -> None:
         if self._is_last(self._unread):
             return  # the end is already waiting to be read; nothing may replace it
+        if isinstance(item, StreamEnd) and self._unread is not None:
+            item = replace(item, text=self._unread.text)  # keep the unread output's text
         self._unread = item
         self._ready.set()
 

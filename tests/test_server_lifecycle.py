@@ -328,6 +328,17 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
     assert newest.token_ids == (0, 1, 2)
     assert len(rest) == 1 and rest[0].finished and rest[0].text == "xxxx"
 
+    async def aborted_before_the_last_read():
+        stream = RequestStream("r", Tier.STANDARD)
+        stream.put(output(2))
+        await stream.__anext__()
+        stream.put(output(5))
+        stream.put(StreamEnd("abort"))  # replaces the unread output, but keeps its text
+        return [item async for item in stream]
+
+    (end,) = asyncio.run(aborted_before_the_last_read())
+    assert isinstance(end, StreamEnd) and end.reason == "abort" and end.text == "xxxxx"
+
 
 def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):
     from engine.engine_commands import Stop

@@ -215,8 +215,8 @@ class OpenAIServing:
         sent = 0
         async for item in stream:
             if isinstance(item, StreamEnd):
-                if item.reason == "abort":
-                    yield chunk_event(chunk("", "abort"), include_usage)
+                if item.reason == "abort":  # with any text generated since the last read
+                    yield chunk_event(chunk(item.text[sent:], "abort"), include_usage)
                 else:
                     yield sse(errors.engine_failed(item.message).response_body())
                 break

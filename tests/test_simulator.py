@@ -164,7 +164,9 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
     from training.cli import main
 
     for argv, flag in ((["simulate", "--load", "-1"], "--load"), (["simulate", "--sweep-loads", "0.5,0"], "--sweep-loads"),
-                       (["simulate", "--num-requests", "0"], "--num-requests"), (["serve", "--port", "99999"], "--port")):
+                       (["simulate", "--num-requests", "0"], "--num-requests"), (["serve", "--port", "99999"], "--port"),
+                       (["simulate", "--load", "inf"], "--load"), (["simulate", "--aging-tokens-per-s", "nan"],
+                                                                  "--aging-tokens-per-s")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and flag in capsys.readouterr().err

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import DetokenizerState, advance, release
 from engine.host_memory import retain_freed_host_memory
 from engine.kv_cache import CacheGeometry, KVCache
+from engine.model.arch import LlamaArch
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -60,6 +61,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def cache_geometry(config: EngineConfig, arch: LlamaArch, dtype: torch.dtype) -> CacheGeometry:
+    """The KV block geometry of a model of `arch` served with `config`, in `dtype`."""
+    return CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
 
 
 def gpu_block_count(config: EngineConfig, geometry: CacheGeometry) -> int:
@@ -113,8 +119,7 @@ class LLMEngine:
 
     def _make_cache(self, dtype: torch.dtype) -> KVCache:
         config = self.config
-        geometry = CacheGeometry(self.arch.num_layers, config.block_size, self.arch.num_kv_heads,
-                                 self.arch.head_dim, dtype)
+        geometry = cache_geometry(config, self.arch, dtype)
         num_gpu_blocks = gpu_block_count(config, geometry)
         if num_gpu_blocks <= 0:
             raise ValueError(f"kv_cache_memory_gib {config.kv_cache_memory_gib} holds no KV block")

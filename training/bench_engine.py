@@ -159,23 +159,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache_geometry(config: EngineConfig, dtype):
-    """The KV block geometry of the engine `config` describes, in `dtype`."""
-    from engine.kv_cache import CacheGeometry
+def _cache_geometry(config: EngineConfig):
+    """The KV block geometry of the engine `config` describes, in its dtype."""
+    import torch
+
+    from engine.llm_engine import cache_geometry
     from engine.model.arch import LlamaArch
 
-    arch = LlamaArch.from_model_dir(config.model)
-    return CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    return cache_geometry(config, LlamaArch.from_model_dir(config.model), getattr(torch, config.dtype))
 
 
 def _kv_cache_tokens(config: EngineConfig) -> int:
     """The engine's KV capacity in tokens (its dtype, or its fixed block count), so HF's continuous
     batching gets the same memory."""
-    import torch
-
     from engine.llm_engine import gpu_block_count
 
-    return gpu_block_count(config, _cache_geometry(config, getattr(torch, config.dtype))) * config.block_size
+    return gpu_block_count(config, _cache_geometry(config)) * config.block_size
 
 
 def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: int = 5) -> float:
@@ -189,7 +188,7 @@ def swap_seconds_per_block(config: EngineConfig, num_blocks: int = 64, rounds: i
     from engine.llm_engine import resolve_device
 
     device = resolve_device(config.device)
-    cache = KVCache(_cache_geometry(config, getattr(torch, config.dtype)), num_blocks, num_blocks, device)
+    cache = KVCache(_cache_geometry(config), num_blocks, num_blocks, device)
     pairs = tuple((i, num_blocks - 1 - i) for i in range(num_blocks))
     per_block = []
     for _ in range(rounds):

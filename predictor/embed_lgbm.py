@@ -35,13 +35,17 @@ def embed_lgbm_features(embeddings: np.ndarray, prompts: Sequence[str]) -> np.nd
     return np.hstack([embeddings.astype(np.float16).astype(np.float32), lexical_matrix(prompts)])
 
 
+def prior_outputs(features: np.ndarray, prior: LgbmHeads) -> np.ndarray:
+    """The prior's score, log point, log p50 and log p90 per row [N, 4]: the stacked columns."""
+    out = prior.predict(features)
+    return np.column_stack([out.score, out.log_point, out.log_p50, out.log_p90]).astype(np.float32)
+
+
 def with_prior(features: np.ndarray, prior: LgbmHeads | None) -> np.ndarray:
-    """[features | the prior's score, log point, log p50, log p90] (unchanged without a prior)."""
+    """[features | prior_outputs] (unchanged without a prior)."""
     if prior is None:
         return features
-    out = prior.predict(features)
-    stacked = np.column_stack([out.score, out.log_point, out.log_p50, out.log_p90]).astype(np.float32)
-    return np.hstack([features, stacked])
+    return np.hstack([features, prior_outputs(features, prior)])
 
 
 class EmbedLgbmPredictor:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from predictor.embed_lgbm import prior_outputs
+
 DEFAULT_PREDICTOR = Path("data/predictors/default")
 
 
@@ -30,20 +32,12 @@ def fold_of(conversation_id: str, folds: int) -> int:
     return int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % folds
 
 
-def prior_outputs(heads, features: np.ndarray) -> np.ndarray:
-    """The four columns `predictor.embed_lgbm.with_prior` appends, in its order."""
-    out = heads.predict(features)
-    return np.column_stack([out.score, out.log_point, out.log_p50, out.log_p90]).astype(np.float32)
-
-
 def embed_features(prompts: list[str], encoder) -> np.ndarray:
-    from predictor.embed_lgbm import embed_lgbm_features
-    from training import embedding_cache
+    """[embedding | lexical] as training builds them, the cache filled first as training fills it."""
+    from training import embedding_cache, train_models
 
     embedding_cache.fill_cache(prompts, encoder.config, encoder=encoder)
-    embeddings, found = embedding_cache.cached_embeddings(prompts, encoder.config)
-    assert found.all()
-    return embed_lgbm_features(embeddings, prompts)
+    return train_models.embed_features(prompts, encoder.config)
 
 
 def _chosen(tables: list, rows: list[np.ndarray], column: str) -> frozenset[str]:
@@ -72,7 +66,7 @@ def out_of_fold(trace_tables: list, trace_features: list[np.ndarray], folds: int
               flush=True)
         for out, feats, r in zip(outputs, trace_features, rows):
             if r.any():
-                out[r] = prior_outputs(heads, feats[r])
+                out[r] = prior_outputs(feats[r], heads)
     return outputs
 
 
@@ -96,7 +90,7 @@ def main() -> None:
     features = {name: embed_features(list(t["prompt"]), default.encoder) for name, t in tables.items()}
     train_prior, valid_prior = out_of_fold([tables["train"], tables["validation"]],
                                            [features["train"], features["validation"]], args.folds, default.encoder)
-    test_prior = prior_outputs(LgbmHeads.load(DEFAULT_PREDICTOR), features["test"])
+    test_prior = prior_outputs(features["test"], LgbmHeads.load(DEFAULT_PREDICTOR))
     lengths = {name: np.asarray(t["output_tokens"]) for name, t in tables.items()}
     heads = fitters.fit_lgbm_heads(np.hstack([features["train"], train_prior]), lengths["train"],
                                    np.hstack([features["validation"], valid_prior]), lengths["validation"],

@@ -29,11 +29,11 @@ def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[embedding | lexical] as training builds them, the predictor's log outputs, and the log true
     lengths."""
     from training import embedding_cache
-    from training.train_models import _embed_features
+    from training.train_models import embed_features
 
     embedding_cache.fill_cache(split.prompts, model.encoder.config, encoder=model.encoder)
     outputs = np.log1p([[p.p50, p.p90, p.point] for p in model.predict(split.prompts)])
-    return _embed_features(split, model.encoder.config), outputs, np.log1p(split.lengths.astype(float))
+    return embed_features(split.prompts, model.encoder.config), outputs, np.log1p(split.lengths.astype(float))
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -68,14 +69,14 @@ def train_lexical(data: TrainingData, config: fitters.LgbmConfig) -> TrainedMode
                         {"score_head": heads.score_head, "length_head": heads.length_head, **config.__dict__})
 
 
-def _embed_features(split: LabelledSplit, encoder_config) -> np.ndarray:
+def embed_features(prompts: Sequence[str], encoder_config) -> np.ndarray:
     from predictor.embed_lgbm import embed_lgbm_features
     from training import embedding_cache
 
-    embeddings, found = embedding_cache.cached_embeddings(split.prompts, encoder_config)
+    embeddings, found = embedding_cache.cached_embeddings(prompts, encoder_config)
     if not found.all():
         raise RuntimeError("embeddings missing from the cache after filling it")
-    return embed_lgbm_features(embeddings, split.prompts)
+    return embed_lgbm_features(embeddings, prompts)
 
 
 def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
@@ -91,7 +92,7 @@ def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedM
     # torch finishes all encoding before LightGBM starts: the two never share the cores.
     embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
                                encoder_config, encoder=encoder)
-    features = {name: with_prior(_embed_features(getattr(data, name), encoder_config), prior)
+    features = {name: with_prior(embed_features(getattr(data, name).prompts, encoder_config), prior)
                 for name in ("train", "valid", "test")}
     heads = fitters.fit_lgbm_heads(features["train"], data.train.lengths, features["valid"],
                                    data.valid.lengths, config)

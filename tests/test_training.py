@@ -225,13 +225,13 @@ def test_held_out_conversations_and_prompts_leave_train_and_validation():
     from training import train
 
     data = train.load_data("sharegpt", "lexical", None, 100, hold_out_trace=True)
-    assert data.held_out == labels.trace_hold_out() and len(data.test) == 100  # test rows stay
+    assert data.held_out == labels.trace_held_out_tag() and len(data.test) == 100  # test rows stay
 
 
 def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_path):
     from predictor.heads import LgbmHeads
     from predictor.saved import PredictorSpec, write_spec
-    from training.labels import trace_hold_out
+    from training.labels import trace_held_out_tag
     from training.train_models import _load_prior
 
     rng = np.random.default_rng(0)
@@ -240,13 +240,13 @@ def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_pat
     config = fitters.LgbmConfig(num_leaves=4, max_rounds=5, early_stopping_rounds=2, min_data_in_leaf=5, num_threads=1)
     fitters.fit_lgbm_heads(features, lengths, features, lengths, config).save(tmp_path)
     feature_spec = {"names": ["a", "b", "c"]}
-    for held_out, labels in (("", "trace"), ("trace:0123456789abcdef", "trace"), (trace_hold_out(), "sharegpt")):
+    for held_out, labels in (("", "trace"), ("trace:0123456789abcdef", "trace"), (trace_held_out_tag(), "sharegpt")):
         write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=held_out))
         with pytest.raises(SystemExit, match="without the trace's conversations"):
             _load_prior(tmp_path, feature_spec, labels)
-    write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=trace_hold_out()))
+    write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=trace_held_out_tag()))
     heads, spec = _load_prior(tmp_path, feature_spec, "trace")
-    assert isinstance(heads, LgbmHeads) and spec.held_out == trace_hold_out()
+    assert isinstance(heads, LgbmHeads) and spec.held_out == trace_held_out_tag()
 
 
 def test_a_bad_prior_is_refused_before_the_encoder_loads(monkeypatch):

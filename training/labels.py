@@ -85,6 +85,6 @@ def trace_held_out() -> HeldOut:
     return HeldOut(frozenset(table["conversation_id"]), frozenset(table["key"]))
 
 
-def trace_hold_out() -> str:
+def trace_held_out_tag() -> str:
     """What a predictor trained without the trace's conversations records as `held_out`."""
     return f"trace:{trace_hash()}"

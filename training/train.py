@@ -63,7 +63,7 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
         labels=labels,
         data_hash=dataset.table_hash() if labels == "sharegpt" else label_data.trace_hash(),
         prior=prior,
-        held_out=label_data.trace_hold_out() if hold_out_trace else "",
+        held_out=label_data.trace_held_out_tag() if hold_out_trace else "",
     )
 
 

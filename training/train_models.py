@@ -118,7 +118,7 @@ def _load_prior(folder: Path | None, feature_spec: dict, labels: str):
     from predictor.embed_lgbm import PRIOR_FOLDER
     from predictor.heads import LgbmHeads
     from predictor.saved import read_spec
-    from training.labels import trace_hold_out
+    from training.labels import trace_held_out_tag
 
     if folder is None:
         return None, None
@@ -127,7 +127,7 @@ def _load_prior(folder: Path | None, feature_spec: dict, labels: str):
         raise SystemExit(f"--prior {folder}: must be an embed_lgbm predictor without a prior of its own")
     if spec.feature_spec != feature_spec:
         raise SystemExit(f"--prior {folder}: its features differ from this code's")
-    if labels != "trace" or spec.held_out != trace_hold_out():
+    if labels != "trace" or spec.held_out != trace_held_out_tag():
         raise SystemExit(f"--prior {folder}: stack only trace-trained heads, on a prior trained without the "
                          "trace's conversations (lengthwise train --model embed_lgbm --hold-out-trace ...)")
     return LgbmHeads.load(Path(folder)), spec

@@ -5,9 +5,8 @@
 - The engine thread drains a command queue between steps (add, abort, call, stop), runs
   `LLMEngine.step()`, and hands each step's outputs to the loop with one `call_soon_threadsafe`.
 - Length prediction happens once per request, at admission, off the event loop, for every
-  arrival waiting at that moment in one batch: on the engine thread between steps (default, so
-  predictor and model never compete for the CPU cores), or with `overlap_prediction` on a
-  predictor thread that runs while the engine steps (a GPU engine leaves the CPU idle).
+  arrival waiting at that moment in one batch (engine/arrival_predictor.py): on the engine thread
+  between steps (default), or with `overlap_prediction` on a predictor thread.
 
 Only the engine thread touches the LLMEngine; only the loop touches the stream table. A request
 cancelled before the engine thread reaches it is skipped there, because its admission future is
@@ -23,13 +22,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 # Re-exported: callers import the stream types from here.
 from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
                                  NullListener, RequestAborted, RequestStream, StreamEnd)
-from engine.engine_commands import Abort, Call, Stop, Submission
+from engine.arrival_predictor import ArrivalPredictor
+from engine.engine_commands import Abort, Call, Stop, Submission, refuse_until_stopped
 from predictor.base import Predictor
 from scheduler.request import SamplingParams, Tier
 
@@ -44,9 +43,10 @@ class AsyncLLMEngine:
                  listener: EngineListener | None = None, max_predict_batch: int = 64,
                  overlap_prediction: bool = False) -> None:
         self.engine = engine  # touched by the engine thread only, after start()
-        self.predictor = predictor
         self.listener: EngineListener = listener or NullListener()
-        self.max_predict_batch = max_predict_batch
+        # Through the attribute, not the object: the server replaces the listener after this.
+        self.predictor = None if predictor is None else ArrivalPredictor(
+            predictor, lambda *latency: self.listener.on_prediction(*latency), max_predict_batch)
         # Without overlap (the CPU default) the engine thread scores each drained group of arrivals
         # between steps: LightGBM's and torch's thread pools fighting over the same cores would
         # slow both. With overlap (a GPU engine) a predictor thread scores them during steps.
@@ -73,7 +73,8 @@ class AsyncLLMEngine:
         self.state = EngineState.RUNNING
         workers = [("lengthwise-engine", self._engine_loop)]
         if self.overlap_prediction:
-            workers.append(("lengthwise-predictor", self._predict_loop))
+            workers.append(("lengthwise-predictor",
+                            lambda: self.predictor.run(self._to_predict, self._commands)))
         self._threads = [threading.Thread(target=fn, name=name, daemon=True) for name, fn in workers]
         for thread in self._threads:
             thread.start()
@@ -216,33 +217,6 @@ class AsyncLLMEngine:
         self._streams.clear()
         self._no_streams.set()
 
-    # ---- predictor thread ----------------------------------------------------------------------
-    def _predict_loop(self) -> None:
-        while True:
-            batch = [self._to_predict.get()]
-            while len(batch) < self.max_predict_batch and not self._to_predict.empty():
-                batch.append(self._to_predict.get_nowait())
-            stopping = None in batch
-            batch = [s for s in batch if s is not None and not s.admitted.cancelled()]
-            if batch:
-                self._predict_batch(batch)
-            for submission in batch:
-                self._commands.put(submission)
-            if stopping:
-                return
-
-    def _predict_batch(self, batch: list[Submission]) -> None:
-        started = time.perf_counter()
-        try:
-            predictions = self.predictor.predict([s.prompt_text for s in batch])
-            self.listener.on_prediction(time.perf_counter() - started, len(batch))
-        except Exception:
-            # Serving goes on without a prediction; the policy treats the length as unknown.
-            logger.exception("predictor failed on a batch of %d prompts", len(batch))
-            return
-        for submission, prediction in zip(batch, predictions):
-            submission.prediction = prediction
-
     # ---- engine thread -------------------------------------------------------------------------
     def _engine_loop(self) -> None:
         try:
@@ -261,9 +235,9 @@ class AsyncLLMEngine:
             self.failure = f"{type(exc).__name__}: {exc}"
             self.state = EngineState.FAILED
             self._loop.call_soon_threadsafe(self._fail_all, self.failure)
-            self._refuse_until_stopped(EngineDead(self.failure))
+            refuse_until_stopped(self._commands, EngineDead(self.failure))
             return
-        self._refuse_until_stopped(EngineShuttingDown(), block=False)
+        refuse_until_stopped(self._commands, EngineShuttingDown(), block=False)
 
     def _run_commands(self, block: bool) -> bool:
         """Apply every queued command; wait for one first when `block`. False once told to stop."""
@@ -275,7 +249,7 @@ class AsyncLLMEngine:
             if self.predictor is not None and not self.overlap_prediction:
                 arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
                 if arrivals:
-                    self._predict_batch(arrivals)
+                    self.predictor.predict_batch(arrivals)
             for command in commands:
                 if isinstance(command, Stop):
                     stopped = True
@@ -310,16 +284,6 @@ class AsyncLLMEngine:
                 command.result.set_result(command.fn(self.engine))
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 command.result.set_exception(exc)
-
-    def _refuse_until_stopped(self, error: Exception, block: bool = True) -> None:
-        """Answer every later command with `error`, so no caller waits forever."""
-        while block or not self._commands.empty():
-            command = self._commands.get()
-            if isinstance(command, Stop):
-                return
-            future = command.admitted if isinstance(command, Submission) else getattr(command, "result", None)
-            if future is not None and future.set_running_or_notify_cancel():
-                future.set_exception(error)
 
     def _add(self, submission: Submission) -> None:
         if not submission.admitted.set_running_or_notify_cancel():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,3 +44,15 @@ class Call:
 @dataclass(frozen=True)
 class Stop:
     pass
+
+
+def refuse_until_stopped(commands: queue.SimpleQueue, error: Exception, block: bool = True) -> None:
+    """Answer every command taken from `commands` with `error` until a Stop (or, without `block`,
+    until the queue is empty), so that no caller waits forever on a loop that has ended."""
+    while block or not commands.empty():
+        command = commands.get()
+        if isinstance(command, Stop):
+            return
+        future = command.admitted if isinstance(command, Submission) else getattr(command, "result", None)
+        if future is not None and future.set_running_or_notify_cancel():
+            future.set_exception(error)

@@ -341,12 +341,12 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
 
 
 def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):
-    from engine.engine_commands import Stop
+    from engine.engine_commands import Stop, refuse_until_stopped
 
     async_engine = AsyncLLMEngine(engine)
     async_engine._commands.put(Stop())
     late = async_engine.call_in_engine(lambda e: "ran")  # in the same batch as the stop
     assert async_engine._run_commands(block=False) is False
-    async_engine._refuse_until_stopped(EngineShuttingDown(), block=False)
+    refuse_until_stopped(async_engine._commands, EngineShuttingDown(), block=False)
     with pytest.raises(EngineShuttingDown):
         late.result(timeout=1)

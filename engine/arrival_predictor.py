@@ -1,0 +1,58 @@
+"""Length prediction for arrivals: once per request, at admission, in batches, off the event loop.
+
+`ArrivalPredictor.predict_batch` scores a group of submissions in one predictor call. The
+AsyncLLMEngine's engine thread calls it for the arrivals it drains between steps (the CPU default:
+predictor and model never compete for the cores), or `run` scores them on a thread of their own
+while the engine steps (a GPU engine leaves the CPU idle) and forwards them to the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Callable
+
+from engine.engine_commands import Submission
+from predictor.base import Predictor
+
+logger = logging.getLogger(__name__)
+
+
+class ArrivalPredictor:
+    def __init__(self, predictor: Predictor, on_prediction: Callable[[float, int], None],
+                 max_batch: int = 64) -> None:
+        self.predictor = predictor
+        self.on_prediction = on_prediction  # (seconds, batch size) of each successful call
+        self.max_batch = max_batch
+
+    def predict_batch(self, batch: list[Submission]) -> None:
+        """Set each submission's prediction; on a predictor failure leave them unset."""
+        started = time.perf_counter()
+        try:
+            predictions = self.predictor.predict([s.prompt_text for s in batch])
+            self.on_prediction(time.perf_counter() - started, len(batch))
+        except Exception:
+            # Serving goes on without a prediction; the policy treats the length as unknown.
+            logger.exception("predictor failed on a batch of %d prompts", len(batch))
+            return
+        for submission, prediction in zip(batch, predictions):
+            submission.prediction = prediction
+
+    def run(self, arrivals: queue.SimpleQueue, commands: queue.SimpleQueue) -> None:
+        """Score what arrives, up to `max_batch` at a time, and pass it on, until a None arrives.
+
+        Everything taken before the None is still scored and passed on, so a Stop queued after
+        this returns finds no submission behind it."""
+        while True:
+            batch = [arrivals.get()]
+            while len(batch) < self.max_batch and not arrivals.empty():
+                batch.append(arrivals.get_nowait())
+            stopping = None in batch
+            batch = [s for s in batch if s is not None and not s.admitted.cancelled()]
+            if batch:
+                self.predict_batch(batch)
+            for submission in batch:
+                commands.put(submission)
+            if stopping:
+                return

@@ -3,9 +3,12 @@
 It drives the real `Scheduler` (policy, block manager, admission control) with a step-cost model
 instead of a model: each step's duration is `a + b * batched_tokens + c * sum of context lengths
 + d * blocks swapped` (the context of a chunk is its end position, which its attention reads; a
-swap-preemption step copies each block out or in once). Every request carries its true output
-length as `max_tokens` with `ignore_eos`, so it finishes exactly there; the policy sees only the
-predicted length (the oracle policy reads `true_len`). Time advances step by step; when
+swap-preemption step copies each block out or in once). The stand-in model emits an end-of-sequence
+token as a request's last token, so it finishes at its true length; its `max_tokens` is the
+workload's cap, as a client would send it, so policies and admission, which clamp predictions to
+`max_tokens`, see only the predicted length (the oracle policy reads `true_len`). A workload that
+replays a benchmark sending each request's true length as `max_tokens` (`bench serve
+--ignore-eos`) says so with `max_tokens=None`. Time advances step by step; when
 nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
 
 `lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c,
@@ -24,7 +27,8 @@ from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 
-SIMULATED_TOKEN = 1  # what the stand-in model emits; never an end-of-sequence token
+SIMULATED_TOKEN = 1  # what the stand-in model emits before a request's last token
+SIMULATED_EOS = 2  # the stand-in model's end-of-sequence token: a request's last
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,19 @@ class SimRequest:
     predicted_p90: float | None = None
     tier: Tier = Tier.STANDARD
     predicted_rank_len: float | None = None
+    # The client's cap on output tokens, at least the true length; None: the true length itself,
+    # as a benchmark with ignore_eos sends it (then the policies' clamp reads the true length).
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < self.output_tokens:
+            raise ValueError(f"max_tokens {self.max_tokens} is below the true length {self.output_tokens}")
 
     def to_request(self) -> Request:
+        max_tokens = self.output_tokens if self.max_tokens is None else self.max_tokens
         return Request(
             request_id=self.request_id, prompt_token_ids=[SIMULATED_TOKEN] * self.prompt_tokens,
-            sampling_params=SamplingParams(max_tokens=self.output_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=max_tokens), eos_token_id=SIMULATED_EOS,
             arrival_time=self.arrival_time, tier=self.tier, predicted_len=self.predicted_len,
             predicted_p50=self.predicted_p50, predicted_p90=self.predicted_p90,
             predicted_rank_len=self.predicted_rank_len, true_len=self.output_tokens)
@@ -129,6 +141,11 @@ def _record(request: Request, rejected: bool = False) -> RequestRecord:
         finish_time=request.finish_time, num_preemptions=request.num_preemptions)
 
 
+def _next_token(request: Request) -> int:
+    """End of sequence when this token reaches the request's true length."""
+    return SIMULATED_EOS if request.num_output_tokens + 1 >= request.true_len else SIMULATED_TOKEN
+
+
 def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: StepCostModel,
              policy: SchedulingPolicy | None = None, max_steps: int = 10_000_000) -> SimulationResult:
     """Run the workload to completion under `config` (and `policy`, else config.policy)."""
@@ -155,7 +172,8 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
             continue
         step_time = cost.step_time(output)
         now += step_time
-        sampled = {chunk.request_id: SIMULATED_TOKEN for chunk in output.chunks if chunk.sample}
+        sampled = {chunk.request_id: _next_token(scheduler.get_request(chunk.request_id))
+                   for chunk in output.chunks if chunk.sample}
         peak_usage = max(peak_usage, scheduler.block_manager.usage)
         for request in scheduler.update_from_output(output, ModelRunnerOutput(sampled), now):
             if request.is_finished:

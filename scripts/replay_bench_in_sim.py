@@ -40,10 +40,11 @@ def main(argv: list[str]) -> None:
     starts = ({r["index"]: r["start_s"] for r in real["fcfs"]["requests"]} if "fcfs" in real else
               dict(enumerate(bench_serve.arrival_offsets(len(items), bench_args.request_rate,
                                                          bench_args.burstiness, bench_args.seed))))
-    # The true length is max_tokens: the bench runs with --ignore-eos.
+    # The true length is max_tokens: the bench runs with --ignore-eos, and sends it as the cap.
     turns = [Turn(item.prompt, item.prompt_tokens, item.max_tokens) for item in items]
     workload = build_workload(turns, predictor_predictions(turns, args.predictor),
-                              [starts[item.index] for item in items], [Tier.STANDARD] * len(items))
+                              [starts[item.index] for item in items], [Tier.STANDARD] * len(items),
+                              max_tokens=None)
     sim_parser = argparse.ArgumentParser()
     sim.add_arguments(sim_parser)
     sim_args = sim_parser.parse_args(args.sim_args.split())

@@ -4,6 +4,7 @@ its clock follows the step-cost model, and its metrics match hand computations."
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +26,7 @@ def synthetic_workload(count: int, rate: float, seed: int = 0) -> list[SimReques
         true_len = int(rng.lognormvariate(3.0, 0.9)) + 1
         out.append(SimRequest(f"r{i}", now, prompt_tokens=rng.randint(5, 120), output_tokens=min(true_len, 150),
                               predicted_len=true_len * rng.uniform(0.5, 2.0), predicted_p90=true_len * 3.0,
-                              tier=rng.choice(list(Tier))))
+                              tier=rng.choice(list(Tier)), max_tokens=150))
     return out
 
 
@@ -68,6 +69,26 @@ def test_single_seat_oracle_runs_shortest_first_and_the_clock_adds_up() -> None:
     # One step per output token (the prefill step samples the first): 5, then 5 + 12, then 47.
     assert finish == {"short": 5.0, "mid": 17.0, "long": 47.0}
     assert result.num_steps == 47 and result.makespan_s == 47.0
+
+
+def test_only_the_oracle_reads_the_true_length() -> None:
+    """Requests send the workload's cap as max_tokens and stop at their true length by an end token,
+    so a policy that clamps its prediction to max_tokens learns nothing from it: with one prediction
+    for all, sjf serves in arrival order, like FCFS, and only the oracle runs the shortest first."""
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=8, max_num_seqs=1, aging_tokens_per_s=0.0,
+                             max_model_len=256)
+    workload = [SimRequest(f"r{i}", 0.001 * i, prompt_tokens=8, output_tokens=n, predicted_len=100.0,
+                           predicted_rank_len=100.0, max_tokens=200) for i, n in enumerate([40, 20, 5])]
+
+    def finish_order(policy: str) -> list[str]:
+        records = simulate(replace(config, policy=policy), workload, COST).records
+        assert [r.output_tokens for r in records] == [40, 20, 5]
+        return [r.request_id for r in sorted(records, key=lambda r: r.finish_time)]
+
+    assert finish_order("fcfs") == finish_order("sjf") == finish_order("srpt") == ["r0", "r1", "r2"]
+    assert finish_order("oracle") == ["r0", "r2", "r1"]
+    with pytest.raises(ValueError, match="below the true length"):
+        SimRequest("x", 0.0, prompt_tokens=8, output_tokens=30, predicted_len=10.0, max_tokens=20)
 
 
 def test_admission_control_sheds_in_the_simulator() -> None:

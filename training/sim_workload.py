@@ -131,11 +131,13 @@ def assign_tiers(count: int, mix: Sequence[float], seed: int) -> list[Tier]:
 
 
 def build_workload(turns: Sequence[Turn], predictions: Sequence[Predicted], arrivals: Sequence[float],
-                   tiers: Sequence[Tier]) -> list[SimRequest]:
+                   tiers: Sequence[Tier], *, max_tokens: int | None) -> list[SimRequest]:
+    """`max_tokens`: what each request sends as its cap (the workload's `max_output_tokens`), or None
+    to send its true length, as `bench serve --ignore-eos` does."""
     return [
         SimRequest(request_id=f"req{i}", arrival_time=arrival, prompt_tokens=turn.prompt_tokens,
                    output_tokens=turn.output_tokens, predicted_len=max(1.0, pred.point),
                    predicted_p50=max(1.0, pred.p50), predicted_p90=max(1.0, pred.p90),
-                   predicted_rank_len=max(1.0, pred.rank_len), tier=tier)
+                   predicted_rank_len=max(1.0, pred.rank_len), tier=tier, max_tokens=max_tokens)
         for i, (turn, pred, arrival, tier) in enumerate(zip(turns, predictions, arrivals, tiers))
     ]

@@ -129,7 +129,8 @@ def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str
         predictions, source = predictor_predictions(turns, args.predictor), f"predictor {args.predictor}"
     mix = [float(x) for x in args.tier_mix.split(",")]
     tiers = assign_tiers(len(turns), mix, args.seed)
-    return build_workload(turns, predictions, [0.0] * len(turns), tiers), source
+    return build_workload(turns, predictions, [0.0] * len(turns), tiers,
+                          max_tokens=args.max_output_tokens), source
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,8 +20,10 @@ within a tier.
 - oracle: exact SJF on the true length (benchmarks only), no aging.
 - srpt: predicted remaining output (refined once the output outgrows the first estimate, see
   `refined_remaining`) minus the same aging; preempts a running request of its tier only when the
-  waiting one is `srpt_preempt_ratio` times shorter and the running one has produced less than
-  `srpt_max_preempt_share` of its predicted length.
+  waiting one ranks before it in that aged order, is `srpt_preempt_ratio` times shorter, and the
+  running one has produced less than `srpt_max_preempt_share` of its predicted length. Aging thus
+  bounds preemption as it bounds overtaking: nothing arriving more than the bound after a request
+  preempts it.
 - goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
   predicted remaining cost, between 0 and `goodput_urgent_slack_s`) go first by slack; requests
   that can wait follow in sjf order; requests already past saving come last.
@@ -185,6 +187,10 @@ class SRPTPolicy(SJFPolicy):
         return refined_remaining(request) - self.aging_rate * waited
 
     def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
+        # The aged order first: without it a long request whose wait had put it first was preempted
+        # by every newer short arrival, losing its prefill each time, for as long as they came.
+        if self.score(waiting, now) >= self.score(running, now):
+            return False
         if running.num_output_tokens >= self.config.srpt_max_preempt_share * predicted_total(running):
             return False
         return refined_remaining(waiting) * self.config.srpt_preempt_ratio < refined_remaining(running)

@@ -91,6 +91,22 @@ def test_only_the_oracle_reads_the_true_length() -> None:
         SimRequest("x", 0.0, prompt_tokens=8, output_tokens=30, predicted_len=10.0, max_tokens=20)
 
 
+def test_srpt_aging_bounds_preemption_of_a_long_request() -> None:
+    """A long request keeps its seat once its wait has aged it ahead of newer short arrivals; before,
+    each new short one preempted it (recompute: its prefill lost) for as long as they kept coming."""
+    config = SchedulerConfig(num_gpu_blocks=200, block_size=16, max_num_seqs=1, max_num_batched_tokens=64,
+                             max_model_len=1024, policy="srpt")
+    cost = StepCostModel(a_s=0.01, b_s_per_token=0.0, c_s_per_context_token=0.0)  # aging: 25 tokens/s
+    long_one = SimRequest("long", 0.05, prompt_tokens=600, output_tokens=100, predicted_len=100.0)
+    shorts = [SimRequest(f"s{i}", i * 0.15, prompt_tokens=8, output_tokens=10, predicted_len=10.0)
+              for i in range(300)]  # a short request every 0.15 s for 45 s, 67% of the seat
+    result = simulate(config, [long_one, *shorts], cost)
+    record = next(r for r in result.records if r.request_id == "long")
+    # Arrivals more than 100 / 25 = 4 s after it no longer preempt it; its own service is 2 s.
+    assert record.e2e_s < 15.0 and record.num_preemptions < 40
+    assert result.leaked_blocks == 0
+
+
 def test_admission_control_sheds_in_the_simulator() -> None:
     config = SchedulerConfig(num_gpu_blocks=40, block_size=8, max_num_seqs=4, max_num_batched_tokens=96,
                              max_model_len=288, enable_admission=True, max_queued_tokens=400)

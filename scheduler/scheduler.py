@@ -7,7 +7,8 @@ the token budget (`max_num_batched_tokens`):
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
    only as many as let it in this step, and is admitted at once, past the KV watermark and ahead
    of the running requests' prefill chunks (which would otherwise take the room made for it).
-   Never one ranked after a request still swapped out: that one keeps its place.
+   Never one ranked after a request still swapped out or preempted in this step: that one keeps
+   its place.
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).
@@ -134,7 +135,7 @@ class Scheduler:
         free_seats = self.config.max_num_seqs - len(self.running)
         free_blocks = self.block_manager.num_free_blocks
         budget = self.config.max_num_batched_tokens - len(self.running)
-        limit = self._swapped_limit(now)
+        limit = self._resume_limit(plan, now)
         for request in list(self.waiting):
             if budget <= 0 or not self.running:
                 return
@@ -248,19 +249,21 @@ class Scheduler:
             self.swapped.pop(0)
             self._start_running(request, num_new, plan)
 
-    def _swapped_limit(self, now: float) -> tuple | None:
-        """The best-ranked swapped request's key: a swapped request still out keeps its place, so
-        nothing ranked after it is admitted (here or as urgent) before it comes back."""
-        return min((self.policy.sort_key(r, now) for r in self.swapped), default=None)
+    def _resume_limit(self, plan: StepPlan, now: float) -> tuple | None:
+        """The best key among preempted requests not back yet: those swapped out, and those preempted
+        by recompute in this step (appended after the sort, they wait for the next step). Nothing
+        ranked after one of them is admitted (here or as urgent) before it comes back, so a
+        preempted request keeps its place."""
+        preempted = set(plan.preempted_ids)
+        held = [r for r in self.waiting if r.request_id in preempted] + self.swapped
+        return min((self.policy.sort_key(r, now) for r in held), default=None)
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
-        limit = self._swapped_limit(now)
+        limit = self._resume_limit(plan, now)
         admitted = 0
         for request in self.waiting:
             if len(self.running) >= self.config.max_num_seqs or plan.budget <= 0:
                 break
-            if request.request_id in plan.preempted_ids:
-                break  # preempted this step: appended after the sort, it waits for the next step
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
             num_new = self._num_new_tokens(request, plan.budget)

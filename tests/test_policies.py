@@ -383,6 +383,56 @@ def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_wor
     assert steps_with_both > 100  # the property was exercised, not vacuous
 
 
+def test_a_recompute_victim_is_not_overtaken_in_the_step_that_preempted_it() -> None:
+    # Batch b1 gives its blocks to interactive i; batch b2, which arrived after b1, must not take
+    # the room left over in that step (before, it did: b1 was appended behind it to the queue).
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          kv_watermark=0.0, max_model_len=256))
+    b1 = req("b1", 0.0, tier=Tier.BATCH, prompt_len=40, max_tokens=20)
+    i = req("i", 1.0, tier=Tier.INTERACTIVE, prompt_len=44, max_tokens=4)
+    b2 = req("b2", 1.5, tier=Tier.BATCH, prompt_len=4, max_tokens=20)
+    runner = PagedTokenRunner(20, 4, 0)
+    scheduler.add_request(b1)
+    scheduler.update_from_output(output := scheduler.schedule(0.0), runner.execute(output), 0.0)
+    scheduler.add_request(i)
+    scheduler.add_request(b2)
+    output = scheduler.schedule(1.0)
+    assert output.preempted_ids == ("b1",) and [c.request_id for c in output.chunks] == ["i"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt", "goodput"])
+def test_nobody_ranked_after_a_request_preempted_in_a_step_is_admitted_in_it(policy: str) -> None:
+    preempting_steps = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        scheduler = Scheduler(config_with_preemption("recompute", 20, max_num_seqs=6, max_num_batched_tokens=24,
+                                                     kv_watermark=0.0, policy=policy))
+        runner = PagedTokenRunner(20, 4, 0)
+        steps = rng.sample(range(40), 12)
+        requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
+                        priority=rng.randint(0, 3), prompt_len=rng.randint(2, 20), max_tokens=rng.randint(2, 30))
+                    for i, step in enumerate(steps)]
+        arrivals = dict(zip(steps, requests))
+        for step in range(2000):
+            if step in arrivals:
+                scheduler.add_request(arrivals[step])
+            waiting_before = {r.request_id for r in scheduler.waiting}
+            output = scheduler.schedule(float(step))
+            victims = [scheduler.get_request(r) for r in output.preempted_ids]
+            if victims:
+                preempting_steps += 1
+                worst_admissible = min(scheduler.policy.sort_key(v, float(step)) for v in victims)
+                for chunk in output.chunks:
+                    if chunk.request_id in waiting_before:
+                        admitted = scheduler.get_request(chunk.request_id)
+                        assert scheduler.policy.sort_key(admitted, float(step)) < worst_admissible, (seed, step)
+            scheduler.update_from_output(output, runner.execute(output), float(step))
+            if step > max(steps) and not scheduler.has_unfinished_requests():
+                break
+        assert_every_token(requests)
+    assert preempting_steps > 20  # the property was exercised, not vacuous
+
+
 @pytest.mark.parametrize("num_gpu_blocks", [10, 14])
 def test_an_urgent_request_is_admitted_before_running_batch_prefill_chunks(num_gpu_blocks: int) -> None:
     # Two batch requests hold the cache, one still in a long prefill. The interactive arrival is

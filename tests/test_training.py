@@ -110,10 +110,16 @@ def test_champion_follows_best_validation_tau(tmp_path):
         folder = _saved_length_predictor(tmp_path / "old", 4.0)
         tracking.log_run("old", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
                          {"tau_of": "score", **tracking.comparison_tags("sharegpt", "")})
-        # Nor does a run validated on other labels, or on a split with the trace's prompts held out.
+        # Nor does a run validated on other labels, or on a split with the trace's prompts held out,
+        # or one logged with --no-register (a later registering run must not crown it), or one with
+        # only its own validation set's tau (each kind validates on its own number of rows).
         for labels, held_out in (("trace", ""), ("sharegpt", "trace:0123")):
             tracking.log_run("other", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
                              tracking.comparison_tags(labels, held_out))
+        tracking.log_run("unregistered", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
+                         tracking.comparison_tags("sharegpt", "", candidate=False))
+        tracking.log_run("own rows", {"model": "length"}, {"val_kendall_tau": 0.9}, folder, [],
+                         tracking.comparison_tags("sharegpt", ""))
         assert tracking.update_champion() == runs["better"]
     local = tracking.download_champion(tmp_path / "download", store=store)
     loaded = predictor.load(local)
@@ -133,6 +139,9 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
                               save=tmp_path / "saved", no_register=False, seed=0, prior=None, hold_out_trace=False)
     run_id, logged = train.train_and_log(args)
     assert -1 <= logged["val_kendall_tau"] <= 1 and logged["test_num_examples"] == 300
+    # Scored for champion on the fixed selection rows, not on its own 300.
+    assert logged[tracking.SELECTION_METRIC] != logged["val_kendall_tau"]
+    assert logged[tracking.SELECTION_METRIC] > 0.2
     spec = json.loads((tmp_path / "saved" / "predictor.json").read_text())
     assert spec["kind"] == "lexical" and "held_out" not in spec  # readable by code older than the field
     path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")

@@ -7,8 +7,10 @@ run with the best validation Kendall's tau in the experiment is the `champion` a
 whose validation taus are comparable compete: tagged with this code's lexical feature version (a
 predictor trained on other features would not load) and with the tau of the scheduler's order
 (`tau_of`), trained and validated on ShareGPT's labels with nothing held out (a trace run is
-validated on other labels, a `--hold-out-trace` run on a smaller validation split). The tracking
-URI is set inside `tracking_session`, never at import.
+validated on other labels, a `--hold-out-trace` run on a smaller validation split), logged as a
+candidate (not `--no-register`), and scored on the same fixed validation rows
+(`SELECTION_METRIC`: each kind validates on its own number of rows, and a small set flatters). The
+tracking URI is set inside `tracking_session`, never at import.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from training.dataset import REPO_ROOT
 MODEL_NAME = "lengthwise-predictor"
 CHAMPION_ALIAS = "champion"
 EXPERIMENT_NAME = "lengthwise-predictor"
-SELECTION_METRIC = "val_kendall_tau"
+# Kendall's tau on training.train.SELECTION_ROWS fixed validation rows, the same for every run.
+SELECTION_METRIC = "val_kendall_tau_selection"
 # What SELECTION_METRIC is the tau of: the order the scheduler uses. Untagged runs measured the
 # predictor's score (for a lambdarank or ListMLE run not that order), runs tagged "p50" the
 # median, which a head trained on capped labels can predict as the cap for every prompt; only
@@ -61,9 +64,10 @@ def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAM
         mlflow.set_tracking_uri(previous)
 
 
-def comparison_tags(labels: str, held_out: str) -> dict[str, str]:
-    """The tags that say whether a run's validation tau can be compared for champion."""
-    return {"labels": labels, "held_out": held_out or "none"}
+def comparison_tags(labels: str, held_out: str, candidate: bool = True) -> dict[str, str]:
+    """The tags that say whether a run's validation tau can be compared for champion; `candidate`
+    False for a run logged with --no-register, which must not win later either."""
+    return {"labels": labels, "held_out": held_out or "none", "candidate": str(candidate).lower()}
 
 
 def git_sha() -> str:
@@ -94,7 +98,8 @@ def best_run_id() -> str | None:
     import mlflow
 
     loadable = (f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
-                f" AND tags.tau_of = '{TAU_OF}' AND tags.labels = 'sharegpt' AND tags.held_out = 'none'")
+                f" AND tags.tau_of = '{TAU_OF}' AND tags.labels = 'sharegpt' AND tags.held_out = 'none'"
+                f" AND tags.candidate = 'true' AND metrics.{SELECTION_METRIC} >= -1")
     runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
                               order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
                               output_format="list")

@@ -17,6 +17,10 @@ from predictor.saved import KINDS
 from training import fitters
 from training.labels import LABEL_SOURCES
 
+# Validation rows every champion candidate is scored on, whatever it validated on itself: the
+# encoders' default validation subsample (seed 1), whose embeddings the cache already holds.
+SELECTION_ROWS = 2000
+
 # Rows used per split by default: everything for the cheap models, subsamples for the encoders.
 DEFAULT_LIMITS = {
     "length": (None, None, None),
@@ -79,6 +83,16 @@ def evaluate_trained(data, trained) -> dict[str, float]:
     return metrics
 
 
+def selection_tau(predictor) -> float:
+    """Kendall's tau on the fixed selection rows (ShareGPT labels, nothing held out)."""
+    from predictor.batching import predict_in_batches
+    from training import labels as label_data
+    from training.metrics import prediction_metrics
+
+    rows = label_data.subsample(label_data.load_split("validation", "sharegpt"), SELECTION_ROWS, seed=1)
+    return prediction_metrics(rows.lengths, predict_in_batches(predictor, rows.prompts)).kendall_tau
+
+
 def _plots(data, trained, folder: Path, kind: str) -> list[Path]:
     from training import predictor_plots
 
@@ -107,6 +121,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     trained = TRAINERS[args.model](data, config)
     metrics = evaluate_trained(data, trained)
     predictor = trained.predictor
+    if args.labels == "sharegpt" and not data.held_out:  # the only runs that compete for champion
+        metrics[tracking.SELECTION_METRIC] = selection_tau(predictor)
     predictor.spec = dataclasses.replace(
         predictor.spec, metrics={k: round(v, 4) for k, v in metrics.items() if k.startswith(("val_", "test_"))})
     with tempfile.TemporaryDirectory() as scratch:
@@ -119,7 +135,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         with tracking.tracking_session(args.store):
             run_id = tracking.log_run(f"{args.model}-{args.labels}", params, metrics, folder, plots,
                                       {"data_hash": data.data_hash, "kind": args.model,
-                                       **tracking.comparison_tags(args.labels, data.held_out)})
+                                       **tracking.comparison_tags(args.labels, data.held_out,
+                                                                  candidate=not args.no_register)})
             if not args.no_register:
                 tracking.update_champion()
     return run_id, metrics

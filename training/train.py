@@ -15,6 +15,7 @@ from pathlib import Path
 
 from predictor.saved import KINDS
 from training import fitters
+from training.arg_types import non_negative_int, positive_int
 from training.labels import LABEL_SOURCES
 
 # Validation rows every champion candidate is scored on, whatever it validated on itself: the
@@ -34,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=sorted(KINDS), required=True)
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt",
                         help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
-    parser.add_argument("--max-train", type=int, default=None, help="train rows (default per model)")
-    parser.add_argument("--max-eval", type=int, default=None, help="validation and test rows (default per model)")
+    parser.add_argument("--max-train", type=positive_int, default=None, help="train rows (default per model)")
+    parser.add_argument("--max-eval", type=positive_int, default=None, help="validation and test rows (default per model)")
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder (default mlruns/)")
     parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-out-trace", action="store_true",
                         help="leave the trace's conversations out of train and validation, so the model "
                              "can be a --prior of a trace-trained one")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None, prior: Path | None = None,
@@ -105,6 +106,15 @@ def _plots(data, trained, folder: Path, kind: str) -> list[Path]:
     ]
 
 
+def check_save_target(path: Path | None) -> None:
+    """--save replaces a predictor folder whole (a stale `prior/` left in it would make it load as a
+    stacked model); anything else already there is refused, never deleted."""
+    if path is None or not path.exists():
+        return
+    if path.is_file() or (any(path.iterdir()) and not (path / "predictor.json").exists()):
+        raise SystemExit(f"--save {path}: exists and is not a predictor folder; choose another path")
+
+
 def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     import shutil
 
@@ -116,6 +126,7 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         raise SystemExit("--prior applies to --model embed_lgbm --labels trace only")
     if args.hold_out_trace and args.labels != "sharegpt":
         raise SystemExit("--hold-out-trace applies to --labels sharegpt only")
+    check_save_target(args.save)
     data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior, args.hold_out_trace)
     config = fitters.LgbmConfig(seed=args.seed)
     trained = TRAINERS[args.model](data, config)
@@ -128,7 +139,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         folder = saved.save(predictor, Path(scratch) / "predictor")
         if args.save is not None:
-            shutil.copytree(folder, args.save, dirs_exist_ok=True)
+            shutil.rmtree(args.save, ignore_errors=True)
+            shutil.copytree(folder, args.save)
         plots = _plots(data, trained, Path(scratch), args.model)
         params = {"model": args.model, "labels": args.labels, "num_train": len(data.train),
                   "num_valid": len(data.valid), "num_test": len(data.test), **trained.params}

@@ -13,10 +13,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):  # refuses nan and inf too
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def positive_rate(text: str) -> float:
+    """A positive number, or inf (everything at once)."""
+    value = float(text)
+    if not value > 0:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be a positive number or inf, got {text}")
     return value
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.llm_engine import StepRecord
+from training.arg_types import positive_float, positive_int
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
 BASELINES = ("hf_static", "hf_continuous")
@@ -33,16 +34,16 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=positive_int, default=64)
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
-    parser.add_argument("--max-output-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
+    parser.add_argument("--max-output-tokens", type=positive_int, default=512)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--no-retain-host-memory", action="store_true",
                         help="leave glibc's allocator at its defaults (engine/host_memory.py), for an A/B")
     parser.add_argument("--skip", default="", help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")

@@ -25,6 +25,8 @@ import httpx
 import numpy as np
 
 from training import bench_serve_report as report
+from training.arg_types import (non_negative_float, non_negative_int, positive_float, positive_int,
+                                 positive_rate)
 from training import tracking
 
 TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
@@ -42,20 +44,20 @@ class WorkItem:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=positive_int, default=200)
+    parser.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="requests/s; inf = all at once")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
     parser.add_argument("--tier-mix", default=None, help="e.g. interactive:0.2,standard:0.6,batch:0.2")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
-    parser.add_argument("--max-output-tokens", type=int, default=None, help="cap on the dataset's reply length")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="drop turns longer than this")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="cap on the dataset's reply length")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="drop turns longer than this")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="S")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
+    parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default=None, help="run name (e.g. the server's policy)")
     parser.add_argument("--result-dir", default="out/bench_serve")

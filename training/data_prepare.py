@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from training import dataset
+from training.arg_types import positive_int
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant", "system": "system"}
@@ -177,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card-dir", type=Path, default=dataset.REPO_ROOT / "data",
                         help="where README.md (data card) and its histogram go")
     parser.add_argument("--no-card", action="store_true", help="skip the data card")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N records")
+    parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N records")
 
 
 def run(args: argparse.Namespace) -> int:

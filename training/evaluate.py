@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from training.arg_types import positive_int
 from training.labels import LABEL_SOURCES
 
 LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
@@ -59,7 +60,11 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
         return Path(spec)
     from training import tracking
 
-    return tracking.download_champion(store=store)
+    try:
+        return tracking.download_champion(store=store)
+    except LookupError as exc:  # a fresh clone: nothing trained and registered yet
+        raise SystemExit(f"lengthwise eval-predictor: error: {exc}; train one with `lengthwise train` "
+                         f"or pass --predictor PATH (e.g. data/predictors/default)") from None
 
 
 def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None = None,
@@ -90,7 +95,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="champion", help="saved predictor folder, or 'champion'")
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate on a seeded subsample of the test split")
+    parser.add_argument("--limit", type=positive_int, default=None, help="evaluate on a seeded subsample of the test split")
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder for 'champion'")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--no-latency", action="store_true")

@@ -20,7 +20,7 @@ from pathlib import Path
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
-from training.arg_types import non_negative_float, positive_float, positive_float_list, positive_int
+from training.arg_types import non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int
 from training.sim_metrics import goal_checks, mean, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-tokens-per-step", type=non_negative_float,
                         default=SchedulerConfig.aging_tokens_per_step)
     parser.add_argument("--admission", action="store_true", help="enable token admission control")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))
     parser.add_argument("--no-plots", action="store_true")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from training import dataset
-from training.arg_types import non_negative_float, positive_int
+from training.arg_types import non_negative_float, non_negative_int, positive_int
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
 DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only prompts this short (and always what fits the context with --max-tokens)")
     parser.add_argument("--window", type=positive_int, default=64,
                         help="prompts queued in the engine at once (above max_num_seqs keeps the batch full)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
     parser.add_argument("--out", type=Path, default=DEFAULT_TRACE, help="parquet trace table")
     parser.add_argument("--resample-split", default=None, choices=("train", "validation", "test"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 import uvicorn
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-tokens-per-step", type=float, default=None,
                         help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
-    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+    parser.add_argument("--shutdown-grace", type=seconds, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -127,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine, load_tokenizer
     from engine.server.app import ServerSettings, create_app
 
-    config = build_engine_config(args)
+    try:
+        config = build_engine_config(args)
+    except ValueError as exc:  # the config's own checks on numbers given on the command line
+        raise SystemExit(f"lengthwise serve: error: {exc}") from None
     predictor_path = resolve_predictor(args.predictor)
     engine = LLMEngine(config)
     logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
@@ -164,6 +168,13 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
     return port
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def attention_backend_name(engine) -> str:

@@ -59,6 +59,35 @@ def test_tier_mix_parsing():
         bench_serve.parse_tier_mix("gold:1")
 
 
+def test_a_broken_stream_fails_its_request_not_the_run():
+    # A server answering in ways vLLM's benchmark counts as failures: each request is marked
+    # failed with a reason, and nothing escapes to abort the other requests' results.
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    import httpx
+
+    streams = {"malformed": ["data: {not json\n\n"], "no text": ["data: [DONE]\n\n"],
+               "no usage": ['data: {"choices": [{"text": "hi"}]}\n\n', "data: [DONE]\n\n"],
+               "error field": ['data: {"error": "boom"}\n\n', "data: [DONE]\n\n"]}
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(payload: dict):
+        return StreamingResponse(iter(streams[payload["prompt"]]), media_type="text/event-stream")
+
+    async def send_all():
+        results = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            for name in streams:
+                results[name] = RequestResult(0, "standard", 1, 4, 0.0)
+                await bench_serve.send_one(client, "http://t/v1/completions", {"prompt": name}, results[name])
+        return results
+
+    results = asyncio.run(send_all())
+    assert not any(r.success for r in results.values())
+    assert all(r.error for r in results.values()), {name: r.error for name, r in results.items()}
+
+
 def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir)
     settings = ServerSettings(model_name=MODEL, max_model_len=1024, info=(("policy", "sjf"),))

@@ -127,7 +127,7 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
                 data = line[len("data: "):]
                 if data == "[DONE]":
                     result.e2e_s = time.perf_counter() - sent
-                    result.success = result.error == ""
+                    result.success = _completed(result)
                     return
                 if _on_chunk(json.loads(data), result, sent):
                     now = time.perf_counter()
@@ -135,8 +135,19 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
                         result.itl_s.append(now - last_chunk)
                     last_chunk = now
             result.error = "stream ended without [DONE]"
-    except (httpx.HTTPError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a broken stream fails this request, never the whole run
         result.error = f"{type(exc).__name__}: {exc}"
+
+
+def _completed(result: report.RequestResult) -> bool:
+    """Success as `vllm bench serve` counts it: no error, and at least one token came back (with the
+    usage count to say how many)."""
+    if result.error:
+        return False
+    if result.ttft_s is None or result.output_tokens <= 0:
+        result.error = "no token received" if result.ttft_s is None else "no usage count in the stream"
+        return False
+    return True
 
 
 def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:

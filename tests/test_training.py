@@ -216,6 +216,33 @@ def test_sample_agreement_pairs_prompts_by_key(tmp_path):
     assert agree["kendall_tau_ceiling_estimate"] > disagree["kendall_tau_ceiling_estimate"]
 
 
+def test_a_fresh_clone_extends_the_committed_trace_table_instead_of_replacing_it(tmp_path, monkeypatch):
+    # The log is git-ignored, the table committed: a clone has the table and no log. Before, a run
+    # there traced every prompt again and rewrote the table from its new log alone.
+    from training import dataset, trace
+
+    log, table = tmp_path / "trace.jsonl", tmp_path / "trace.parquet"
+    log.write_text("".join(json.dumps({
+        "key": f"k{i}", "conversation_id": f"c{i}", "turn_index": 0, "prompt": f"p{i}", "prompt_tokens": 5,
+        "output_tokens": 10 + i, "finish_reason": "stop", "split": "test", "in_train": False}) + "\n"
+        for i in range(3)))
+    trace.write_trace_table(log, table)
+    log.unlink()
+    assert trace.seed_log_from_table(log, table) == 3
+    assert trace.seed_log_from_table(log, table) == 0  # nothing twice
+    assert {r["key"] for r in trace.read_log(log)} == {"k0", "k1", "k2"}
+    assert trace.write_trace_table(log, table) == 3
+    assert trace.load_trace(path=table)["output_tokens"] == [10, 11, 12]
+    # The committed trace is protected however its path is spelled.
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    monkeypatch.chdir(dataset.REPO_ROOT)
+    relative = str(trace.DEFAULT_TRACE.relative_to(dataset.REPO_ROOT))
+    with pytest.raises(SystemExit, match="its own --log and --out"):
+        trace.run(parser.parse_args(["--num-prompts", "5", "--resample-split", "test", "--out", relative,
+                                     "--log", str(tmp_path / "other.jsonl")]))
+
+
 def test_trace_agreement_needs_an_existing_table(tmp_path):
     from training import trace
 

@@ -8,7 +8,10 @@ offline engine (`engine.llm.LLM`), fed continuously, with the served defaults (t
 from per-request generator streams, which the stateless sampler replaced: a rerun of those
 prompts now gives another sample from the same distribution.) Each finished prompt is appended
 to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
-log is then written as a parquet table that `lengthwise train --labels trace` learns from.
+log is then written as a parquet table that `lengthwise train --labels trace` learns from. The
+log is git-ignored and the table committed, so a run first copies into the log any table row it
+lacks: a fresh clone extends the committed trace instead of starting over (or overwriting it
+with fewer rows).
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ def trim_partial_line(log_path: Path) -> None:
     if data and not data.endswith(b"\n"):
         with log_path.open("r+b") as log:
             log.truncate(data.rfind(b"\n") + 1)
+
+
+def seed_log_from_table(log_path: Path, table_path: Path) -> int:
+    """Append to the log every row of an existing trace table whose key it lacks; returns how many."""
+    if not table_path.exists():
+        return 0
+    logged = {record["key"] for record in read_log(log_path)}
+    missing = [row for row in load_trace(path=table_path).to_list() if row["key"] not in logged]
+    if missing:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        trim_partial_line(log_path)
+        with log_path.open("a", encoding="utf-8") as log:
+            log.writelines(json.dumps({name: row[name] for name in TRACE_COLUMNS}) + "\n" for row in missing)
+    return len(missing)
 
 
 def seed_of(key: str, seed: int) -> int:
@@ -199,8 +216,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts is None:
         raise SystemExit("--num-prompts is required (unless --agreement)")
-    if args.resample_split is not None and (args.out == DEFAULT_TRACE or args.log == DEFAULT_LOG):
+    if args.resample_split is not None and (args.out.resolve() == DEFAULT_TRACE.resolve()
+                                            or args.log.resolve() == DEFAULT_LOG.resolve()):
         raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
+    seed_log_from_table(args.log, args.out)
     llm = LLM(model=args.model)
     if args.resample_split is not None:
         rows = trace_rows(args.resample_split)[: args.num_prompts]

@@ -210,6 +210,11 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder):
 
     prompts, lengths = _synthetic_prompts(60)
     embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal,
+    # and no partial file is left behind by a finished write.
+    directory = embedding_cache.cache_dir(encoder.config, tmp_path / "cache")
+    assert not list(directory.glob(".*partial"))
+    (directory / "chunk_99999.npz").write_bytes(b"PK\x03\x04cut off")
     cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")
     assert found.all()
     np.testing.assert_allclose(cached, encoder.encode(prompts), atol=2e-3)  # fp16 storage

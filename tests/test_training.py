@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -162,6 +163,7 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")
     report = evaluate.evaluate(path, limit=200, measure_latency=False)
     assert report.num_examples == 200 and report.kind == "lexical"
+    json.dumps(dataclasses.asdict(report), allow_nan=False)  # --no-latency writes null, not NaN
     # the registered folder predicts exactly what the locally saved copy predicts
     prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]
     assert predictor.load(path).predict(prompts) == predictor.load(tmp_path / "saved").predict(prompts)

@@ -2,14 +2,19 @@
 
 Embedding tens of thousands of prompts takes most of an hour on two shared cores, so vectors are
 computed once and stored under data/cache/embeddings/<encoder-config-hash>/ as append-only npz
-chunks (keys: BLAKE2b of the encoder text; vectors: fp16). A killed run loses at most one chunk;
-the next run skips every key already stored. Identical requests ("continue") are embedded once.
+chunks (keys: BLAKE2b of the encoder text; vectors: fp16). A chunk is written under a temporary
+name and renamed into place, so a killed run loses at most the chunk it was computing (a chunk
+that cannot be read, as one cut off by older code, is skipped with a warning); the next run skips
+every key already stored. Identical requests ("continue") are embedded once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +22,8 @@ import numpy as np
 
 from predictor.encoder import EncoderConfig, encoder_text
 from training.dataset import REPO_ROOT
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_ROOT = REPO_ROOT / "data" / "cache" / "embeddings"
 CHUNK_SIZE = 512
@@ -36,10 +43,22 @@ def cache_dir(config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT) -> Path:
 def read_cache(directory: Path) -> dict[bytes, np.ndarray]:
     stored: dict[bytes, np.ndarray] = {}
     for chunk in sorted(directory.glob("chunk_*.npz")):
-        with np.load(chunk) as data:
-            for key, vector in zip(data["keys"], data["vectors"]):
-                stored[bytes(key)] = vector
+        try:
+            with np.load(chunk) as data:
+                pairs = list(zip(data["keys"], data["vectors"]))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            logger.warning("skipping unreadable embedding chunk %s (%s)", chunk, exc)
+            continue
+        for key, vector in pairs:
+            stored[bytes(key)] = vector
     return stored
+
+
+def _write_chunk(path: Path, keys: np.ndarray, vectors: np.ndarray) -> None:
+    partial = path.with_name(f".{path.name}.partial")  # outside the chunk_*.npz glob until renamed
+    with partial.open("wb") as out:
+        np.savez(out, keys=keys, vectors=vectors)
+    os.replace(partial, path)
 
 
 def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT,
@@ -68,7 +87,7 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAU
         chunk_keys = keys[start : start + CHUNK_SIZE]
         vectors = encoder.encode([todo[key] for key in chunk_keys]).astype(np.float16)
         keys_array = np.frombuffer(b"".join(chunk_keys), dtype=np.uint8).reshape(len(chunk_keys), 16)
-        np.savez(directory / f"chunk_{next_index:05d}.npz", keys=keys_array, vectors=vectors)
+        _write_chunk(directory / f"chunk_{next_index:05d}.npz", keys_array, vectors)
         next_index += 1
     return len(keys)
 

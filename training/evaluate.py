@@ -32,8 +32,8 @@ class EvaluationReport:
     mae_log: float
     p50_coverage: float
     p90_coverage: float
-    latency_ms_p50_batch1: float
-    latency_ms_p50_batch32: float
+    latency_ms_p50_batch1: float | None  # None with --no-latency (JSON null; NaN is not JSON)
+    latency_ms_p50_batch32: float | None
     num_examples: int
     num_examples_dedup: int
     kind: str
@@ -80,7 +80,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     whole = prediction_metrics(test.lengths, predictions)
     keep = ~test.in_train
     dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
-    latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else float("nan")
+    latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}
     return EvaluationReport(
         kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau,

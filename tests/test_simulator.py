@@ -127,7 +127,7 @@ def test_metrics_match_hand_computation() -> None:
     policies = {"fcfs": {"mean_e2e_s": 9.0, "p99_e2e_longest10pct_s": 20.0, "output_tokens_per_s": 100.0,
                          "max_wait_s": 5.0, "num_rejected": 0},
                 "sjf": {"mean_e2e_s": 3.0, "p99_e2e_longest10pct_s": 30.0, "output_tokens_per_s": 98.0,
-                        "max_wait_s": 12.0, "num_rejected": 0},
+                        "max_wait_s": 12.0, "num_rejected": 0, "overtaken_beyond_aging_bound": 0},
                 "oracle": {"mean_e2e_s": 1.0, "num_rejected": 0}}
     checks = goal_checks(policies, aging_bound_s=10.0)
     assert checks["fcfs_over_sjf_mean_e2e"] == pytest.approx(3.0)
@@ -145,6 +145,27 @@ def test_metrics_match_hand_computation() -> None:
 
 
 @pytest.mark.integration
+def test_overtakes_beyond_the_aging_bound_are_counted_request_by_request() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import overtaken_beyond_bound
+
+    def record(request_id, tier, arrival, scheduled):
+        return RequestRecord(request_id, tier, arrival, 10, False, first_scheduled_time=scheduled)
+
+    records = [record("a", Tier.STANDARD, 0.0, 10.0),  # bound 5: overtaken by b, which came at 6
+               record("b", Tier.STANDARD, 6.0, 8.0),
+               record("c", Tier.STANDARD, 3.0, 1.0),  # came within a's bound: may go first
+               record("d", Tier.INTERACTIVE, 20.0, 9.0),  # a more urgent tier overtakes by design
+               record("e", Tier.BATCH, 0.0, 30.0)]  # bound 100: nobody came that late
+    bounds = {"a": 5.0, "b": 5.0, "c": 5.0, "d": 5.0, "e": 100.0}
+    assert overtaken_beyond_bound(records, bounds) == 1
+    assert overtaken_beyond_bound(records, {**bounds, "a": 6.0}) == 0
+    fcfs = {"mean_e2e_s": 2.0, "p99_e2e_longest10pct_s": 1.0, "output_tokens_per_s": 1.0, "max_wait_s": 1.0,
+            "num_rejected": 0}
+    sjf = {**fcfs, "overtaken_beyond_aging_bound": 1}
+    assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 5.0)["meets_wait_within_aging_bound"] is False
+
+
 def test_simulate_cli_on_sharegpt(tmp_path) -> None:
     import json
 

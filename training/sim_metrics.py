@@ -6,6 +6,7 @@ whose true output length is in the top decile, the ones SJF is suspected of star
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Mapping, Sequence
 
@@ -30,6 +31,26 @@ def mean(values: Sequence[float]) -> float:
 def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     threshold = percentile([r.output_tokens for r in records], 90)
     return [r for r in records if r.output_tokens >= threshold]
+
+
+def overtaken_beyond_bound(records: Sequence[RequestRecord], bounds: Mapping[str, float]) -> int:
+    """How many served requests were first scheduled after some request of their tier (or a less
+    urgent one) that arrived more than the request's own aging bound after it: what aging promises
+    never happens (a more urgent tier overtakes by design)."""
+    served = [r for r in records if not r.rejected]
+    violated = 0
+    for tier in Tier:
+        # Requests of this tier and the less urgent ones, by arrival, with a suffix minimum of
+        # their first-scheduled times.
+        pool = sorted((r for r in served if r.tier >= tier), key=lambda r: r.arrival_time)
+        arrivals = [r.arrival_time for r in pool]
+        earliest = [math.inf] * (len(pool) + 1)
+        for i in range(len(pool) - 1, -1, -1):
+            earliest[i] = min(earliest[i + 1], pool[i].first_scheduled_time)
+        for request in (r for r in served if r.tier == tier):
+            later = bisect.bisect_right(arrivals, request.arrival_time + bounds[request.request_id])
+            violated += earliest[later] < request.first_scheduled_time
+    return violated
 
 
 def tier_figures(records: Sequence[RequestRecord], slo_ttft_s: float, slo_e2e_s: float) -> dict:
@@ -102,10 +123,12 @@ def goal_checks(policies: Mapping[str, dict], aging_bound_s: float | None) -> di
     checks["meets_throughput_5pct"] = abs(checks["throughput_sjf_over_fcfs"] - 1.0) <= 0.05
     share = checks.get("sjf_share_of_oracle_gain")
     checks["meets_oracle_share_60pct"] = share is not None and share >= 0.6
-    if aging_bound_s is not None:
-        # Aging guarantees no arrival later than the bound overtakes a request, so its wait exceeds
-        # FCFS's longest wait by at most about the bound.
-        checks["meets_wait_within_aging_bound"] = sjf["max_wait_s"] <= fcfs["max_wait_s"] + aging_bound_s
+    if "overtaken_beyond_aging_bound" in sjf:
+        # Aging's promise, request by request: nothing arriving more than a request's own bound
+        # after it is scheduled first. (Comparing the longest wait with FCFS's plus the largest
+        # bound, as before, could hardly fail: that bound is most of an hour.)
+        checks["sjf_overtaken_beyond_aging_bound"] = sjf["overtaken_beyond_aging_bound"]
+        checks["meets_wait_within_aging_bound"] = sjf["overtaken_beyond_aging_bound"] == 0
     rejected = {name: policies[name]["num_rejected"] for name in ("fcfs", "sjf", "oracle") if name in policies}
     if any(rejected.values()):
         # Each policy's figures cover the requests it served: with admission control shedding

@@ -21,7 +21,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.arg_types import non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int
-from training.sim_metrics import goal_checks, mean, summarize
+from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,
                                    load_test_turns, noisy_oracle, predictor_predictions)
@@ -114,7 +114,9 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
             # the slowest rate in force while requests waited (measured from step times by default)
             summaries[name]["aging_tokens_per_s"] = policy.slowest_rate_while_waiting or policy.aging_rate
-            summaries[name]["aging_bound_s"] = max(policy.aging_bound_s(r.to_request()) for r in workload)
+            bounds = {r.request_id: policy.aging_bound_s(r.to_request()) for r in workload}
+            summaries[name]["aging_bound_s"] = max(bounds.values())
+            summaries[name]["overtaken_beyond_aging_bound"] = overtaken_beyond_bound(result.records, bounds)
         latencies[name] = [r.e2e_s for r in result.records if not r.rejected]
         logger.info("load %.2f %-8s mean %.2fs p99 %.2fs (%.1fs wall)", load, name,
                     summaries[name]["mean_e2e_s"], summaries[name]["p99_e2e_s"], time.perf_counter() - started)

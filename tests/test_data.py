@@ -91,6 +91,20 @@ def test_small_build_counts_match_whole_tokenization(tokenizer):
     assert columns.prompt[0].endswith("<|im_start|>assistant\n")
 
 
+def test_rebuilding_the_data_card_keeps_the_sections_written_by_hand(tokenizer, tmp_path: Path):
+    from training import data_card
+
+    records = [{"id": "c1_0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    columns = data_prepare.build_turns(records, tokenizer)
+    data_prepare.mark_in_train(columns)
+    data_card.write_card(columns, num_records=1, out_dir=tmp_path)
+    card = tmp_path / "README.md"
+    card.write_text(card.read_text() + "\n## Served-model trace\n\nwritten by hand\n")
+    data_card.write_card(columns, num_records=1, out_dir=tmp_path)
+    text = card.read_text()
+    assert text.count("## ShareGPT turn table") == 1 and text.endswith("## Served-model trace\n\nwritten by hand\n")
+
+
 @pytest.fixture(scope="module")
 def turns():
     if not Path(dataset.table_files()["train"]).exists():

@@ -6,6 +6,7 @@ same columns that go into the parquet files, so the card always describes the bu
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -90,5 +91,16 @@ def write_card(columns, num_records: int, out_dir: Path) -> Path:
         "",
     ]
     card = out_dir / "README.md"
-    card.write_text("\n".join(lines), encoding="utf-8")
+    kept = later_sections(card)
+    card.write_text("\n".join(lines) + (f"\n{kept}" if kept else ""), encoding="utf-8")
     return card
+
+
+def later_sections(card: Path) -> str:
+    """What follows the generated section (the served-model trace's, written by hand), kept when
+    the card is rebuilt: from the card's second `## ` heading on."""
+    if not card.exists():
+        return ""
+    text = card.read_text(encoding="utf-8")
+    headings = [match.start() for match in re.finditer(r"^## ", text, flags=re.MULTILINE)]
+    return text[headings[1]:] if len(headings) > 1 else ""

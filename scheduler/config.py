@@ -30,8 +30,9 @@ class SchedulerConfig:
     kv_watermark: float = 0.05
 
     # sjf / srpt anti-starvation: a waiting request's length score falls by `rate` tokens per second
-    # waited, so its order equals arrival_time + predicted_len / rate and a request is never
-    # overtaken by one arriving more than predicted_len / rate seconds later. None: the rate is
+    # waited, so its order equals arrival_time + length / rate (length: the predicted ranking
+    # length) and a request is never overtaken by one arriving more than length / rate seconds
+    # later (a bound on overtaking, not on the wait itself). None: the rate is
     # `aging_tokens_per_step` per measured step (a decoding seat gains one token per step), so the
     # bound is a multiple of the request's own predicted decode time however fast or slow the
     # hardware is. A fixed rate mis-scales: 20 tokens/s turned sjf back into FCFS once CPU queues

@@ -9,7 +9,9 @@ from per-request generator streams, which the stateless sampler replaced: a reru
 prompts now gives another sample from the same distribution.) Each finished prompt is appended
 to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
 log is then written as a parquet table that `lengthwise train --labels trace` learns from. The
-log is git-ignored and the table committed, so a run first copies into the log any table row it
+`output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
+costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
+token, one less). The log is git-ignored and the table committed, so a run first copies into the log any table row it
 lacks: a fresh clone extends the committed trace instead of starting over (or overwriting it
 with fewer rows).
 """

@@ -11,9 +11,9 @@ to a JSONL log at once: an interrupted run resumes by skipping the keys already 
 log is then written as a parquet table that `lengthwise train --labels trace` learns from. The
 `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
 costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
-token, one less). The log is git-ignored and the table committed, so a run first copies into the log any table row it
-lacks: a fresh clone extends the committed trace instead of starting over (or overwriting it
-with fewer rows).
+token, one less). The log is git-ignored and the table committed, so a run first copies into
+the log any table row it lacks: a fresh clone extends the committed trace instead of starting
+over (or overwriting it with fewer rows).
 """
 
 from __future__ import annotations

@@ -124,17 +124,26 @@ class AdmissionController:
         return self._ewma_time
 
     def stability_margin(self, now: float) -> float | None:
-        """lambda * (m_prefill + m_decode) / (B / t_step) over the sliding window, or None."""
+        """Offered load over capacity in the sliding window (above 1: the queue grows), or None.
+
+        The larger of two utilizations: tokens, lambda * (m_prefill + m_decode) against B / t_step;
+        and seats, lambda * (m_decode + m_prefill / B) against max_num_seqs / t_step, since a
+        request holds a seat for every decode step (one token each) and every prefill chunk. With
+        32 seats and a 512-token budget the seats bind for chat-length replies: the token term alone
+        read 0.1-0.3 while the simulated queue grew without bound."""
         self._prune(now)
         if not self._steps or not self._arrivals:
             return None
         # Arrivals per second over the whole window, even before a window has passed: dividing by
         # the time since the first arrival would call two requests 20 ms apart 50 per second.
         arrival_rate = len(self._arrivals) / self.config.stability_window_s
-        mean_tokens = sum(p + d for _, p, d in self._arrivals) / len(self._arrivals)
+        mean_prompt = sum(p for _, p, _ in self._arrivals) / len(self._arrivals)
+        mean_decode = sum(d for _, _, d in self._arrivals) / len(self._arrivals)
         mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
-        capacity = self.config.max_num_batched_tokens / mean_step
-        margin = arrival_rate * mean_tokens / capacity
+        budget = self.config.max_num_batched_tokens
+        token_load = arrival_rate * (mean_prompt + mean_decode) * mean_step / budget
+        seat_load = arrival_rate * (mean_decode + mean_prompt / budget) * mean_step / self.config.max_num_seqs
+        margin = max(token_load, seat_load)
         if margin > 1.0 and not self._overloaded:
             logger.warning("stability margin %.2f > 1: offered token load exceeds capacity", margin)
         self._overloaded = margin > 1.0

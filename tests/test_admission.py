@@ -122,7 +122,7 @@ def test_scheduler_rejects_without_queueing() -> None:
 
 
 def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixture) -> None:
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500,
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=256,
                                               stability_window_s=10.0))
     for second in range(10):
         ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)  # capacity 2000 tokens/s
@@ -137,3 +137,15 @@ def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixt
     # Window [9, 19]: 50 arrivals plus the one at t=9, over 10 s; only the step at t=9 is left.
     assert margin == pytest.approx(51 / 10 * 500 / 2000)
     assert margin > 1 and "stability margin" in caplog.text
+
+
+def test_stability_margin_counts_seats_which_bind_decode_first() -> None:
+    # One 300 + 200-token request a second, a step every 0.25 s: tokens need 500 of 2,000 a second,
+    # but each request holds one of 8 seats for 200 decode steps plus a prefill chunk, 50 s of a
+    # seat every second against 8 seats. Before, the margin read 0.25 for this queue without end.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=8,
+                                              stability_window_s=10.0))
+    for second in range(10):
+        ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)
+        ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
+    assert ctl.stability_margin(9.0) == pytest.approx(1.0 * (200 + 300 / 500) * 0.25 / 8)

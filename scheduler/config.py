@@ -39,7 +39,7 @@ class SchedulerConfig:
     # reached minutes.
     # 0.25 (a bound of four times the predicted decode time) kept the longest tenth's p99 within 2x
     # of FCFS's on Poisson and bursty simulated loads while capturing most of the oracle's gain;
-    # 1.0 captured 12% of it under bursts, 0 (pure SJF) tripled that p99 (README, simulator).
+    # 1.0 captured 12% of it under bursts, 0 (pure SJF) made that p99 4-5x (README, simulator).
     aging_tokens_per_s: float | None = None
     aging_tokens_per_step: float = 0.25
     # srpt: a running request past this share of its predicted length is never preempted for

@@ -272,6 +272,15 @@ def assert_within_step_limits(scheduler: Scheduler, output) -> None:
     assert len(output.chunks) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
 
 
+def random_arrivals(rng: random.Random) -> tuple[list[Request], dict[int, Request]]:
+    """Twelve requests of random tiers, priorities, predictions and sizes, arriving at random steps."""
+    steps = rng.sample(range(40), 12)
+    requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
+                    priority=rng.randint(0, 3), prompt_len=rng.randint(2, 20), max_tokens=rng.randint(2, 30))
+                for i, step in enumerate(steps)]
+    return requests, dict(zip(steps, requests))
+
+
 def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, Request], steps: int = 300) -> None:
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
@@ -357,11 +366,7 @@ def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_wor
                                                      kv_watermark=0.0, policy=policy,
                                                      aging_tokens_per_s=rng.choice([None, 5.0])))
         runner = PagedTokenRunner(24, 4, 48)
-        steps = rng.sample(range(40), 12)
-        requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
-                        priority=rng.randint(0, 3), prompt_len=rng.randint(2, 20), max_tokens=rng.randint(2, 30))
-                    for i, step in enumerate(steps)]
-        arrivals = dict(zip(steps, requests))
+        requests, arrivals = random_arrivals(rng)
         for step in range(2000):
             if step in arrivals:
                 scheduler.add_request(arrivals[step])
@@ -377,7 +382,7 @@ def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_wor
             least_urgent_running = max((r.tier for r in scheduler.running), default=Tier.INTERACTIVE)
             assert all(least_urgent_running <= s.tier for s in scheduler.swapped), (seed, step)
             steps_with_both += bool(scheduler.swapped and scheduler.running)
-            if step > max(steps) and not scheduler.has_unfinished_requests():
+            if step > max(arrivals) and not scheduler.has_unfinished_requests():
                 break
         assert_every_token(requests)
     assert steps_with_both > 100  # the property was exercised, not vacuous
@@ -408,11 +413,7 @@ def test_nobody_ranked_after_a_request_preempted_in_a_step_is_admitted_in_it(pol
         scheduler = Scheduler(config_with_preemption("recompute", 20, max_num_seqs=6, max_num_batched_tokens=24,
                                                      kv_watermark=0.0, policy=policy))
         runner = PagedTokenRunner(20, 4, 0)
-        steps = rng.sample(range(40), 12)
-        requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
-                        priority=rng.randint(0, 3), prompt_len=rng.randint(2, 20), max_tokens=rng.randint(2, 30))
-                    for i, step in enumerate(steps)]
-        arrivals = dict(zip(steps, requests))
+        requests, arrivals = random_arrivals(rng)
         for step in range(2000):
             if step in arrivals:
                 scheduler.add_request(arrivals[step])
@@ -427,7 +428,7 @@ def test_nobody_ranked_after_a_request_preempted_in_a_step_is_admitted_in_it(pol
                         admitted = scheduler.get_request(chunk.request_id)
                         assert scheduler.policy.sort_key(admitted, float(step)) < worst_admissible, (seed, step)
             scheduler.update_from_output(output, runner.execute(output), float(step))
-            if step > max(steps) and not scheduler.has_unfinished_requests():
+            if step > max(arrivals) and not scheduler.has_unfinished_requests():
                 break
         assert_every_token(requests)
     assert preempting_steps > 20  # the property was exercised, not vacuous

@@ -140,7 +140,7 @@ class Scheduler:
             if budget <= 0 or not self.running:
                 return
             if limit is not None and self.policy.sort_key(request, now) >= limit:
-                return  # a swapped request ranks first and keeps its place
+                return  # a preempted request not back yet ranks first and keeps its place
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
@@ -156,6 +156,8 @@ class Scheduler:
                 self._preempt(victim, plan)
             if candidates and not self._admit_now(request, num_new, plan):
                 return
+            # Nobody ranked after a victim just preempted is let in later in this loop either.
+            limit = self._resume_limit(plan, now)
             free_seats += len(victims) - 1
             free_blocks -= need
             budget += len(victims) - num_new

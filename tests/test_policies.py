@@ -405,6 +405,28 @@ def test_a_recompute_victim_is_not_overtaken_in_the_step_that_preempted_it() -> 
     assert output.preempted_ids == ("b1",) and [c.request_id for c in output.chunks] == ["i"]
 
 
+def test_an_urgent_admission_does_not_let_in_a_request_ranked_after_its_victim() -> None:
+    # srpt: u1 preempts v; u2, ranked after v, must not then be admitted as urgent in that step
+    # (before, the limit was taken once, before any victim was preempted).
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8,
+                                          max_num_batched_tokens=256, kv_watermark=0.0, policy="srpt",
+                                          aging_tokens_per_s=1.0))
+    runner = PagedTokenRunner(64, 4, 0)
+    v = req("v", 50.0, predicted=90.0, prompt_len=160, max_tokens=95)
+    r = req("r", 180.0, predicted=62.0, prompt_len=40, max_tokens=100)
+    for now, request in ((150.0, v), (180.0, r)):
+        scheduler.add_request(request, now=now)
+        scheduler.update_from_output(output := scheduler.schedule(now), runner.execute(output), now)
+    u1, u2 = req("u1", 100.0, predicted=20.0, prompt_len=60, max_tokens=20), req("u2", 200.0, predicted=10.0,
+                                                                                     prompt_len=4, max_tokens=10)
+    scheduler.add_request(u1, now=199.0)
+    scheduler.add_request(u2, now=200.0)
+    key = scheduler.policy.sort_key
+    assert key(u1, 200.0) < key(v, 200.0) < key(u2, 200.0)
+    output = scheduler.schedule(200.0)
+    assert output.preempted_ids == ("v",) and "u2" not in [c.request_id for c in output.chunks]
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt", "goodput"])
 def test_nobody_ranked_after_a_request_preempted_in_a_step_is_admitted_in_it(policy: str) -> None:
     preempting_steps = 0

@@ -144,7 +144,6 @@ def test_metrics_match_hand_computation() -> None:
     assert all(value is None for key, value in shed.items() if key.startswith("meets_"))
 
 
-@pytest.mark.integration
 def test_overtakes_beyond_the_aging_bound_are_counted_request_by_request() -> None:
     from scheduler.simulation import RequestRecord
     from training.sim_metrics import overtaken_beyond_bound
@@ -166,6 +165,7 @@ def test_overtakes_beyond_the_aging_bound_are_counted_request_by_request() -> No
     assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 5.0)["meets_wait_within_aging_bound"] is False
 
 
+@pytest.mark.integration
 def test_simulate_cli_on_sharegpt(tmp_path) -> None:
     import json
 

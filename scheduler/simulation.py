@@ -74,13 +74,13 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int  # the true length
     predicted_len: float
+    # The client's cap on output tokens, at least the true length; None (asked for explicitly) sends
+    # the true length itself, as a benchmark with ignore_eos does: the policies' clamp then reads it.
+    max_tokens: int | None
     predicted_p50: float | None = None
     predicted_p90: float | None = None
     tier: Tier = Tier.STANDARD
     predicted_rank_len: float | None = None
-    # The client's cap on output tokens, at least the true length; None: the true length itself,
-    # as a benchmark with ignore_eos sends it (then the policies' clamp reads the true length).
-    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < self.output_tokens:

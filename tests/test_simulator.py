@@ -61,7 +61,7 @@ def test_single_seat_oracle_runs_shortest_first_and_the_clock_adds_up() -> None:
     config = SchedulerConfig(num_gpu_blocks=64, block_size=8, max_num_seqs=1, policy="oracle",
                              aging_tokens_per_s=0.0, max_model_len=128)
     lengths = {"long": 30, "short": 5, "mid": 12}
-    workload = [SimRequest(name, 0.0, prompt_tokens=8, output_tokens=n, predicted_len=50.0)
+    workload = [SimRequest(name, 0.0, prompt_tokens=8, output_tokens=n, predicted_len=50.0, max_tokens=100)
                 for name, n in lengths.items()]
     cost = StepCostModel(a_s=1.0, b_s_per_token=0.0, c_s_per_context_token=0.0)  # one second per step
     result = simulate(config, workload, cost)
@@ -97,8 +97,8 @@ def test_srpt_aging_bounds_preemption_of_a_long_request() -> None:
     config = SchedulerConfig(num_gpu_blocks=200, block_size=16, max_num_seqs=1, max_num_batched_tokens=64,
                              max_model_len=1024, policy="srpt")
     cost = StepCostModel(a_s=0.01, b_s_per_token=0.0, c_s_per_context_token=0.0)  # aging: 25 tokens/s
-    long_one = SimRequest("long", 0.05, prompt_tokens=600, output_tokens=100, predicted_len=100.0)
-    shorts = [SimRequest(f"s{i}", i * 0.15, prompt_tokens=8, output_tokens=10, predicted_len=10.0)
+    long_one = SimRequest("long", 0.05, prompt_tokens=600, output_tokens=100, predicted_len=100.0, max_tokens=200)
+    shorts = [SimRequest(f"s{i}", i * 0.15, prompt_tokens=8, output_tokens=10, predicted_len=10.0, max_tokens=200)
               for i in range(300)]  # a short request every 0.15 s for 45 s, 67% of the seat
     result = simulate(config, [long_one, *shorts], cost)
     record = next(r for r in result.records if r.request_id == "long")

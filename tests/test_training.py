@@ -132,6 +132,25 @@ def test_download_champion_without_registry_raises(tmp_path):
         tracking.download_champion(store=tmp_path / "empty")
 
 
+def test_saving_replaces_a_predictor_folder_or_a_symlink_to_one_whole(tmp_path):
+    from training.train import replace_folder
+
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "predictor.json").write_text("new")
+    old = tmp_path / "old"
+    (old / "prior").mkdir(parents=True)
+    (old / "predictor.json").write_text("old")
+    link = tmp_path / "link"
+    link.symlink_to(old)
+    replace_folder(new, link)  # before, rmtree refused the symlink and copytree then failed
+    assert not link.is_symlink() and (link / "predictor.json").read_text() == "new"
+    assert (old / "prior").exists()  # the folder the link pointed at is left alone
+    replace_folder(new, old)
+    assert sorted(p.name for p in old.iterdir()) == ["predictor.json"]
+    assert not list(tmp_path.glob(".*partial"))
+
+
 def test_train_refuses_to_save_over_a_folder_that_is_not_a_predictor(tmp_path):
     from training import train
 

@@ -115,9 +115,23 @@ def check_save_target(path: Path | None) -> None:
         raise SystemExit(f"--save {path}: exists and is not a predictor folder; choose another path")
 
 
-def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
+def replace_folder(source: Path, target: Path) -> None:
+    """Copy `source` beside `target`, then swap it in: a failed copy leaves `target` as it was, and a
+    symlink at `target` is replaced, not followed."""
+    import os
     import shutil
 
+    staged = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(source, staged)
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.exists():
+        shutil.rmtree(target)
+    os.replace(staged, target)
+
+
+def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     from predictor import saved
     from training import tracking
     from training.train_models import TRAINERS
@@ -139,8 +153,7 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         folder = saved.save(predictor, Path(scratch) / "predictor")
         if args.save is not None:
-            shutil.rmtree(args.save, ignore_errors=True)
-            shutil.copytree(folder, args.save)
+            replace_folder(folder, args.save)
         plots = _plots(data, trained, Path(scratch), args.model)
         params = {"model": args.model, "labels": args.labels, "num_train": len(data.train),
                   "num_valid": len(data.valid), "num_test": len(data.test), **trained.params}

@@ -204,16 +204,22 @@ def test_encoder_keeps_head_and_tail_tokens(encoder):
 
 
 @pytest.mark.integration
-def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder):
+def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch):
     from predictor.embed_lgbm import EmbedLgbmPredictor, embed_lgbm_features
     from training import embedding_cache
 
     prompts, lengths = _synthetic_prompts(60)
-    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
-    # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal,
-    # and no partial file is left behind by a finished write.
+    monkeypatch.setattr(embedding_cache, "CHUNK_SIZE", 20)
     directory = embedding_cache.cache_dir(encoder.config, tmp_path / "cache")
-    assert not list(directory.glob(".*partial"))
+    directory.mkdir(parents=True)
+    (directory / ".chunk_00007.npz.partial").write_bytes(b"killed mid-write")
+    embedding_cache.fill_cache(prompts[:40], encoder.config, root=tmp_path / "cache", encoder=encoder)
+    # A chunk deleted in the middle: the next write goes after the highest, not over it.
+    (directory / "chunk_00000.npz").unlink()
+    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    assert sorted(p.name for p in directory.glob("*chunk*")) == [
+        "chunk_00001.npz", "chunk_00002.npz", "chunk_00003.npz"]  # and the partial file is gone
+    # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal.
     (directory / "chunk_99999.npz").write_bytes(b"PK\x03\x04cut off")
     cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")
     assert found.all()

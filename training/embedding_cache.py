@@ -82,7 +82,11 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAU
 
         encoder = MiniLMEncoder(config)
     keys = list(todo)
-    next_index = len(list(directory.glob("chunk_*.npz")))
+    for stale in directory.glob(".chunk_*.partial"):  # left by a run killed mid-write
+        stale.unlink()
+    # After the highest chunk, not after the count: a chunk deleted in the middle must not make
+    # the next write replace the newest one.
+    next_index = 1 + max((int(p.stem.split("_")[1]) for p in directory.glob("chunk_*.npz")), default=-1)
     for start in tqdm(range(0, len(keys), CHUNK_SIZE), desc="embed", unit="chunk"):
         chunk_keys = keys[start : start + CHUNK_SIZE]
         vectors = encoder.encode([todo[key] for key in chunk_keys]).astype(np.float16)

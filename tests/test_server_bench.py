@@ -86,6 +86,8 @@ def test_a_broken_stream_fails_its_request_not_the_run():
     results = asyncio.run(send_all())
     assert not any(r.success for r in results.values())
     assert all(r.error for r in results.values()), {name: r.error for name, r in results.items()}
+    assert results["error field"].error == "stream error: boom"
+    assert results["no text"].error == "no token received" and "usage" in results["no usage"].error
 
 
 def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):

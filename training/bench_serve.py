@@ -140,8 +140,9 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
 
 
 def _completed(result: report.RequestResult) -> bool:
-    """Success as `vllm bench serve` counts it: no error, and at least one token came back (with the
-    usage count to say how many)."""
+    """Success: no error, and at least one token came back, as `vllm bench serve` requires; and a
+    usage count, which vLLM's benchmark would recompute from the text, but which this server always
+    sends when asked (`stream_options.include_usage`), so its absence means a broken stream."""
     if result.error:
         return False
     if result.ttft_s is None or result.output_tokens <= 0:
@@ -153,7 +154,8 @@ def _completed(result: report.RequestResult) -> bool:
 def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
     """Record what one SSE chunk says; True when it carried text (a token arrived)."""
     if "error" in chunk:
-        result.error = f"stream error: {chunk['error'].get('message', '')}"
+        error = chunk["error"]
+        result.error = f"stream error: {error.get('message', '') if isinstance(error, dict) else error}"
         return False
     has_text = False
     for choice in chunk.get("choices") or []:

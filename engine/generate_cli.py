@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 
+from engine.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from engine.config import DEFAULT_MODEL, EngineConfig
 
 
@@ -16,15 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--raw", action="store_true", help="feed the prompts as they are, no chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=non_negative_int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.llm_engine import StepRecord
-from training.arg_types import positive_float, positive_int
+from engine.arg_types import positive_float, positive_int
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
 BASELINES = ("hf_static", "hf_continuous")

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from training import bench_serve_report as report
-from training.arg_types import (non_negative_float, non_negative_int, positive_float, positive_int,
+from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_int,
                                  positive_rate)
 from training import tracking
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from training import dataset
-from training.arg_types import positive_int
+from engine.arg_types import positive_int
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant", "system": "system"}

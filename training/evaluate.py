@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from training.arg_types import positive_int
+from engine.arg_types import positive_int
 from training.labels import LABEL_SOURCES
 
 LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from training import dataset
-from training.arg_types import non_negative_float, non_negative_int, positive_int
+from engine.arg_types import non_negative_float, non_negative_int, positive_int
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
 DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from predictor.saved import KINDS
 from training import fitters
-from training.arg_types import non_negative_int, positive_int
+from engine.arg_types import non_negative_int, positive_int
 from training.labels import LABEL_SOURCES
 
 # Validation rows every champion candidate is scored on, whatever it validated on itself: the

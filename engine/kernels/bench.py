@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from engine.arg_types import positive_float, positive_int
+
 # Peak HBM bandwidth in GB/s by device-name substring; the first match wins (specific first).
 PEAK_GBPS: tuple[tuple[str, float], ...] = (
     ("GH200", 4000.0),
@@ -47,14 +49,14 @@ SWEEP_WARPS_STAGES = ((4, 2), (4, 3), (8, 2))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--num-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--context", type=positive_int, default=2048)
+    parser.add_argument("--num-heads", type=positive_int, default=32)
+    parser.add_argument("--num-kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--peak-gbps", type=float, default=None,
+    parser.add_argument("--peak-gbps", type=positive_float, default=None,
                         help="peak memory bandwidth in GB/s (default: looked up by device name)")
     parser.add_argument("--no-sweep", action="store_true", help="time the default launch only")
     parser.add_argument("--out", type=Path, default=Path("out/bench_attention"))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 from pathlib import Path
 
 import uvicorn
+
+from engine.arg_types import non_negative_float, port_number, positive_float, positive_int
 
 logger = logging.getLogger("lengthwise.serve")
 
@@ -35,22 +36,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="fcfs", help="waiting-queue order")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
-    parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+    parser.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GIB",
                         help="memory for the paged KV cache in GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--admission", action="store_true",
                         help="admission control: refuse (429) requests whose tier SLO cannot be met")
-    parser.add_argument("--max-queued-tokens", type=int, default=None,
+    parser.add_argument("--max-queued-tokens", type=positive_int, default=None,
                         help="bound on queued token work for admission control")
-    parser.add_argument("--aging-tokens-per-step", type=float, default=None,
+    parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=None,
                         help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
-    parser.add_argument("--shutdown-grace", type=seconds, default=30.0, metavar="S",
+    parser.add_argument("--shutdown-grace", type=non_negative_float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -128,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine, load_tokenizer
     from engine.server.app import ServerSettings, create_app
 
-    try:
-        config = build_engine_config(args)
-    except ValueError as exc:  # the config's own checks on numbers given on the command line
-        raise SystemExit(f"lengthwise serve: error: {exc}") from None
+    config = build_engine_config(args)
     predictor_path = resolve_predictor(args.predictor)
     engine = LLMEngine(config)
     logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
@@ -161,20 +159,6 @@ def run(args: argparse.Namespace) -> int:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
     return 0
-
-
-def port_number(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
-    return port
-
-
-def seconds(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
 
 
 def attention_backend_name(engine) -> str:

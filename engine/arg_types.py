@@ -1,4 +1,4 @@
-"""argparse types that refuse impossible numbers with a one-line usage error."""
+"""argparse types that refuse impossible numbers with a one-line usage error (every command's)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,10 @@ def non_negative_float(text: str) -> float:
 def positive_float_list(text: str) -> list[float]:
     """Comma-separated positive numbers; empty text is an empty list."""
     return [positive_float(part) for part in text.split(",") if part.strip()]
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
+    return port

@@ -4,7 +4,8 @@ One tensor [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim
 device cache, so each layer's K and V are contiguous [num_blocks, block_size, KVH, D] views and a
 swap moves a block of every layer with one indexed copy. The block count follows from a memory
 budget: bytes per block = layers * 2 * block_size * KVH * head_dim * element size. Both pools start
-zeroed: masked-out positions of a context must never hold NaN (0 * NaN would leak into outputs).
+zeroed, and the torch path never writes inf or NaN (`reference.write_kv`): masked-out positions of a
+context must stay finite, since 0 * NaN would leak into outputs.
 """
 
 from __future__ import annotations

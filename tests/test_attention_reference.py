@@ -71,3 +71,21 @@ def test_group_by_length_splits_only_when_padding_costs_more_than_a_group():
     groups = group_by_length([3000, 5, 2900, 7], group_cost=100)
     assert groups == [[1, 3], [2, 0]]
     assert sorted(i for g in group_by_length(list(range(50, 0, -1)), 64) for i in g) == list(range(50))
+
+
+def test_an_overflowed_request_cannot_poison_its_neighbours_through_the_cache():
+    # Request a's keys and values overflowed and were written to block 0. b never uses block 0, but
+    # its decode row is padded with it next to a longer context; a later owner of the block reads
+    # its stale tail. Masked positions must contribute exactly nothing.
+    block_size, kv_heads, head_dim, heads = 4, 2, 8, 4
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(6, block_size, kv_heads, head_dim), torch.randn(6, block_size, kv_heads, head_dim)
+    overflow = torch.full((block_size, kv_heads, head_dim), float("inf"))
+    write_kv(overflow, overflow * 0.0, k_cache, v_cache, torch.arange(block_size))  # inf keys, NaN values
+    assert torch.isfinite(k_cache).all() and torch.isfinite(v_cache).all()
+    q = torch.randn(2, heads, head_dim)
+    together = paged_attention(q, k_cache, v_cache, torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+                               torch.tensor([8, 3]), torch.tensor([0, 1, 2]), head_dim ** -0.5)
+    alone = paged_attention(q[1:], k_cache, v_cache, torch.tensor([[3]], dtype=torch.int32),
+                            torch.tensor([3]), torch.tensor([0, 1]), head_dim ** -0.5)
+    torch.testing.assert_close(together[1:], alone)

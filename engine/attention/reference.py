@@ -13,8 +13,11 @@ tail past a context's length is masked.
 - multi-token queries (prefill chunks) run one SDPA call each, over their own gathered context
   with a causal mask shifted by the context already cached (query i sits at position
   seq_len - q_len + i and sees keys 0..that position).
-Every layer then reuses the plan, so per-layer work is gathers and SDPA only. Each sequence
-reads only its own blocks.
+Every layer then reuses the plan, so per-layer work is gathers and SDPA only. Positions past a
+context (the tail of its last block, and padding that points at block 0) are gathered and hidden by
+an additive -inf mask, which needs them finite: inf or NaN there would give 0 * NaN. So `write_kv`
+stores non-finite values as 0; a request whose keys overflowed has lost its own output
+already, and its freed blocks can no longer poison the next owner or a padded neighbour.
 """
 
 from __future__ import annotations
@@ -108,10 +111,12 @@ def build_plan(block_tables: torch.Tensor, seq_lens: tuple[int, ...], query_star
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values [N, KVH, D] into their slots, in place."""
+    """Store this step's keys/values [N, KVH, D] into their slots, in place; inf and NaN are stored
+    as 0 (not as the largest finite value, whose product with a query overflows again)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        finite = torch.nan_to_num(new.to(cache.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, finite)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

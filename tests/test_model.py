@@ -53,3 +53,22 @@ def test_smollm2_greedy_matches_hf_in_one_batch(real_model_dir):
     assert [list(o.token_ids) for o in outputs] == expected
     # Both sides read the same converted weights, so a bad conversion would cancel out above.
     assert "Paris" in outputs[0].text
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": None, "rope_theta": 1e5, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     "rope type 'linear'"),  # an older config's key
+    ({"attention_bias": True}, "biases"), ({"mlp_bias": True}, "biases"), ({"hidden_act": "gelu"}, "gelu")])
+def test_llama_variants_it_would_compute_wrongly_are_refused(tiny_model_dir, tmp_path, change, message):
+    # Each of these loaded before and gave other tokens than HF, with no error.
+    import json
+    import shutil
+
+    from engine.model.arch import LlamaArch
+
+    variant = tmp_path / "variant"
+    shutil.copytree(tiny_model_dir, variant)
+    config = json.loads((variant / "config.json").read_text())
+    (variant / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        LlamaArch.from_model_dir(variant)

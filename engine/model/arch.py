@@ -33,8 +33,15 @@ class LlamaArch:
         if raw.get("model_type") != "llama":
             raise ValueError(f"only Llama-family models are supported, got {raw.get('model_type')!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported")
+        for entry in (raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}):
+            rope_type = entry.get("rope_type", entry.get("type", "default"))  # "type": older configs' key
+            if rope_type != "default":
+                raise ValueError(f"rope type {rope_type!r} is not supported")
+        # Variants this implementation would load while silently dropping their biases or activation.
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise ValueError("Llama variants with attention or MLP biases are not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {raw['hidden_act']!r} is not supported (only silu)")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
         return cls(

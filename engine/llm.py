@@ -69,7 +69,7 @@ class LLM:
             for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
                 self.engine.add_request(request_id, prompt, request_params)
                 added.append(request_id)
-        except Exception:
+        except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise

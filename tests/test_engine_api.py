@@ -172,6 +172,21 @@ def test_an_interrupted_generate_frees_its_requests_and_a_failed_step_strands_no
         llm.generate([PROMPT, "Count to ten"], greedy(20))
     stats = engine.stats().scheduler
     assert not engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_total_blocks
+    # Interrupted while still queueing the prompts: the ones already queued go too (before, they
+    # stayed behind and ran in the next generate call).
+    add_request, added = engine.add_request, []
+
+    def interrupted_on_the_second_prompt(*args, **kwargs):
+        added.append(1)
+        if len(added) == 2:
+            raise KeyboardInterrupt
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", interrupted_on_the_second_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, "Count to ten"], greedy(20))
+    monkeypatch.setattr(engine, "add_request", add_request)
+    assert not engine.has_unfinished_requests()
     # A step that fails under the engine's own loop leaves its requests to be recomputed, and
     # they finish with the tokens an uninterrupted run gives.
     calls.clear()

@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-Per step: apply the swap copies (out before in, so a block freed by a swap-out may be refilled by
-a swap-in of the same step), flatten every chunk into one [N] token batch with positions and slot
+Per step: apply the swap copies (out before in; the scheduler never swaps in during a step that
+swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one [N] token batch with positions and slot
 mapping, build the AttentionMetadata once (every layer shares it), run the forward, and compute
 logits only at the last row of each chunk that samples. Tensors are built from a handful of
 vectorised ops per step, never per token or per layer.

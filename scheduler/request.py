@@ -72,7 +72,7 @@ def _as_tuple(values: object, name: str) -> tuple:
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0 = disabled
+    top_k: int = 0  # 0 (or vLLM's -1, stored as 0) = disabled
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -88,8 +88,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0, or -1 (disabled), got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):

@@ -53,6 +53,10 @@ def test_sampling_params_reject_bad_values_directly():
         SamplingParams(top_p=1.01)
     # None means none, as in a JSON body.
     assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+    # vLLM's -1 disables top-k, as 0 does; below that is an error.
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
 
 
 def test_a_tuple_of_token_ids_is_one_prompt(llm):

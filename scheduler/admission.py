@@ -26,10 +26,13 @@ could ever succeed. Rejections raise `AdmissionRejected(reason, retry_after_s)`,
 turns them into a 429 with Retry-After: the time for enough of the work ahead to drain (at most
 all of it), between 1 s and an hour.
 
-The stability margin is lambda * (m_prefill + m_decode) / (B / t_step) over a sliding window:
-arrivals per second times mean prompt plus predicted output tokens, against the step token
-budget B divided by the mean step time. Above 1 the queue cannot drain; it is logged
-when it crosses 1.
+The stability margin is offered load over capacity in a sliding window, the larger of two
+utilizations: tokens, lambda * (m_prefill + m_decode) against the step budget B over the mean step
+time; and seats, lambda * (m_decode + m_prefill / B) against max_num_seqs over the mean step time
+(a request holds a seat for each decode step and each prefill chunk). The window holds the last
+`stability_window_s` seconds, and at least the last MIN_ARRIVALS_IN_WINDOW arrivals however long
+ago they came: two arrivals in ten seconds say little about a rate. Above 1 the queue cannot
+drain; it is logged when it crosses 1.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a day's wait
+# The stability margin's arrival rate is taken over at least this many arrivals.
+MIN_ARRIVALS_IN_WINDOW = 32
 
 
 class AdmissionRejected(Exception):
@@ -100,9 +105,10 @@ class AdmissionController:
 
     def _prune(self, now: float) -> None:
         horizon = now - self.config.stability_window_s
-        for window in (self._steps, self._arrivals):
-            while window and window[0][0] < horizon:
-                window.popleft()
+        while self._steps and self._steps[0][0] < horizon:
+            self._steps.popleft()
+        while len(self._arrivals) > MIN_ARRIVALS_IN_WINDOW and self._arrivals[0][0] < horizon:
+            self._arrivals.popleft()
 
     @property
     def throughput_tokens_per_s(self) -> float | None:
@@ -134,9 +140,11 @@ class AdmissionController:
         self._prune(now)
         if not self._steps or not self._arrivals:
             return None
-        # Arrivals per second over the whole window, even before a window has passed: dividing by
-        # the time since the first arrival would call two requests 20 ms apart 50 per second.
-        arrival_rate = len(self._arrivals) / self.config.stability_window_s
+        # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
+        # even before a window has passed: dividing by the time since the first arrival alone would
+        # call two requests 20 ms apart 50 per second.
+        span = max(self.config.stability_window_s, now - self._arrivals[0][0])
+        arrival_rate = len(self._arrivals) / span
         mean_prompt = sum(p for _, p, _ in self._arrivals) / len(self._arrivals)
         mean_decode = sum(d for _, _, d in self._arrivals) / len(self._arrivals)
         mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
@@ -145,7 +153,8 @@ class AdmissionController:
         seat_load = arrival_rate * (mean_decode + mean_prompt / budget) * mean_step / self.config.max_num_seqs
         margin = max(token_load, seat_load)
         if margin > 1.0 and not self._overloaded:
-            logger.warning("stability margin %.2f > 1: offered token load exceeds capacity", margin)
+            logger.warning("stability margin %.2f > 1: offered load exceeds capacity (%s)", margin,
+                           "seats" if seat_load >= token_load else "tokens")
         self._overloaded = margin > 1.0
         return margin
 

@@ -149,3 +149,15 @@ def test_stability_margin_counts_seats_which_bind_decode_first() -> None:
         ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)
         ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
     assert ctl.stability_margin(9.0) == pytest.approx(1.0 * (200 + 300 / 500) * 0.25 / 8)
+
+
+def test_stability_margin_takes_the_rate_over_at_least_32_arrivals() -> None:
+    # One arrival every 3 s: a 10 s window alone holds 3 or 4 of them, a rate that jumps with
+    # every arrival; the last 32 span 93 s and give 32 / 93 per second.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=256,
+                                              stability_window_s=10.0))
+    for i in range(40):
+        ctl.record_step(now=3.0 * i, num_tokens=500, step_time_s=0.25)
+        ctl.record_arrival(3.0 * i, req(f"r{i}", 300, 200))
+    now = 3.0 * 39
+    assert ctl.stability_margin(now) == pytest.approx(32 / (now - 3.0 * 8) * 500 * 0.25 / 500)

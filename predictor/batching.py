@@ -1,4 +1,5 @@
-"""Predictions for many prompts in fixed-size batches: the call the simulator and the server use."""
+"""Predictions for many prompts in fixed-size batches: the call evaluation, training and the
+simulator use (the server scores each group of arrivals in one call, engine/arrival_predictor.py)."""
 
 from __future__ import annotations
 

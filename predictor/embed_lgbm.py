@@ -30,8 +30,9 @@ def embed_lgbm_features(embeddings: np.ndarray, prompts: Sequence[str]) -> np.nd
     """The head's input: [embedding | lexical features], the same in training and serving.
 
     Embeddings are rounded to float16, as the training cache stores them, so a served prompt gets
-    exactly the features its copy in training had (fp32 differs in the fourth digit, enough to
-    move a tree split)."""
+    the features its copy in training had, but where the padding of a different batch moved an
+    fp32 value across a rounding boundary (one fp16 step in a few elements; unrounded fp32 differs
+    in the fourth digit of every element, enough to move a tree split)."""
     return np.hstack([embeddings.astype(np.float16).astype(np.float32), lexical_matrix(prompts)])
 
 

@@ -3,7 +3,7 @@
 Network. pooled MiniLM embedding [B, 384] ++ standardised lexical features [B, F] -> MLP ->
 (score, log_p50, log_p90 = log_p50 + softplus(gap)). The score is trained with a listwise
 ranking loss, the quantiles with the pinball loss (training.finetune_train); the softplus gap
-keeps p90 >= p50 by construction. Saved weights are fp16 safetensors of the whole network.
+keeps p90 >= p50 by construction. Saved weights are fp32 safetensors of the whole network.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from predictor.base import Predictor
 
 SPEC_FILENAME = "predictor.json"
 FORMAT_VERSION = 1
-# kind -> "module:class"; the class has `load(folder, spec)` and `save(folder, spec)`.
+# kind -> "module:class"; the class has `load(folder, spec)` and `save(folder)`.
 KINDS: dict[str, str] = {
     "length": "predictor.length:LengthPredictor",
     "lexical": "predictor.lexical:LexicalPredictor",
@@ -56,7 +56,11 @@ def read_spec(folder: Path) -> PredictorSpec:
     path = Path(folder) / SPEC_FILENAME
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a saved predictor folder")
-    return PredictorSpec(**json.loads(path.read_text()))
+    fields = json.loads(path.read_text())
+    # The version first: a newer format may carry fields this code does not know.
+    if fields.get("version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise ValueError(f"predictor format {fields['version']} is newer than this code ({FORMAT_VERSION})")
+    return PredictorSpec(**fields)
 
 
 def predictor_class(kind: str):
@@ -72,8 +76,12 @@ def load(path: str | Path) -> Predictor:
 
 
 def save(predictor, path: str | Path) -> Path:
-    """Write `predictor` (which carries its own spec) to the folder `path`."""
+    """Write `predictor` (which carries its own spec) to the folder `path`, which must be new or
+    empty: files of another predictor left beside the new ones (a stacked model's `prior/`) would
+    change what the folder loads as."""
     folder = Path(path)
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"{folder} is not empty: save a predictor into a new folder")
     folder.mkdir(parents=True, exist_ok=True)
     predictor.save(folder)
     write_spec(folder, predictor.spec)

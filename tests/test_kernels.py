@@ -108,6 +108,8 @@ def test_write_kv_matches_reference(kernels, dtype):
     cache = torch.randn(2, 7, 16, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     # k and v as strided views of a fused projection, as the model produces them.
     fused = torch.randn(num_tokens, 3, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    fused[3, 1, 0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])  # an overflowed key,
+    fused[5, 2, 1, 7] = float("nan")  # and value: both backends store them as 0
     k, v = fused[:, 1], fused[:, 2]
     slots = torch.randperm(7 * 16, generator=gen)[:num_tokens].to(DEVICE)
     expected = cache.clone()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -282,3 +284,18 @@ def test_committed_predictors_load_and_rank_an_essay_above_a_greeting(name):
                                      chat(("user", "hi"))])
     assert essay.score > greeting.score and essay.p50 > greeting.p50
     assert 0 < greeting.p50 <= greeting.p90
+
+
+def test_a_saved_folder_is_never_mixed_with_another_predictor_and_a_newer_format_says_so(tmp_path):
+    from predictor.length import LengthParams, LengthPredictor
+
+    spec = PredictorSpec(kind="length", feature_spec={}, data_hash="t")
+    model = LengthPredictor(LengthParams(1.0, 0.1, 0.0, 0.5), spec)
+    folder = save(model, tmp_path / "p")
+    (folder / "prior").mkdir()  # as a stacked model saved there earlier would have left
+    with pytest.raises(ValueError, match="not empty"):
+        save(model, folder)
+    spec_file = folder / "predictor.json"
+    spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "version": 9, "calibration": {}}))
+    with pytest.raises(ValueError, match="newer than this code"):
+        predictor.load(folder)  # before: a TypeError about the unknown field

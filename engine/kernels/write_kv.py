@@ -65,6 +65,10 @@ def _write_kv_kernel(
                 + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + src_t[:, None] * stride_v_tok + offs_h[None, :] * stride_v_head
                 + offs_d[None, :], mask=mask)
+    # inf and NaN are stored as 0, as the reference stores them: a later key's NaN value would
+    # otherwise reach earlier rows of a prefill chunk through p @ V with p = 0 (0 * NaN).
+    k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, 0.0)
+    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
     k_dst = block_ids * stride_kc_blk + offs_slot * stride_kc_tok
     v_dst = block_ids * stride_vc_blk + offs_slot * stride_vc_tok
     tl.store(k_cache_ptr + k_dst[:, None] + offs_h[None, :] * stride_kc_head + offs_d[None, :],
@@ -82,7 +86,8 @@ def triton_write_kv(
 ) -> None:
     """Write k[i], v[i] into cache slot slot_mapping[i] (in place); negative slots are skipped.
 
-    Same semantics as `reference_write_kv` for slots >= 0. Raises ValueError on bad inputs.
+    Same semantics as `reference_write_kv` for slots >= 0, inf and NaN stored as 0 included.
+    Raises ValueError on bad inputs.
     """
     check_write_inputs(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.arg_types import positive_float, positive_int
 from engine.config import EngineConfig
 from engine.llm_engine import StepRecord
-from engine.arg_types import positive_float, positive_int
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
 BASELINES = ("hf_static", "hf_continuous")

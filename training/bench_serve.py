@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from training import bench_serve_report as report
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                 positive_rate)
+                               positive_rate)
+from training import bench_serve_report as report
 from training import tracking
 
 TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}

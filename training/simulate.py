@@ -17,10 +17,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine.arg_types import non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
-from engine.arg_types import non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int
 from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,

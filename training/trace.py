@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training import dataset
 from engine.arg_types import non_negative_float, non_negative_int, positive_int
+from training import dataset
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
 DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"

@@ -13,9 +13,9 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+from engine.arg_types import non_negative_int, positive_int
 from predictor.saved import KINDS
 from training import fitters
-from engine.arg_types import non_negative_int, positive_int
 from training.labels import LABEL_SOURCES
 
 # Validation rows every champion candidate is scored on, whatever it validated on itself: the

@@ -118,6 +118,15 @@ def test_write_kv_matches_reference(kernels, dtype):
     assert torch.equal(cache, expected)
 
 
+def test_write_kv_stores_what_overflows_the_cache_type_as_zero_like_the_reference(kernels):
+    k = torch.tensor([[[1.0, 1e5, 3e38, 2.0]]], device=DEVICE)  # finite in fp32, inf in fp16
+    caches = [torch.zeros(2, 1, 4, 1, 4, device=DEVICE, dtype=torch.float16) for _ in range(2)]
+    slots = torch.tensor([2], device=DEVICE)
+    kernels.write_kv(k, k, caches[0][0], caches[0][1], slots)
+    reference.write_kv(k, k, caches[1][0], caches[1][1], slots)
+    assert torch.equal(caches[0], caches[1]) and torch.isfinite(caches[0]).all()
+
+
 def test_write_kv_skips_negative_slots(kernels):
     k = torch.ones(3, 2, 16, device=DEVICE)
     k_cache = torch.zeros(2, 4, 2, 16, device=DEVICE)

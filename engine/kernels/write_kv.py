@@ -65,16 +65,17 @@ def _write_kv_kernel(
                 + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + src_t[:, None] * stride_v_tok + offs_h[None, :] * stride_v_head
                 + offs_d[None, :], mask=mask)
-    # inf and NaN are stored as 0, as the reference stores them: a later key's NaN value would
-    # otherwise reach earlier rows of a prefill chunk through p @ V with p = 0 (0 * NaN).
-    k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, 0.0)
-    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
+    # inf and NaN (after the cast to the cache's type, as the reference checks) are stored as 0: a
+    # later key's NaN value would otherwise reach earlier rows of a prefill chunk through p @ V
+    # with p = 0 (0 * NaN).
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
+    k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, 0.0).to(k_cache_ptr.dtype.element_ty)
+    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0).to(v_cache_ptr.dtype.element_ty)
     k_dst = block_ids * stride_kc_blk + offs_slot * stride_kc_tok
     v_dst = block_ids * stride_vc_blk + offs_slot * stride_vc_tok
-    tl.store(k_cache_ptr + k_dst[:, None] + offs_h[None, :] * stride_kc_head + offs_d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_dst[:, None] + offs_h[None, :] * stride_vc_head + offs_d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + k_dst[:, None] + offs_h[None, :] * stride_kc_head + offs_d[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + v_dst[:, None] + offs_h[None, :] * stride_vc_head + offs_d[None, :], v, mask=mask)
 
 
 def triton_write_kv(

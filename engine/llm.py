@@ -67,8 +67,8 @@ class LLM:
         added: list[str] = []
         try:
             for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
+                added.append(request_id)  # first: a Ctrl-C right after the add must still abort it
                 self.engine.add_request(request_id, prompt, request_params)
-                added.append(request_id)
         except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
             for request_id in added:
                 self.engine.abort_request(request_id)

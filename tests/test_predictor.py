@@ -214,13 +214,15 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch
     monkeypatch.setattr(embedding_cache, "CHUNK_SIZE", 20)
     directory = embedding_cache.cache_dir(encoder.config, tmp_path / "cache")
     directory.mkdir(parents=True)
-    (directory / ".chunk_00007.npz.partial").write_bytes(b"killed mid-write")
+    (directory / ".chunk_00007.npz.partial").write_bytes(b"killed mid-write")  # never read
     embedding_cache.fill_cache(prompts[:40], encoder.config, root=tmp_path / "cache", encoder=encoder)
     # A chunk deleted in the middle: the next write goes after the highest, not over it.
     (directory / "chunk_00000.npz").unlink()
     embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
-    assert sorted(p.name for p in directory.glob("*chunk*")) == [
-        "chunk_00001.npz", "chunk_00002.npz", "chunk_00003.npz"]  # and the partial file is gone
+    (directory / "chunk_00001.bak.npz").write_bytes(b"a copy someone kept")  # not a chunk number
+    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    assert sorted(p.name for p in directory.glob("chunk_0000?.npz")) == [
+        "chunk_00001.npz", "chunk_00002.npz", "chunk_00003.npz"]
     # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal.
     (directory / "chunk_99999.npz").write_bytes(b"PK\x03\x04cut off")
     cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Sequence
@@ -82,11 +83,10 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAU
 
         encoder = MiniLMEncoder(config)
     keys = list(todo)
-    for stale in directory.glob(".chunk_*.partial"):  # left by a run killed mid-write
-        stale.unlink()
     # After the highest chunk, not after the count: a chunk deleted in the middle must not make
-    # the next write replace the newest one.
-    next_index = 1 + max((int(p.stem.split("_")[1]) for p in directory.glob("chunk_*.npz")), default=-1)
+    # the next write replace the newest one. (A partial file a killed run left is never read.)
+    numbers = (re.fullmatch(r"chunk_(\d+)\.npz", p.name) for p in directory.glob("chunk_*.npz"))
+    next_index = 1 + max((int(m.group(1)) for m in numbers if m), default=-1)
     for start in tqdm(range(0, len(keys), CHUNK_SIZE), desc="embed", unit="chunk"):
         chunk_keys = keys[start : start + CHUNK_SIZE]
         vectors = encoder.encode([todo[key] for key in chunk_keys]).astype(np.float16)

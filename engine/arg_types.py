@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from scheduler.request import SEED_MAX, SEED_MIN
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -52,3 +54,18 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
     return port
+
+
+def sampling_seed(text: str) -> int:
+    """A request's sampling seed: any 64-bit integer, as the HTTP API takes."""
+    value = int(text)
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {text}")
+    return value
+
+
+def top_k(text: str) -> int:
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, or -1 (disabled), got {text}")
+    return value

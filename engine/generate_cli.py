@@ -9,7 +9,7 @@ import argparse
 import json
 import logging
 
-from engine.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
+from engine.arg_types import non_negative_float, positive_float, positive_int, sampling_seed, top_k
 from engine.config import DEFAULT_MODEL, EngineConfig
 
 
@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=non_negative_int, default=None)
+    parser.add_argument("--top-k", type=top_k, default=0)
+    parser.add_argument("--seed", type=sampling_seed, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")

@@ -328,6 +328,16 @@ def test_invalid_field_is_a_400_naming_it(served, field, value):
     assert error["param"] == field
 
 
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "stop_token_ids", [-1]), ("/v1/chat/completions", "stop_token_ids", [True]),
+    ("/v1/completions", "prompt", [True, 5])])
+def test_token_ids_are_strict_integers(served, path, field, value):
+    # Before, a negative stop id got a 400 naming no field, and JSON true was taken as token id 1.
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), field: value}
+    error = error_of(post(served[0], path, body), 400)
+    assert error["param"].split(".")[0] == field
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, presence_penalty=0,
                                            frequency_penalty=0.0, logit_bias={}, logprobs=False,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
@@ -52,7 +52,9 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
-    stop_token_ids: list[int] | None = None
+    # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
+    # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     # Accepted only with their neutral values (NEUTRAL_VALUES), which clients often send explicitly.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -118,7 +120,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     # A text, or token ids; batches of prompts are not supported (one request, one sequence), but
     # a one-text list, as some clients always send, is that text.
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[StrictInt] = Field(min_length=1)
     echo: Literal[False] = False
     suffix: Literal[""] | None = None
 

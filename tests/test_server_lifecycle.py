@@ -350,3 +350,13 @@ def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engin
     refuse_until_stopped(async_engine._commands, EngineShuttingDown(), block=False)
     with pytest.raises(EngineShuttingDown):
         late.result(timeout=1)
+
+
+def test_serve_refuses_a_kv_cache_smaller_than_one_full_context():
+    # As vLLM does: otherwise every request without max_tokens (defaulting to the rest of the
+    # context) was refused as too large for the cache, with a 400 that did not say why.
+    from scheduler.config import SchedulerConfig
+
+    small = SchedulerConfig(num_gpu_blocks=32, block_size=16, max_model_len=1024)
+    assert "holds 512 tokens, fewer than max_model_len 1024" in serve_cli.kv_shortfall(small)
+    assert serve_cli.kv_shortfall(SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=1024)) is None

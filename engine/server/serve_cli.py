@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     config = build_engine_config(args)
     predictor_path = resolve_predictor(args.predictor)
     engine = LLMEngine(config)
+    too_small = kv_shortfall(engine.scheduler.config)
+    if too_small:
+        raise SystemExit(f"lengthwise serve: error: {too_small}")
     logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
@@ -159,6 +162,18 @@ def run(args: argparse.Namespace) -> int:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
     return 0
+
+
+def kv_shortfall(scheduler_config) -> str | None:
+    """Why the KV cache cannot serve a request of max_model_len tokens, or None when it can.
+
+    As vLLM refuses to start then: otherwise every request without max_tokens (whose default is
+    the rest of the context) would be refused as too large for the cache."""
+    capacity = scheduler_config.num_gpu_blocks * scheduler_config.block_size
+    if capacity >= scheduler_config.max_model_len:
+        return None
+    return (f"the KV cache holds {capacity} tokens, fewer than max_model_len {scheduler_config.max_model_len}: "
+            f"raise --kv-cache-memory or lower --max-model-len")
 
 
 def attention_backend_name(engine) -> str:

@@ -1,10 +1,10 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
 Per step: apply the swap copies (out before in; the scheduler never swaps in during a step that
-swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one [N] token batch with positions and slot
-mapping, build the AttentionMetadata once (every layer shares it), run the forward, and compute
-logits only at the last row of each chunk that samples. Tensors are built from a handful of
-vectorised ops per step, never per token or per layer.
+swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one
+[N] token batch with positions and slot mapping, build the AttentionMetadata once (every layer
+shares it), run the forward, and compute logits only at the last row of each chunk that samples.
+Tensors are built from a handful of vectorised ops per step, never per token or per layer.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.arg_types import positive_int
 from predictor.embed_lgbm import prior_outputs
 
 DEFAULT_PREDICTOR = Path("data/predictors/default")
@@ -72,7 +73,7 @@ def out_of_fold(trace_tables: list, trace_features: list[np.ndarray], folds: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--folds", type=positive_int, default=5)
     parser.add_argument("--json", type=Path, default=Path("out/oof_prior_stack.json"))
     args = parser.parse_args()
 

@@ -24,6 +24,8 @@ import argparse
 
 import numpy as np
 
+from engine.arg_types import positive_int
+
 
 def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[embedding | lexical] as training builds them, the predictor's log outputs, and the log true
@@ -39,7 +41,7 @@ def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--predictor", default="data/predictors/default")
-    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--folds", type=positive_int, default=5)
     args = parser.parse_args()
 
     from scipy import stats

@@ -31,11 +31,6 @@ MAX_BLOCK_T = 16
 
 
 @triton.jit
-def _finite_or_zero(x):
-    return tl.where((x == x) & (tl.abs(x) < float("inf")), x, tl.zeros_like(x))
-
-
-@triton.jit
 def _write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -73,8 +68,12 @@ def _write_kv_kernel(
     # inf and NaN (after the cast to the cache's type, as the reference checks) are stored as 0: a
     # later key's NaN value would otherwise reach earlier rows of a prefill chunk through p @ V
     # with p = 0 (0 * NaN).
-    k = _finite_or_zero(k.to(k_cache_ptr.dtype.element_ty))
-    v = _finite_or_zero(v.to(v_cache_ptr.dtype.element_ty))
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
+    # A literal 0.0, cast back: a jitted helper (tl.zeros_like included) fails in the test suite,
+    # which re-imports this module under the interpreter after it was loaded compiled.
+    k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, 0.0).to(k_cache_ptr.dtype.element_ty)
+    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0).to(v_cache_ptr.dtype.element_ty)
     k_dst = block_ids * stride_kc_blk + offs_slot * stride_kc_tok
     v_dst = block_ids * stride_vc_blk + offs_slot * stride_vc_tok
     tl.store(k_cache_ptr + k_dst[:, None] + offs_h[None, :] * stride_kc_head + offs_d[None, :], k, mask=mask)

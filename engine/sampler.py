@@ -47,10 +47,14 @@ class Sampler:
         self._position_generator = torch.Generator()  # reseeded for every seeded draw
 
     def _uniform(self, params: SamplingParams, position: int) -> torch.Tensor:
-        if params.seed is None:
-            return torch.rand((), generator=self._engine_generator)
-        self._position_generator.manual_seed(position_seed(params.seed, position))
-        return torch.rand((), generator=self._position_generator)
+        # float64: a float32 uniform is a multiple of 2**-24, so tokens whose cumulative interval
+        # is narrower than that (most of a 49k vocabulary at temperature 1) would be drawn with
+        # probability 0 or 2**-24 instead of their own.
+        generator = self._engine_generator
+        if params.seed is not None:
+            generator = self._position_generator
+            generator.manual_seed(position_seed(params.seed, position))
+        return torch.rand((), dtype=torch.float64, generator=generator)
 
     def sample(self, logits: torch.Tensor, positions: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
         """logits float32 [R, vocab], one row per request; `positions` [R]: where each row's new

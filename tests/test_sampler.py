@@ -98,3 +98,11 @@ def test_a_row_without_top_p_keeps_its_tail_when_sharing_the_sort_path():
     shared = _filtered_probs(torch.cat([logits, logits]), [SamplingParams(), SamplingParams(top_k=5)])
     assert (alone[0] > 0).sum() == 1000
     torch.testing.assert_close(shared[0], alone[0], rtol=0, atol=0)
+
+
+def test_uniforms_resolve_intervals_finer_than_float32():
+    # Tokens narrower than 2**-24 of the cumulative mass must still be reachable in proportion.
+    sampler = Sampler(seed=0)
+    draws = [float(sampler._uniform(params, 0)) for params in [SamplingParams(temperature=1.0)] * 50]
+    draws += [float(sampler._uniform(SamplingParams(seed=5), position)) for position in range(50)]
+    assert all((u * 2**24) % 1 != 0 for u in draws)

@@ -35,6 +35,15 @@ def test_poisson_arrivals_have_the_asked_rate_and_inf_sends_at_once():
     assert bench_serve.arrival_offsets(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
 
 
+def test_a_reply_cap_shortens_the_same_requests_instead_of_choosing_others():
+    uncapped = bench_serve.sample_workload(bench_args(num_prompts=40, max_model_len=1024))
+    capped = bench_serve.sample_workload(bench_args(num_prompts=40, max_model_len=1024, max_output_tokens=64))
+    assert [item.prompt for item in capped] == [item.prompt for item in uncapped]
+    assert [item.max_tokens for item in capped] == [min(item.max_tokens, 64) for item in uncapped]
+    assert any(item.max_tokens > 64 for item in uncapped)  # the cap did bind
+    assert all(item.prompt_tokens + item.max_tokens <= 1024 for item in uncapped)
+
+
 def test_goodput_counts_requests_meeting_every_slo():
     slos = parse_goodput(["ttft:2000", "e2el:30000"])
     assert slos == {"ttft": 2.0, "e2el": 30.0}

@@ -3,7 +3,9 @@
 Workload: ShareGPT turns of one split (the chat-templated prompt text, sent to /v1/completions so
 the server and its predictor see exactly the dataset's prompt), filtered to fit the context,
 sampled with a seed. `max_tokens` is the dataset's reply length (optionally capped); with
---ignore-eos every reply runs to it, otherwise the model may stop earlier.
+--ignore-eos every reply runs to it, otherwise the model may stop earlier. The filter reads the
+uncapped reply length, so a cap shortens the same requests rather than choosing others: runs with
+and without --max-output-tokens (or with different caps) serve the same prompts.
 
 Arrivals are open-loop: inter-arrival gaps drawn from a gamma distribution with shape
 --burstiness (1 = Poisson) and mean 1 / --request-rate; `inf` sends everything at once. Each
@@ -51,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
     parser.add_argument("--tier-mix", default=None, help="e.g. interactive:0.2,standard:0.6,batch:0.2")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
-    parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="cap on the dataset's reply length")
+    parser.add_argument("--max-output-tokens", type=positive_int, default=None,
+                        help="cap on the dataset's reply length (the same prompts are chosen with or without it)")
     parser.add_argument("--max-model-len", type=positive_int, default=2048, help="drop turns longer than this")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",

@@ -56,9 +56,11 @@ class Scheduler:
         """Queue a request; raises ValueError on bad input, AdmissionRejected when shed."""
         self._validate(request)
         now = request.arrival_time if now is None else now
+        # Offered load counts every valid arrival, shed or not: the margin says what the server
+        # is asked to do, and shedding is the answer to it.
+        self.admission.record_arrival(now, request)
         if self.config.enable_admission:
             self.admission.check(request, self.waiting + self.swapped, self.running)
-        self.admission.record_arrival(now, request)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

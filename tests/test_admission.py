@@ -98,8 +98,12 @@ def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
     ctl.check(req("b2", 500, 500, Tier.BATCH), [], [req("r", 10**5, 10**5)])  # running work: no SLO
 
 
+# Enough KV (262k tokens) that the margin tests below exercise the token and seat terms alone.
+ROOMY_KV_BLOCKS = 16384
+
+
 def test_two_quick_first_arrivals_are_not_an_overload() -> None:
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=512))
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512))
     ctl.record_arrival(0.0, req("a", 500, 500))
     ctl.record_step(now=0.02, num_tokens=512, step_time_s=0.02)
     ctl.record_arrival(0.02, req("b", 500, 500))
@@ -122,7 +126,7 @@ def test_scheduler_rejects_without_queueing() -> None:
 
 
 def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixture) -> None:
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=256,
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=256,
                                               stability_window_s=10.0))
     for second in range(10):
         ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)  # capacity 2000 tokens/s
@@ -143,7 +147,7 @@ def test_stability_margin_counts_seats_which_bind_decode_first() -> None:
     # One 300 + 200-token request a second, a step every 0.25 s: tokens need 500 of 2,000 a second,
     # but each request holds one of 8 seats for 200 decode steps plus a prefill chunk, 50 s of a
     # seat every second against 8 seats. Before, the margin read 0.25 for this queue without end.
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=8,
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=8,
                                               stability_window_s=10.0))
     for second in range(10):
         ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)
@@ -154,10 +158,51 @@ def test_stability_margin_counts_seats_which_bind_decode_first() -> None:
 def test_stability_margin_takes_the_rate_over_at_least_32_arrivals() -> None:
     # One arrival every 3 s: a 10 s window alone holds 3 or 4 of them, a rate that jumps with
     # every arrival; the last 32 span 93 s and give 32 / 93 per second.
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=500, max_num_seqs=256,
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=256,
                                               stability_window_s=10.0))
     for i in range(40):
         ctl.record_step(now=3.0 * i, num_tokens=500, step_time_s=0.25)
         ctl.record_arrival(3.0 * i, req(f"r{i}", 300, 200))
     now = 3.0 * 39
     assert ctl.stability_margin(now) == pytest.approx(32 / (now - 3.0 * 8) * 500 * 0.25 / 500)
+
+
+def test_stability_margin_counts_kv_which_binds_when_the_cache_fills() -> None:
+    # One 300 + 200-token request a second, a step every 0.25 s: each holds 300 + 100 KV tokens on
+    # average for 50 s, 20,000 tokens in use against a cache of 1,024 * 16 = 16,384. Tokens (500
+    # of 2,000 a second) and seats (50 of 256 seat-seconds a second) both read well below 1.
+    config = SchedulerConfig(num_gpu_blocks=1024, max_num_batched_tokens=500, max_num_seqs=256,
+                             stability_window_s=10.0)
+    ctl = AdmissionController(config)
+    for second in range(10):
+        ctl.record_step(now=float(second), num_tokens=500, step_time_s=0.25)
+        ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
+    assert ctl.stability_margin(9.0) == pytest.approx(1.0 * 200 * (300 + 200 / 2) * 0.25 / (1024 * 16))
+
+
+def test_the_token_term_measures_capacity_by_full_steps_not_the_mean_step() -> None:
+    # Mostly 32-token decode steps of 0.25 s and a few full 512-token steps of 0.88 s: capacity is
+    # 512 / 0.88 tokens/s, not 512 over the mean step.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512,
+                                              max_num_seqs=1024, stability_window_s=10.0))
+    for i in range(40):
+        full = i % 10 == 0
+        ctl.record_step(now=i * 0.25, num_tokens=512 if full else 32, step_time_s=0.88 if full else 0.25)
+    for i in range(40):
+        ctl.record_arrival(i * 0.25, req(f"r{i}", 100, 37.5))  # 40 arrivals over 10 s: 550 tokens/s
+    assert ctl.stability_margin(9.75) == pytest.approx(4.0 * 137.5 / (512 / 0.88))
+
+
+def test_shed_arrivals_count_in_the_offered_load() -> None:
+    config = SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=1024,
+                             max_queued_tokens=1000,
+                             enable_admission=True, stability_window_s=10.0)
+    scheduler = Scheduler(config)
+    for i in range(40):
+        try:
+            scheduler.add_request(req(f"r{i}", 300, 200), now=i * 0.25)
+        except AdmissionRejected:
+            pass
+    scheduler.record_step(10.0, 500, 0.25)
+    assert scheduler.stats().num_rejected > 30
+    assert scheduler.admission.stability_margin(10.0) == pytest.approx(40 / 10.0 * 500 / 2000)

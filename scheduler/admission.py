@@ -154,10 +154,12 @@ class AdmissionController:
         mean_decode = sum(d for _, _, d in self._arrivals) / len(self._arrivals)
         mean_kv_steps = sum(d * (p + d / 2) for _, p, d in self._arrivals) / len(self._arrivals)
         mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
-        # B / t_step of a full step: the window's best step rate. B over the mean step, mostly
-        # short decodes, overstated the served engine's capacity threefold (1,937 against 581
-        # tokens/s in a logged run).
-        token_capacity = max(tokens / seconds for _, seconds, tokens in self._steps)
+        # B / t_step of a full step: the best rate among steps that used at least half the budget.
+        # B over the mean step, mostly short decodes, overstated the served engine's capacity
+        # threefold (1,937 against 581 tokens/s in a logged run). Without such a step the budget
+        # has not bound in the window, and a small step's rate would understate capacity.
+        token_capacity = max((tokens / seconds for _, seconds, tokens in self._steps
+                              if 2 * tokens >= self.config.max_num_batched_tokens), default=0.0)
         loads = {
             "tokens": arrival_rate * (mean_prompt + mean_decode) / token_capacity if token_capacity else 0.0,
             "seats": arrival_rate * (mean_decode + mean_prompt / self.config.max_num_batched_tokens) * mean_step

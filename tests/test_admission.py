@@ -206,3 +206,18 @@ def test_shed_arrivals_count_in_the_offered_load() -> None:
     scheduler.record_step(10.0, 500, 0.25)
     assert scheduler.stats().num_rejected > 30
     assert scheduler.admission.stability_margin(10.0) == pytest.approx(40 / 10.0 * 500 / 2000)
+
+
+def test_small_steps_alone_do_not_stand_for_the_token_capacity() -> None:
+    # A server just started: two 20-token steps. Their rate (80 tokens/s) is demand, not capacity;
+    # 100 tokens/s offered against it would read 1.25. No step filled half the budget, so the
+    # budget has not bound and the token term stays out.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512,
+                                              max_num_seqs=1024, stability_window_s=10.0))
+    ctl.record_step(now=0.25, num_tokens=20, step_time_s=0.25)
+    ctl.record_step(now=0.5, num_tokens=20, step_time_s=0.25)
+    for i in range(10):
+        ctl.record_arrival(i * 1.0, req(f"r{i}", 50, 50))
+    seats = 1.0 * (50 + 50 / 512) * 0.25 / 1024
+    kv = 1.0 * 50 * (50 + 25) * 0.25 / (ROOMY_KV_BLOCKS * 16)
+    assert ctl.stability_margin(9.0) == pytest.approx(max(seats, kv))

@@ -193,7 +193,7 @@ class AsyncLLMEngine:
         stream = self._streams.get(request_id)
         self._forget(request_id)
         if stream is not None and not stream.finished:
-            self.listener.on_aborted(stream.tier)
+            self.listener.on_aborted(request_id, stream.tier)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -205,7 +205,7 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            self.listener.on_tokens(len(output.new_token_ids))
+            self.listener.on_output(output, stream.tier)
             stream.put(output)
             if output.finished:
                 self._forget(output.request_id)

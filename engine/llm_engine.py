@@ -239,7 +239,7 @@ class LLMEngine:
             new_text=new_text, finished=request.is_finished, finish_reason=request.status.finish_reason,
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
-            finish_time=request.finish_time, num_preemptions=request.num_preemptions)
+            finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now)
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,

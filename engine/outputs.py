@@ -23,3 +23,4 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    report_time: float | None = None  # engine clock at the end of the step that produced this output

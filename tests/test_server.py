@@ -547,7 +547,9 @@ def test_metrics_parse_with_vllm_like_names(served, client):
                      "lengthwise:prompt_tokens_total", "lengthwise:generation_tokens_total",
                      "lengthwise:time_to_first_token_seconds_bucket", "lengthwise:time_per_output_token_seconds_bucket",
                      "lengthwise:e2e_request_latency_seconds_bucket", "lengthwise:admission_rejections_total",
-                     "lengthwise:predictor_latency_seconds_count", "lengthwise:predictor_kendall_tau"):
+                     "lengthwise:request_time_per_output_token_seconds_bucket",
+                     "lengthwise:predictor_latency_seconds_count", "lengthwise:predictor_prompts_total",
+                     "lengthwise:predictor_kendall_tau"):
         assert expected in names, expected
     assert metric(samples, "lengthwise:server_info", policy="fcfs", model_name=MODEL) == 1
     assert metric(samples, "lengthwise:num_requests_running") == 0

@@ -2,9 +2,12 @@
 
 Each app owns a private CollectorRegistry (no process-global state, so tests can start several
 servers). Two sources feed it:
-- events from the async engine (admitted, rejected, tokens, prediction batches, finished requests),
-  recorded into counters and per-tier histograms as they happen (ServerMetrics is the engine's
-  EngineListener);
+- events from the async engine (admitted, rejected, each request's outputs, prediction batches,
+  finished requests), recorded into counters and per-tier histograms as they happen (ServerMetrics
+  is the engine's EngineListener). As in vLLM, TTFT and queue time are observed when the first
+  token comes (so an aborted request that had one counts, and a scrape during a long run is not
+  behind by whole requests), the inter-token latency once per token after the first, and the
+  end-to-end latency and a request's mean time per output token when it finishes;
 - the engine's latest stats snapshot (running, waiting, KV usage, preemptions, stability margin),
   read at scrape time by a custom collector, together with Kendall's tau of predicted against
   actual output length over the most recently finished requests.
@@ -30,7 +33,10 @@ if TYPE_CHECKING:
 
 PREFIX = "lengthwise:"
 TAU_WINDOW = 256  # finished requests kept for the rank correlation
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Up past the 1,800 s request timeout: on this CPU a third or more of a saturating benchmark's
+# requests took over 160 s, the old top bucket, so every tail quantile read 160 s.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+                   1280.0, 2560.0, 7680.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 PREDICT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -104,6 +110,7 @@ class ServerMetrics:
             {"model_name": model_name, **(info or {})})
         self._model_name = model_name
         self._tau_pairs: deque[tuple[float, float]] = deque(maxlen=TAU_WINDOW)
+        self._last_token_time: dict[str, float] = {}  # live requests that have their first token
         self.registry.register(_EngineStateCollector(model_name, stats, self._tau_pairs))
         labels = ["model_name"]
         tiered = ["model_name", "tier"]
@@ -116,14 +123,23 @@ class ServerMetrics:
                                 ["model_name", "tier", "finished_reason"], registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               tiered, buckets=LATENCY_BUCKETS, registry=reg)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time between output "
-                              "tokens of a request after the first.", tiered, buckets=TOKEN_BUCKETS, registry=reg)
+        # vLLM's names: the first is observed per token (its older name for the inter-token
+        # latency), the second per request.
+        self.itl = Histogram(PREFIX + "time_per_output_token_seconds", "Time between consecutive output "
+                             "tokens, one observation per token after the first.", tiered,
+                             buckets=TOKEN_BUCKETS, registry=reg)
+        self.request_tpot = Histogram(PREFIX + "request_time_per_output_token_seconds", "A finished request's "
+                                      "mean time per output token after the first.", tiered,
+                                      buckets=TOKEN_BUCKETS, registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
                              tiered, buckets=LATENCY_BUCKETS, registry=reg)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
                                     tiered, buckets=LATENCY_BUCKETS, registry=reg)
         self.predictor_latency = Histogram(PREFIX + "predictor_latency_seconds", "Time to score one "
                                            "batch of prompts.", labels, buckets=PREDICT_BUCKETS, registry=reg)
+        # With it, seconds per prompt = predictor_latency_seconds_sum / predictor_prompts_total.
+        self.predictor_prompts = Counter(PREFIX + "predictor_prompts", "Prompts scored by the predictor.",
+                                         labels, registry=reg)
         # Zero-valued series exist from the start, so dashboards and rate() see a refusal-free
         # server as 0 rather than as missing data.
         self.prompt_tokens.labels(model_name)
@@ -142,30 +158,51 @@ class ServerMetrics:
         if isinstance(error, AdmissionRejected):
             self.rejections.labels(self._model_name, tier.name.lower()).inc()
 
-    def on_tokens(self, num_new_tokens: int) -> None:
-        self.generation_tokens.labels(self._model_name).inc(num_new_tokens)
+    def on_output(self, output: RequestOutput, tier: Tier) -> None:
+        num_new = len(output.new_token_ids)
+        if num_new == 0:
+            return
+        self.generation_tokens.labels(self._model_name).inc(num_new)
+        labels = (self._model_name, tier.name.lower())
+        now = output.report_time if output.report_time is not None else output.first_token_time
+        previous = self._last_token_time.get(output.request_id)
+        if output.finished:
+            self._last_token_time.pop(output.request_id, None)
+        elif now is not None:
+            self._last_token_time[output.request_id] = now
+        if previous is None:  # this output holds the first token
+            self._observe_first_token(output, labels)
+            num_new -= 1
+        if previous is not None and now is not None and num_new > 0:
+            gap = max(0.0, now - previous) / num_new
+            for _ in range(num_new):
+                self.itl.labels(*labels).observe(gap)
 
-    def on_aborted(self, tier: Tier) -> None:
+    def _observe_first_token(self, output: RequestOutput, labels: tuple[str, str]) -> None:
+        arrival = output.arrival_time
+        if output.first_token_time is not None:
+            self.ttft.labels(*labels).observe(max(0.0, output.first_token_time - arrival))
+        if output.first_scheduled_time is not None:
+            self.queue_time.labels(*labels).observe(max(0.0, output.first_scheduled_time - arrival))
+
+    def on_aborted(self, request_id: str, tier: Tier) -> None:
+        self._last_token_time.pop(request_id, None)
         self.finished.labels(self._model_name, tier.name.lower(), "abort").inc()
 
     def on_prediction(self, latency_s: float, batch_size: int) -> None:
         self.predictor_latency.labels(self._model_name).observe(latency_s)
+        self.predictor_prompts.labels(self._model_name).inc(batch_size)
 
     def on_finished(self, output: RequestOutput, tier: Tier, prediction: Prediction | None) -> None:
         labels = (self._model_name, tier.name.lower())
         self.finished.labels(*labels, output.finish_reason or "unknown").inc()
         if output.finish_reason == "abort":
             return
-        arrival, first, finish = output.arrival_time, output.first_token_time, output.finish_time
-        if first is not None:
-            self.ttft.labels(*labels).observe(max(0.0, first - arrival))
-            if finish is not None and len(output.token_ids) > 1:
-                self.tpot.labels(*labels).observe(max(0.0, finish - first) / (len(output.token_ids) - 1))
+        first, finish = output.first_token_time, output.finish_time
+        if first is not None and finish is not None and len(output.token_ids) > 1:
+            self.request_tpot.labels(*labels).observe(max(0.0, finish - first) / (len(output.token_ids) - 1))
         if finish is not None:
-            self.e2e.labels(*labels).observe(max(0.0, finish - arrival))
-        scheduled = output.first_scheduled_time
-        if scheduled is not None:
-            self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
+            self.e2e.labels(*labels).observe(max(0.0, finish - output.arrival_time))
         if prediction is not None:
             # The predicted ranking length, the order the scheduler uses, but not clamped to max_tokens as
             # the scheduler's key is: in a benchmark with ignore_eos, max_tokens is the true

@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics, fed by hand-made engine outputs: what is observed, and when."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.outputs import RequestOutput
+from engine.server.metrics import ServerMetrics
+from scheduler.request import Tier
+
+MODEL = "tiny"
+
+
+def samples_of(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def step_output(request_id: str, num_tokens: int, report_time: float, finished: bool = False,
+                arrival: float = 0.0) -> RequestOutput:
+    """The output after the step at `report_time`, which produced token number `num_tokens`; the
+    first token came at arrival + 1 s, the first seat at arrival + 0.5 s."""
+    return RequestOutput(request_id, (1, 2), (7,) * num_tokens, (7,), "", "", finished,
+                         "length" if finished else None, arrival, arrival + 0.5, arrival + 1.0,
+                         report_time if finished else None, report_time=report_time)
+
+
+def test_first_token_inter_token_and_end_to_end_are_observed_when_they_happen():
+    metrics = ServerMetrics(MODEL, lambda: None)
+    times = [1.0, 1.25, 1.5, 2.0, 3.0]  # five tokens, gaps 0.25, 0.25, 0.5, 1.0
+    for n, t in enumerate(times[:-1], start=1):
+        metrics.on_output(step_output("a", n, t), Tier.STANDARD)
+        if n == 1:  # TTFT and queue time as soon as the first token is out, before the request ends
+            early = samples_of(metrics)
+            assert total(early, "lengthwise:time_to_first_token_seconds_count") == 1
+            assert total(early, "lengthwise:time_to_first_token_seconds_sum") == pytest.approx(1.0)
+            assert total(early, "lengthwise:request_queue_time_seconds_sum") == pytest.approx(0.5)
+    final = step_output("a", 5, times[-1], finished=True)
+    metrics.on_output(final, Tier.STANDARD)
+    metrics.on_finished(final, Tier.STANDARD, None)
+    samples = samples_of(metrics)
+    assert total(samples, "lengthwise:time_per_output_token_seconds_count") == 4
+    assert total(samples, "lengthwise:time_per_output_token_seconds_sum") == pytest.approx(2.0)
+    assert total(samples, "lengthwise:request_time_per_output_token_seconds_count") == 1
+    assert total(samples, "lengthwise:request_time_per_output_token_seconds_sum") == pytest.approx(0.5)
+    assert total(samples, "lengthwise:time_to_first_token_seconds_count") == 1
+    assert total(samples, "lengthwise:e2e_request_latency_seconds_sum") == pytest.approx(3.0)
+    assert total(samples, "lengthwise:generation_tokens_total") == 5
+    assert not metrics._last_token_time  # nothing kept for a finished request
+
+
+def test_an_aborted_request_keeps_its_first_token_and_leaves_nothing_behind():
+    metrics = ServerMetrics(MODEL, lambda: None)
+    metrics.on_output(step_output("a", 1, 1.0), Tier.INTERACTIVE)
+    metrics.on_output(step_output("a", 2, 1.5), Tier.INTERACTIVE)
+    metrics.on_aborted("a", Tier.INTERACTIVE)
+    samples = samples_of(metrics)
+    assert total(samples, "lengthwise:time_to_first_token_seconds_count", tier="interactive") == 1
+    assert total(samples, "lengthwise:request_success_total", finished_reason="abort") == 1
+    assert total(samples, "lengthwise:e2e_request_latency_seconds_count") == 0
+    assert not metrics._last_token_time
+
+
+def test_long_latencies_land_in_finite_buckets():
+    # A saturated CPU server has requests of several minutes; the top bucket must not flatten them.
+    metrics = ServerMetrics(MODEL, lambda: None)
+    for arrival, finish in ((0.0, 300.0), (0.0, 1500.0)):
+        final = step_output(f"r{finish}", 3, finish, finished=True, arrival=arrival)
+        metrics.on_finished(final, Tier.STANDARD, None)
+    counts = {float(dict(ls)["le"]): v for (n, ls), v in samples_of(metrics).items()
+              if n == "lengthwise:e2e_request_latency_seconds_bucket"}
+    finite = {le: v for le, v in counts.items() if le != float("inf")}
+    assert 1 in finite.values() and 2 in finite.values()  # each request below a finite bound
+    assert all(v == 0 for le, v in finite.items() if le < 300.0)
+
+
+def test_prompts_scored_are_counted_beside_the_batch_latency():
+    metrics = ServerMetrics(MODEL, lambda: None)
+    metrics.on_prediction(0.032, 32)
+    metrics.on_prediction(0.010, 1)
+    samples = samples_of(metrics)
+    assert total(samples, "lengthwise:predictor_prompts_total") == 33
+    assert total(samples, "lengthwise:predictor_latency_seconds_count") == 2

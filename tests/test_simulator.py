@@ -182,6 +182,19 @@ def test_overtakes_beyond_the_aging_bound_are_counted_request_by_request() -> No
     assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 5.0)["meets_wait_within_aging_bound"] is False
 
 
+def test_the_throughput_goal_also_reads_each_policy_saturated() -> None:
+    # At a load below 1 both policies serve the arrival rate, so that ratio is 1 by construction.
+    fcfs = {"mean_e2e_s": 2.0, "p99_e2e_longest10pct_s": 1.0, "output_tokens_per_s": 50.0, "max_wait_s": 1.0,
+            "num_rejected": 0, "saturated_output_tokens_per_s": 100.0}
+    sjf = {**fcfs, "saturated_output_tokens_per_s": 90.0}
+    checks = goal_checks({"fcfs": fcfs, "sjf": sjf}, 5.0)
+    assert checks["throughput_sjf_over_fcfs"] == 1.0
+    assert checks["saturated_throughput_sjf_over_fcfs"] == pytest.approx(0.9)
+    assert checks["meets_throughput_5pct"] is False
+    sjf["saturated_output_tokens_per_s"] = 97.0
+    assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 5.0)["meets_throughput_5pct"] is True
+
+
 @pytest.mark.integration
 def test_simulate_cli_on_sharegpt(tmp_path) -> None:
     import json

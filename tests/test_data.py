@@ -134,3 +134,17 @@ def test_load_turns_by_split(turns):
     test_split = dataset.load_turns("test")
     assert set(test_split["split"]) == {"test"}
     assert 0 < test_split.num_rows < turns.num_rows
+
+
+def test_last_message_dedup_catches_a_train_message_after_another_history():
+    from training.labels import last_message_in_train
+
+    def chat(*turns: str) -> str:  # ChatML as the table holds it: alternating user and assistant
+        roles = ["user", "assistant"] * len(turns)
+        body = "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in zip(roles, turns))
+        return body + "<|im_start|>assistant\n"
+
+    seen = last_message_in_train([chat("a history never seen", "a reply", "continue"),
+                                  chat("zq3 a message no train prompt has ever ended with 81x"),
+                                  chat("continue")])
+    assert seen.tolist() == [True, False, True]

@@ -1,7 +1,8 @@
 """`lengthwise eval-predictor`: a saved predictor on the test split, whole and deduplicated.
 
 Reports Kendall's tau (primary), tau with the prompts that occur verbatim in the train split
-removed, Spearman, pairwise order accuracy, MAE of log length, quantile coverage, and latency
+removed (and, stricter, with every prompt whose last user message is some train prompt's last user
+message removed), Spearman, pairwise order accuracy, MAE of log length, quantile coverage, and latency
 per prompt at batch 1 and 32 (median over repeated calls on test prompts, after one warm-up).
 """
 
@@ -26,6 +27,7 @@ LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
 class EvaluationReport:
     kendall_tau: float  # of rank_len, the order the scheduler uses
     kendall_tau_dedup: float
+    kendall_tau_dedup_last_message: float  # also without prompts whose last user message is in train
     kendall_tau_score: float  # of the predictor's own score
     spearman: float
     pairwise_accuracy: float
@@ -36,6 +38,7 @@ class EvaluationReport:
     latency_ms_p50_batch32: float | None
     num_examples: int
     num_examples_dedup: int
+    num_examples_dedup_last_message: int
     kind: str
     predictor: str
     labels: str
@@ -80,14 +83,18 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     whole = prediction_metrics(test.lengths, predictions)
     keep = ~test.in_train
     dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
+    strict = keep & ~label_data.last_message_in_train(test.prompts)
+    dedup_strict = prediction_metrics(test.lengths[strict], [p for p, k in zip(predictions, strict) if k])
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}
     return EvaluationReport(
         kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau,
+        kendall_tau_dedup_last_message=dedup_strict.kendall_tau,
         kendall_tau_score=whole.kendall_tau_score, spearman=whole.spearman,
         pairwise_accuracy=whole.pairwise_accuracy, mae_log=whole.mae_log, p50_coverage=whole.p50_coverage,
         p90_coverage=whole.p90_coverage, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
-        num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples, kind=model.kind,
+        num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
+        num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,
         predictor=str(predictor_path), labels=labels,
     )
 

@@ -63,6 +63,16 @@ def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut |
     )
 
 
+def last_message_in_train(prompts: list[str]) -> np.ndarray:
+    """bool [N]: the prompt's last user message occurs verbatim as the last user message of a train
+    split prompt. Stricter than `in_train` (the whole templated prompt): "continue" after any
+    history matches, and a predictor that reads only the last message could have memorized it."""
+    from predictor.features import parse_prompt
+
+    seen = {parse_prompt(prompt).request for prompt in dataset.load_turns("train")["prompt"]}
+    return np.asarray([parse_prompt(prompt).request in seen for prompt in prompts], dtype=bool)
+
+
 def subsample(split: LabelledSplit, limit: int | None, seed: int = 0) -> LabelledSplit:
     """A seeded random subset of at most `limit` rows (the whole split when limit is None)."""
     if limit is None or limit >= len(split):

@@ -130,6 +130,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Queueing again after a preemption: since when (None while it holds a seat), and how long in all.
+    requeued_at: float | None = None
+    requeued_wait_s: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
     predicted_p50: float | None = None  # median of the predicted output length (srpt's tail fit)

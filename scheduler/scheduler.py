@@ -125,6 +125,8 @@ class Scheduler:
         if not plan.preempted_ids:
             self._schedule_swapped(plan, now)
         self._schedule_waiting(plan, now)
+        for request_id in plan.preempted_ids:  # queued again from now: more queueing delay
+            self._requests[request_id].requeued_at = now
         return build_chunks(plan, finished_ids, now)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:

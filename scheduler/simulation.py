@@ -107,15 +107,22 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    requeued_wait_s: float = 0.0  # queued again after preemptions
 
     @property
     def e2e_s(self) -> float:
         return (self.finish_time or 0.0) - self.arrival_time
 
     @property
-    def wait_s(self) -> float:
+    def first_wait_s(self) -> float:
         """Queueing delay before the first scheduled chunk."""
         return (self.first_scheduled_time or 0.0) - self.arrival_time
+
+    @property
+    def wait_s(self) -> float:
+        """All queueing delay: before the first scheduled chunk, and again after each preemption
+        until the request is scheduled once more."""
+        return self.first_wait_s + self.requeued_wait_s
 
     @property
     def ttft_s(self) -> float:
@@ -138,7 +145,8 @@ def _record(request: Request, rejected: bool = False) -> RequestRecord:
         request_id=request.request_id, tier=request.tier, arrival_time=request.arrival_time,
         output_tokens=request.num_output_tokens, rejected=rejected,
         first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
-        finish_time=request.finish_time, num_preemptions=request.num_preemptions)
+        finish_time=request.finish_time, num_preemptions=request.num_preemptions,
+        requeued_wait_s=request.requeued_wait_s)
 
 
 def _next_token(request: Request) -> int:

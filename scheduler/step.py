@@ -65,6 +65,9 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
             block_ids=tuple(request.block_ids), sample=request.num_computed_tokens == request.num_tokens))
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
+        if request.requeued_at is not None:
+            request.requeued_wait_s += now - request.requeued_at
+            request.requeued_at = None
     return SchedulerOutput(
         chunks=tuple(chunks), preempted_ids=tuple(plan.preempted_ids), finished_ids=finished_ids,
         swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),

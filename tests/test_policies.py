@@ -208,12 +208,15 @@ def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str
     for request in batch:
         scheduler.add_request(request)
     interactive = req("i0", 5.0, predicted=5, tier=Tier.INTERACTIVE, prompt_len=5, max_tokens=6)
+    resumed_at = None
     for step in range(200):
         if step == 5:
             scheduler.add_request(interactive)
         output = scheduler.schedule(float(step))
         if step == 5:  # both seats held by batch work: the newer batch request gives way at once
             assert "b1" in output.preempted_ids and "i0" in {c.request_id for c in output.chunks}
+        if step > 5 and resumed_at is None and "b1" in {c.request_id for c in output.chunks}:
+            resumed_at = step
         scheduler.update_from_output(output, runner.execute(output), float(step))
         if not scheduler.has_unfinished_requests():
             break
@@ -223,6 +226,9 @@ def test_interactive_preempts_batch_and_batch_resumes_with_every_token(mode: str
                                                             request.sampling_params.max_tokens)
     assert batch[1].num_preemptions >= 1 and interactive.num_preemptions == 0
     assert interactive.finish_time < batch[1].finish_time
+    # Preempted once: its second wait runs from the preempting step to its return.
+    assert batch[1].num_preemptions == 1
+    assert batch[1].requeued_wait_s == pytest.approx(resumed_at - 5) and resumed_at > 6
 
 
 def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:

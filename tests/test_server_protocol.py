@@ -137,3 +137,15 @@ def test_chat_content_parts_are_joined_and_bad_parts_are_400(served, client):
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": image}]}
     error = error_of(post(served[0], "/v1/chat/completions", body), 400)
     assert error["param"] == "messages.0.content" and "image_url" in error["message"]
+
+
+# ---- defaults --------------------------------------------------------------------------------
+def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context(served, client):
+    # As OpenAI's legacy completions and vLLM's CompletionRequest; an explicit null is the default too.
+    body = {"model": MODEL, "prompt": "Hello", "temperature": 0, "ignore_eos": True}
+    for extra in ({}, {"max_tokens": None}):
+        response = post(served[0], "/v1/completions", {**body, **extra})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 16
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == SHORT_MODEL_LEN - chat.usage.prompt_tokens > 16

@@ -37,7 +37,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context (chat)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -68,7 +68,8 @@ class _Request(BaseModel):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
-    @field_validator("temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k", mode="before")
+    @field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k",
+                     mode="before")
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI's API (and its clients) take an explicit null as "not set".
@@ -121,6 +122,9 @@ class CompletionRequest(_Request):
     # A text, or token ids; batches of prompts are not supported (one request, one sequence), but
     # a one-text list, as some clients always send, is that text.
     prompt: str | list[StrictInt] = Field(min_length=1)
+    # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
+    # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
+    max_tokens: int = Field(default=16, ge=1)
     echo: Literal[False] = False
     suffix: Literal[""] | None = None
 

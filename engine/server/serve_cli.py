@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
 def kv_shortfall(scheduler_config) -> str | None:
     """Why the KV cache cannot serve a request of max_model_len tokens, or None when it can.
 
-    As vLLM refuses to start then: otherwise every request without max_tokens (whose default is
-    the rest of the context) would be refused as too large for the cache."""
+    As vLLM refuses to start then: otherwise every chat request without max_tokens (whose default
+    is the rest of the context) would be refused as too large for the cache."""
     capacity = scheduler_config.num_gpu_blocks * scheduler_config.block_size
     if capacity >= scheduler_config.max_model_len:
         return None

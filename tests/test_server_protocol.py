@@ -65,6 +65,13 @@ def client(served) -> openai.OpenAI:
     ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("logprobs", True), ("top_logprobs", 2),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
+    # vLLM's and OpenAI's newer output-changing fields, refused rather than silently ignored.
+    ("include_stop_str_in_output", True), ("add_generation_prompt", False), ("continue_final_message", True),
+    ("skip_special_tokens", False), ("echo", True), ("use_beam_search", True), ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"regex": "a+"}), ("allowed_token_ids", [1, 2]), ("functions", [{"name": "f"}]),
+    ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
@@ -88,6 +95,17 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
                                            frequency_penalty=0.0, logit_bias={}, logprobs=False,
                                            response_format={"type": "text"}, tool_choice="none")
     assert reply.usage.completion_tokens >= 1
+    neutral = {"include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,
+               "skip_special_tokens": True, "echo": False, "use_beam_search": False, "guided_json": None,
+               "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+               "allowed_token_ids": None, "functions": [], "function_call": "none", "prediction": None,
+               "audio": None, "modalities": ["text"]}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    for value_of in (lambda field, value: value, lambda field, value: None):
+        sent = {field: value_of(field, value) for field, value in neutral.items()}
+        assert post(served[0], "/v1/chat/completions", {**body, **sent}).status_code == 200, sent
+    for echo in (False, None):
+        assert post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": echo}).status_code == 200
     one = client.completions.create(model=MODEL, prompt=["Hello"], max_tokens=2, temperature=0, suffix="")
     assert one.choices[0].text == client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
                                                             temperature=0).choices[0].text

@@ -2,13 +2,15 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (n > 1, logprobs, penalties, logit_bias, tools, JSON mode,
-non-text content) are refused with a 400 unless they carry their neutral value, rather than
-silently dropped: a client would otherwise get other output than it asked for, and no signal.
+fields the server cannot honour (n > 1, logprobs, penalties, logit_bias, tools and functions, JSON
+mode and guided decoding, beam search, echo, chat-template switches, non-text content or output)
+are refused with a 400 unless they carry their neutral value, rather than silently dropped: a
+client would otherwise get other output than it asked for, and no signal.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -21,11 +23,18 @@ from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 
 
-# Output-changing fields this server does not implement -> the values that change nothing.
+# Output-changing fields this server does not implement -> the values that change nothing. A field
+# is checked on every endpoint whose request model declares it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,),
+    # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 
 
@@ -67,6 +76,17 @@ class _Request(BaseModel):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    echo: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    # Refused whatever their value unless null, so their shape is not checked.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
 
     @field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k",
                      mode="before")
@@ -75,12 +95,14 @@ class _Request(BaseModel):
         # OpenAI's API (and its clients) take an explicit null as "not set".
         return cls.model_fields[info.field_name].default if value is None else value
 
-    @field_validator(*NEUTRAL_VALUES)
+    @field_validator(*NEUTRAL_VALUES, check_fields=False)  # chat-only fields live on the subclass
     @classmethod
     def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value not in NEUTRAL_VALUES[info.field_name]:
-            raise ValueError(f"{info.field_name} is not supported by this server (send it unset or "
-                             f"{NEUTRAL_VALUES[info.field_name][-1]!r})")
+        neutral = NEUTRAL_VALUES[info.field_name]
+        if value is not None and value not in neutral:
+            usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
+            raise ValueError(f"{info.field_name} is not supported by this server (send it unset"
+                             f"{' or ' + usable if usable else ''})")
         return value
 
     @field_validator("stream_options")
@@ -125,7 +147,6 @@ class CompletionRequest(_Request):
     # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
     max_tokens: int = Field(default=16, ge=1)
-    echo: Literal[False] = False
     suffix: Literal[""] | None = None
 
     @field_validator("prompt", mode="before")
@@ -179,6 +200,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:

@@ -142,10 +142,12 @@ def test_openai_client_raises_bad_request_with_the_param(client):
     assert raised.value.status_code == 400 and raised.value.param == "max_tokens"
 
 def test_chat_content_parts_are_joined_and_bad_parts_are_400(served, client):
-    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]
+    # Joined with a newline, as vLLM joins them.
+    parts = [{"type": "text", "text": "Name three colours."}, {"type": "text", "text": "Be brief."}]
     as_parts = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
                                               max_tokens=3, temperature=0)
-    as_text = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    joined = [{"role": "user", "content": "Name three colours.\nBe brief."}]
+    as_text = client.chat.completions.create(model=MODEL, messages=joined, max_tokens=3, temperature=0)
     assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     bad = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}

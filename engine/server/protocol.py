@@ -191,10 +191,10 @@ class ChatMessage(BaseModel):
         return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
-        """The message's text (content parts are all text, joined as they come)."""
+        """The message's text: its text parts joined with newlines, as vLLM joins them."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Request):

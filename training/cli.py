@@ -40,6 +40,9 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
         command_parser = groups[path[:-1]].add_parser(path[-1], help=help_text)
         command_parser.set_defaults(_module=module)
         parsers[path] = command_parser
+    # argparse names a missing required subcommand by its metavar, else by its dest ("command_1").
+    for group in groups.values():
+        group.metavar = "{" + ",".join(group.choices) + "}"
     # Only the chosen command's module is imported to add its arguments.
     for path, command_parser in parsers.items():
         if list(path) == argv[: len(path)]:

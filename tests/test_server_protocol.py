@@ -169,3 +169,19 @@ def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context(se
         assert response.json()["usage"]["completion_tokens"] == 16
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == SHORT_MODEL_LEN - chat.usage.prompt_tokens > 16
+
+
+def test_an_assistant_message_may_have_null_content_but_others_may_not(served):
+    # OpenAI leaves an assistant turn's content null (or out) when it carries tool calls.
+    def conversation(assistant: dict) -> list[dict]:
+        return [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}, *CHAT]
+
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    replies = [post(served[0], "/v1/chat/completions", {**body, "messages": conversation(assistant)})
+               for assistant in ({"content": ""}, {"content": None}, {})]
+    assert [reply.status_code for reply in replies] == [200] * 3, replies[-1].text
+    assert len({reply.json()["usage"]["prompt_tokens"] for reply in replies}) == 1
+    for role in ("user", "system"):
+        error = error_of(post(served[0], "/v1/chat/completions",
+                              {**body, "messages": [{"role": role, "content": None}, *CHAT]}), 400)
+        assert error["param"] == "messages.0.content" and "assistant" in error["message"]

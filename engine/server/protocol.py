@@ -171,11 +171,20 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    # Never None once validated: a null or absent content is read as "" in an assistant turn.
+    content: str | list[ContentPart] = Field(default=None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _text_parts_only(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None:
+            # OpenAI sends an assistant turn that made tool calls with a null content, and vLLM
+            # takes it; any other turn without text is a client's mistake.
+            role = info.data.get("role")
+            if role != "assistant":
+                raise ValueError(f"content is required{f' in a {role} message' if role else ''}; "
+                                 "only an assistant message may leave it null or out")
+            return ""
         # Checked before the union is tried, so the 400 says what is wrong with the part.
         for index, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None

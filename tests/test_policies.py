@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 import pytest
 
@@ -21,7 +22,10 @@ CONFIG = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_model_len=256)
 def req(request_id: str, arrival: float = 0.0, predicted: float | None = None, tier: Tier = Tier.STANDARD,
         priority: int = 0, true_len: int | None = None, prompt_len: int = 4, max_tokens: int = 200,
         **kwargs) -> Request:
-    prompt = [1 + (i * 5 + len(request_id)) % 90 for i in range(prompt_len)]
+    # Seeded by the whole id: two requests of one size must not share a prompt, or a mix-up of
+    # their KV blocks would still give each the reference tokens.
+    offset = zlib.crc32(request_id.encode())
+    prompt = [1 + (i * 5 + offset) % 90 for i in range(prompt_len)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    arrival_time=arrival, predicted_len=predicted, tier=tier, priority=priority,
                    true_len=true_len, **kwargs)
@@ -278,21 +282,29 @@ def assert_within_step_limits(scheduler: Scheduler, output) -> None:
     assert len(output.chunks) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
 
 
-def random_arrivals(rng: random.Random) -> tuple[list[Request], dict[int, Request]]:
-    """Twelve requests of random tiers, priorities, predictions and sizes, arriving at random steps."""
-    steps = rng.sample(range(40), 12)
+def random_arrivals(rng: random.Random) -> tuple[list[Request], dict[int, list[Request]]]:
+    """Twelve requests of random tiers, priorities, predictions and sizes, arriving at random steps,
+    some steps bringing several (so one step can admit two urgent requests)."""
+    steps = sorted(rng.randrange(24) for _ in range(12))
     requests = [req(f"r{i}", float(step), predicted=rng.randint(2, 30), tier=rng.choice(list(Tier)),
                     priority=rng.randint(0, 3), prompt_len=rng.randint(2, 20), max_tokens=rng.randint(2, 30))
                 for i, step in enumerate(steps)]
-    return requests, dict(zip(steps, requests))
+    arrivals: dict[int, list[Request]] = {}
+    for step, request in zip(steps, requests):
+        arrivals.setdefault(step, []).append(request)
+    return requests, arrivals
 
 
-def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, Request], steps: int = 300) -> None:
+def add_arrivals(scheduler: Scheduler, arrivals: dict[int, list[Request]], step: int) -> None:
+    for request in arrivals.get(step, ()):
+        scheduler.add_request(request)
+
+
+def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, list[Request]], steps: int = 300) -> None:
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
     for step in range(steps):
-        if step in arrivals:
-            scheduler.add_request(arrivals[step])
+        add_arrivals(scheduler, arrivals, step)
         output = scheduler.schedule(float(step))
         assert_within_step_limits(scheduler, output)
         scheduler.update_from_output(output, runner.execute(output), float(step))
@@ -312,7 +324,7 @@ def test_an_interactive_prefill_short_of_blocks_preempts_batch_decodes_not_itsel
     scheduler = Scheduler(config_with_preemption(mode, 8, max_num_seqs=2, max_num_batched_tokens=8, kv_watermark=0.0))
     batch = req("b", 0.0, predicted=20, tier=Tier.BATCH, prompt_len=16, max_tokens=12)
     interactive = req("i", 3.0, predicted=4, tier=Tier.INTERACTIVE, prompt_len=20, max_tokens=4)
-    run_with_arrivals(scheduler, {0: batch, 3: interactive})
+    run_with_arrivals(scheduler, {0: [batch], 3: [interactive]})
     assert interactive.num_preemptions == 0 and batch.num_preemptions >= 1
     assert_every_token([batch, interactive])
 
@@ -352,7 +364,7 @@ def test_a_swapped_batch_request_does_not_come_back_ahead_of_a_waiting_interacti
     b0 = req("b0", 0.0, tier=Tier.BATCH, prompt_len=8, max_tokens=10)
     i1 = req("i1", 2.0, tier=Tier.INTERACTIVE, prompt_len=4, max_tokens=5)
     i2 = req("i2", 3.0, tier=Tier.INTERACTIVE, prompt_len=4, max_tokens=5)
-    run_with_arrivals(scheduler, {0: b0, 2: i1, 3: i2})
+    run_with_arrivals(scheduler, {0: [b0], 2: [i1], 3: [i2]})
     assert b0.num_preemptions == 1 and i1.num_preemptions == 0 and i2.num_preemptions == 0
     assert i2.finish_time < b0.finish_time
     assert_every_token([b0, i1, i2])
@@ -374,8 +386,7 @@ def test_a_swapped_request_keeps_its_place_and_never_waits_behind_lower_tier_wor
         runner = PagedTokenRunner(24, 4, 48)
         requests, arrivals = random_arrivals(rng)
         for step in range(2000):
-            if step in arrivals:
-                scheduler.add_request(arrivals[step])
+            add_arrivals(scheduler, arrivals, step)
             waiting_before, swapped_before = {r.request_id for r in scheduler.waiting}, list(scheduler.swapped)
             output = scheduler.schedule(float(step))
             assert_within_step_limits(scheduler, output)
@@ -443,8 +454,7 @@ def test_nobody_ranked_after_a_request_preempted_in_a_step_is_admitted_in_it(pol
         runner = PagedTokenRunner(20, 4, 0)
         requests, arrivals = random_arrivals(rng)
         for step in range(2000):
-            if step in arrivals:
-                scheduler.add_request(arrivals[step])
+            add_arrivals(scheduler, arrivals, step)
             waiting_before = {r.request_id for r in scheduler.waiting}
             output = scheduler.schedule(float(step))
             victims = [scheduler.get_request(r) for r in output.preempted_ids]
@@ -506,5 +516,35 @@ def test_srpt_never_preempts_a_request_admitted_in_the_same_step(seats: int, arr
                                                  kv_watermark=0.0, policy="srpt", aging_tokens_per_s=5.0))
     requests = {step: req(f"r{i}", float(step), predicted=predicted, prompt_len=prompt, max_tokens=max_tokens)
                 for i, (step, predicted, prompt, max_tokens) in enumerate(arrivals)}
-    run_with_arrivals(scheduler, requests, steps=2000)
+    run_with_arrivals(scheduler, {step: [request] for step, request in requests.items()}, steps=2000)
     assert_every_token(list(requests.values()))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("seats, blocks, victims, chunks", [
+    (2, 16, ["b0", "b1"], ["i0", "i1"]),  # seats bind: each urgent request takes one victim's seat
+    (4, 11, ["b1"], ["b0", "i0", "i1"]),  # blocks bind: 7 free fit the first (4), not both (8)
+])
+def test_two_urgent_arrivals_in_one_step_are_admitted_with_the_room_left_by_the_first(
+        mode: str, seats: int, blocks: int, victims: list[str], chunks: list[str]) -> None:
+    # Two batch requests decode; two interactive requests arrive in the same step. The second
+    # urgent admission relies on the seats, blocks and budget left after the first: it must
+    # neither overfill the step nor be left waiting for room it was counted.
+    scheduler = Scheduler(config_with_preemption(mode, blocks, max_num_seqs=seats, max_num_batched_tokens=32,
+                                                 kv_watermark=0.0, policy="sjf"))
+    runner = PagedTokenRunner(blocks, 4, scheduler.config.num_cpu_blocks)
+    batch = [req(f"b{i}", float(i), predicted=20, tier=Tier.BATCH, prompt_len=6, max_tokens=20) for i in range(2)]
+    urgent = [req(f"i{i}", 3.0, predicted=4, tier=Tier.INTERACTIVE, prompt_len=14, max_tokens=4) for i in range(2)]
+    for step in range(200):
+        add_arrivals(scheduler, {0: batch, 3: urgent}, step)
+        output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
+        if step == 3:
+            assert sorted(output.preempted_ids) == victims
+            assert sorted(c.request_id for c in output.chunks) == chunks
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert_every_token(batch + urgent)
+    assert scheduler.block_manager.num_free_blocks == blocks

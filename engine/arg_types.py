@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 from scheduler.request import SEED_MAX, SEED_MIN
 
@@ -69,3 +70,50 @@ def top_k(text: str) -> int:
     if value < -1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, or -1 (disabled), got {text}")
     return value
+
+
+def top_p(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
+def stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {text}")
+    return value
+
+
+def tier_weights(text: str) -> list[float]:
+    """Weights of the interactive, standard and batch tiers: three numbers >= 0, not all zero."""
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"takes three weights >= 0, not all zero, for interactive,standard,batch (e.g. 0,1,0), got {text!r}")
+    return weights
+
+
+def checked_by(parse: Callable[[str], object], name: str) -> Callable[[str], str]:
+    """An argparse type that keeps the text but refuses it when `parse(text)` raises ValueError,
+    with that error's message (argparse would print only "invalid value")."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    check.__name__ = name
+    return check

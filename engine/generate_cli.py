@@ -9,7 +9,8 @@ import argparse
 import json
 import logging
 
-from engine.arg_types import non_negative_float, positive_float, positive_int, sampling_seed, top_k
+from engine.arg_types import (non_negative_float, positive_float, positive_int, sampling_seed, stop_string, top_k,
+                              top_p)
 from engine.config import DEFAULT_MODEL, EngineConfig
 
 
@@ -19,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="feed the prompts as they are, no chat template")
     parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=top_p, default=1.0)
     parser.add_argument("--top-k", type=top_k, default=0)
     parser.add_argument("--seed", type=sampling_seed, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop", type=stop_string, action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
     parser.add_argument("--max-model-len", type=positive_int, default=2048)

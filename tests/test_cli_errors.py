@@ -19,3 +19,65 @@ def usage_error(capsys, argv: list[str]) -> str:
 def test_a_missing_subcommand_is_named_by_its_choices(capsys) -> None:
     assert "required: {engine,serve,attention}" in usage_error(capsys, ["bench"])
     assert "required: {prepare}" in usage_error(capsys, ["data"])
+
+
+def one_line_error(capsys, argv: list[str], command: str) -> str:
+    """The message of an error found while `argv` ran: one line, exit status 2, no traceback."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lengthwise {command}: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--top-p", "0"], "--top-p"), (["generate", "hi", "--top-p", "7"], "--top-p"),
+    (["generate", "hi", "--stop", ""], "--stop"),
+    (["bench", "engine", "--skip", "junk"], "--skip"), (["bench", "engine", "--block-size", "3"], "--block-size"),
+    (["bench", "serve", "--goodput", "junk"], "--goodput"), (["bench", "serve", "--goodput", "ttft:abc"], "--goodput"),
+    (["bench", "serve", "--goodput", "ttft:-5"], "--goodput"), (["bench", "serve", "--tier-mix", "junk"], "--tier-mix"),
+    (["bench", "serve", "--tier-mix", "standard:x"], "--tier-mix"),
+    (["simulate", "--tier-mix", "junk"], "--tier-mix"), (["simulate", "--tier-mix", "0,0,0"], "--tier-mix"),
+    (["simulate", "--block-size", "3"], "--block-size"),
+])
+def test_values_that_can_be_checked_alone_are_usage_errors(capsys, argv, flag) -> None:
+    err = usage_error(capsys, argv)
+    assert f"argument {flag}" in err and "Traceback" not in err
+
+
+def test_engine_start_up_errors_are_one_line(capsys, tiny_model_dir) -> None:
+    model = ["--model", str(tiny_model_dir)]
+    assert "holds no KV block" in one_line_error(
+        capsys, ["generate", "hi", *model, "--kv-cache-memory", "1e-7"], "generate")
+    assert "longer than the context" in one_line_error(
+        capsys, ["generate", "hi", *model, "--max-model-len", "4"], "generate")
+    assert "holds no KV block" in one_line_error(
+        capsys, ["serve", *model, "--predictor", "none", "--kv-cache-memory", "1e-7"], "serve")
+    assert "exceeds the model's 2048 positions" in one_line_error(
+        capsys, ["serve", *model, "--predictor", "none", "--max-model-len", "20000"], "serve")
+
+
+def test_files_that_are_not_what_a_flag_wants_are_one_line(capsys, tmp_path) -> None:
+    not_json = tmp_path / "notes.md"
+    not_json.write_text("# notes\n")
+    out = ["--json", str(tmp_path / "sim.json"), "--no-plots"]
+    assert "not a step-cost file" in one_line_error(
+        capsys, ["simulate", "--step-cost", str(not_json), *out], "simulate")
+    assert "not a parquet trace table" in one_line_error(capsys, ["trace", "--agreement", str(not_json)], "trace")
+    assert "is a file, not a folder" in one_line_error(
+        capsys, ["eval-predictor", "--store", str(not_json)], "eval-predictor")
+    unknown_kind = tmp_path / "predictor"
+    unknown_kind.mkdir()
+    (unknown_kind / "predictor.json").write_text('{"kind": "bogus"}')
+    assert "not a predictor spec" in one_line_error(
+        capsys, ["simulate", "--predictor", str(unknown_kind), *out], "simulate")
+
+
+def test_a_workload_the_kv_budget_cannot_hold_is_one_line(capsys, tmp_path, monkeypatch) -> None:
+    from scheduler.simulation import SimRequest
+    from training import simulate
+
+    workload = [SimRequest(request_id=f"r{i}", arrival_time=0.0, prompt_tokens=40, output_tokens=20,
+                           predicted_len=20.0, max_tokens=None) for i in range(4)]
+    monkeypatch.setattr(simulate, "build_base_workload", lambda args: (workload, "test"))
+    assert "cannot fit in 1 KV blocks" in one_line_error(
+        capsys, ["simulate", "--kv-blocks", "1", "--json", str(tmp_path / "sim.json"), "--no-plots"], "simulate")

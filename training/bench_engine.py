@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import positive_float, positive_int
+from engine.arg_types import positive_float, positive_int, power_of_two
 from engine.config import EngineConfig
 from engine.llm_engine import StepRecord
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
@@ -41,15 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=positive_int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--max-model-len", type=positive_int, default=2048)
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--block-size", type=power_of_two, default=16)
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--no-retain-host-memory", action="store_true",
                         help="leave glibc's allocator at its defaults (engine/host_memory.py), for an A/B")
-    parser.add_argument("--skip", default="", help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
+    parser.add_argument("--skip", type=baseline_names, default=frozenset(),
+                        help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
     parser.add_argument("--json", type=Path, default=Path("out/bench_engine.json"))
     parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
     parser.add_argument("--step-cost-out", type=Path, default=Path("data/step_cost.json"))
+
+
+def baseline_names(text: str) -> frozenset[str]:
+    """--skip: comma-separated names from BASELINES (checked when parsed, before any model loads)."""
+    names = frozenset(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(names - set(BASELINES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"takes names from {','.join(BASELINES)}, got {','.join(unknown)}")
+    return names
 
 
 def load_workload(tokenizer, split: str, num_prompts: int, max_prompt_tokens: int,
@@ -125,9 +135,6 @@ def plot(summary: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    if skip - set(BASELINES):
-        raise ValueError(f"--skip takes {BASELINES}, got {sorted(skip - set(BASELINES))}")
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,
@@ -139,10 +146,10 @@ def run(args: argparse.Namespace) -> int:
     # The allocator setting is process-wide: the HF baselines, run after the engine, share it.
     results = {"engine": run_engine(items, config)}
     log.info("engine: %.1f tokens/s", results["engine"].tokens_per_s)
-    if "hf_static" not in skip:
+    if "hf_static" not in args.skip:
         results["hf_static"] = run_hf_static(items, args.model, args.max_num_seqs, tokenizer.pad_token_id)
         log.info("hf_static: %.1f tokens/s", results["hf_static"].tokens_per_s)
-    if "hf_continuous" not in skip:
+    if "hf_continuous" not in args.skip:
         # The same KV memory as the engine, but never more than every seat at full length needs
         # (a tiny test model would otherwise ask HF for an enormous cache).
         kv_tokens = min(_kv_cache_tokens(config), args.max_num_seqs * args.max_model_len)

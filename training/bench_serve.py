@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_int,
+from engine.arg_types import (checked_by, non_negative_float, non_negative_int, positive_float, positive_int,
                                positive_rate)
 from training import bench_serve_report as report
 from training import tracking
@@ -51,13 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
-    parser.add_argument("--tier-mix", default=None, help="e.g. interactive:0.2,standard:0.6,batch:0.2")
+    parser.add_argument("--tier-mix", type=checked_by(parse_tier_mix, "tier mix"), default=None,
+                        help="e.g. interactive:0.2,standard:0.6,batch:0.2")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
     parser.add_argument("--max-output-tokens", type=positive_int, default=None,
                         help="cap on the dataset's reply length (the same prompts are chosen with or without it)")
     parser.add_argument("--max-model-len", type=positive_int, default=2048, help="drop turns longer than this")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
+    parser.add_argument("--goodput", nargs="*", type=checked_by(lambda item: report.parse_goodput([item]), "SLO"),
+                        default=None, metavar="KEY:MS",
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
@@ -73,10 +76,14 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
     mix = {}
     for part in text.split(","):
         tier, _, share = part.partition(":")
-        if tier not in TIER_TO_SERVICE_TIER or not share:
-            raise ValueError(f"--tier-mix parts are TIER:SHARE with TIER in {list(TIER_TO_SERVICE_TIER)}")
-        mix[tier] = float(share)
-    if any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        try:
+            mix[tier] = float(share) if tier in TIER_TO_SERVICE_TIER else math.nan
+        except ValueError:
+            mix[tier] = math.nan
+        if math.isnan(mix[tier]):
+            raise ValueError(f"--tier-mix parts are TIER:SHARE with TIER in {list(TIER_TO_SERVICE_TIER)} "
+                             f"and SHARE a number, got {part!r}")
+    if not all(math.isfinite(v) and v >= 0 for v in mix.values()) or sum(mix.values()) <= 0:
         raise ValueError("--tier-mix shares must be non-negative with a positive sum")
     return mix
 

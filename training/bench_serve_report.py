@@ -10,6 +10,7 @@ reported by the server's `usage`. TPOT of a request is (e2e - ttft) / (output to
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,16 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     slos = {}
     for item in items or []:
         key, _, value = item.partition(":")
-        if key not in SLO_KEYS or not value:
-            raise ValueError(f"--goodput takes KEY:MS with KEY in {SLO_KEYS}, got {item!r}")
-        slos[key] = float(value) / 1000.0
+        try:
+            limit_ms = float(value)
+        except ValueError:
+            limit_ms = math.nan
+        if key not in SLO_KEYS or not (math.isfinite(limit_ms) and limit_ms > 0):
+            raise ValueError(f"--goodput takes KEY:MS with KEY in {SLO_KEYS} and MS a positive number of "
+                             f"milliseconds, got {item!r}")
+        if key in slos:
+            raise ValueError(f"--goodput names {key} twice")
+        slos[key] = limit_ms / 1000.0
     return slos
 
 

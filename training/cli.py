@@ -3,12 +3,19 @@
 Each subcommand lives in its owning module, which provides `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only when their command runs, so `--help` is fast and
 a command never pays for another's imports (torch, mlflow, lightgbm).
+
+Bad input ends in one line, `lengthwise <command>: error: <message>`, and exit status 2, the shape
+of argparse's usage errors: a value that can be checked alone is checked by its argparse type; what
+can only fail once the command runs (a path that is no model, a KV cache too small for the model,
+a file that is not JSON) raises ValueError or OSError, which `main` turns into that line.
+LENGTHWISE_TRACEBACK=1 shows the traceback instead, for a ValueError that is a bug, not bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command path -> (module, one-line help)
@@ -38,7 +45,7 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
                 sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
                 groups[prefix] = sub.add_subparsers(dest=f"command_{depth}", required=True)
         command_parser = groups[path[:-1]].add_parser(path[-1], help=help_text)
-        command_parser.set_defaults(_module=module)
+        command_parser.set_defaults(_module=module, _command=" ".join(path))
         parsers[path] = command_parser
     # argparse names a missing required subcommand by its metavar, else by its dest ("command_1").
     for group in groups.values():
@@ -56,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
-    except FileNotFoundError as exc:  # a wrong path on the command line: one line, not a traceback
-        print(f"lengthwise: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad input found while running: one line, not a traceback
+        if os.environ.get("LENGTHWISE_TRACEBACK") == "1":
+            raise
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"lengthwise {args._command}: error: {message or type(exc).__name__}", file=sys.stderr)
         return 2
 
 

@@ -17,7 +17,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engine.arg_types import non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int
+from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
+                              power_of_two, tier_weights)
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -47,14 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     parser.add_argument("--arrival-cv", type=positive_float, default=2.0,
                         help="gamma arrivals: coefficient of variation")
-    parser.add_argument("--tier-mix", default="0,1,0", help="weights of interactive,standard,batch")
+    parser.add_argument("--tier-mix", type=tier_weights, default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
     parser.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST)
     parser.add_argument("--kv-blocks", type=positive_int, default=None,
                         help=f"device KV blocks (the binding budget); default: the calibrated engine's "
                              f"num_gpu_blocks from --step-cost, else {DEFAULT_KV_BLOCKS}")
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--block-size", type=power_of_two, default=16)
     parser.add_argument("--max-num-seqs", type=positive_int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
@@ -74,10 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_cost_model(path: Path) -> tuple[StepCostModel, str, dict]:
     """The cost model, where it came from, and the calibration file's content ({} without one)."""
     if path.exists():
-        data = json.loads(path.read_text())
-        return StepCostModel.from_dict(data), f"calibrated ({path})", data
+        try:
+            data = json.loads(path.read_text())
+            return StepCostModel.from_dict(data), f"calibrated ({path})", data
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a cost model
+            raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
     note = f"default placeholder coefficients ({path} not found; run `lengthwise bench engine --calibrate`)"
     return DEFAULT_COST, note, {}
+
+
+def check_predictor_folder(path: Path) -> None:
+    """FileNotFoundError or ValueError unless `path` holds a readable predictor.json."""
+    from predictor.saved import read_spec
+
+    try:
+        read_spec(path)
+    except TypeError as exc:  # fields missing or unknown: PredictorSpec(**fields) refuses them
+        raise ValueError(f"--predictor {path}: predictor.json is not a predictor spec ({exc})") from None
 
 
 def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
@@ -131,8 +145,7 @@ def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str
         predictions, source = noisy_oracle(turns, args.seed), "noisy oracle (development only)"
     else:
         predictions, source = predictor_predictions(turns, args.predictor), f"predictor {args.predictor}"
-    mix = [float(x) for x in args.tier_mix.split(",")]
-    tiers = assign_tiers(len(turns), mix, args.seed)
+    tiers = assign_tiers(len(turns), args.tier_mix, args.seed)
     return build_workload(turns, predictions, [0.0] * len(turns), tiers,
                           max_tokens=args.max_output_tokens), source
 
@@ -143,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    if args.predictions == "predictor":
+        check_predictor_folder(args.predictor)  # before the workload loads
     cost, cost_source, calibration = load_cost_model(args.step_cost)
     config = scheduler_config(args, calibration)
     base, prediction_source = build_base_workload(args)

@@ -158,6 +158,20 @@ def load_trace(split: str | None = None, path: Path = DEFAULT_TRACE):
     return table if split is None else table.filter(lambda s: s == split, input_columns="split")
 
 
+def check_trace_table(path: Path, flag: str) -> None:
+    """ValueError unless `path` is a parquet table with a trace's key and output lengths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        columns = set(pq.read_schema(path).names)
+    except pa.ArrowException as exc:
+        raise ValueError(f"{flag} {path}: not a parquet trace table ({exc})") from None
+    missing = sorted({"key", "output_tokens"} - columns)
+    if missing:
+        raise ValueError(f"{flag} {path}: not a trace table (no column {', '.join(missing)})")
+
+
 def trace_hash(path: Path = DEFAULT_TRACE) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
@@ -212,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if args.agreement is not None:
         if not args.agreement.exists():
             raise SystemExit(f"--agreement: no trace table at {args.agreement}")
+        check_trace_table(args.agreement, "--agreement")
         print(json.dumps(sample_agreement(DEFAULT_TRACE, args.agreement)))
         return 0
     from engine.llm import LLM

@@ -44,12 +44,19 @@ def tracking_uri(store: Path) -> str:
     return f"sqlite:///{Path(store).resolve() / 'mlflow.db'}"
 
 
+def check_store(store: Path) -> None:
+    """An MLflow store is a folder: refuse a file in its place before any work is done for it."""
+    if store.exists() and not store.is_dir():
+        raise NotADirectoryError(f"MLflow store {store} is a file, not a folder")
+
+
 @contextmanager
 def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAME) -> Iterator[str]:
     """Point mlflow at `store` (sqlite + artifact folder) and make sure `experiment` exists there."""
+    store = Path(store or default_store())
+    check_store(store)
     import mlflow
 
-    store = Path(store or default_store())
     store.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(store)
     previous = mlflow.get_tracking_uri()

@@ -100,9 +100,13 @@ def test_a_row_without_top_p_keeps_its_tail_when_sharing_the_sort_path():
     torch.testing.assert_close(shared[0], alone[0], rtol=0, atol=0)
 
 
-def test_uniforms_resolve_intervals_finer_than_float32():
-    # Tokens narrower than 2**-24 of the cumulative mass must still be reachable in proportion.
+def test_a_draw_resolves_intervals_finer_than_float32(monkeypatch):
+    # Two tokens of probability 0.5 and a uniform just below 0.5: the first token. A float32
+    # anywhere on the path (a multiple of 2**-24) rounds the uniform to 0.5 and picks the second.
     sampler = Sampler(seed=0)
-    draws = [float(sampler._uniform(params, 0)) for params in [SamplingParams(temperature=1.0)] * 50]
-    draws += [float(sampler._uniform(SamplingParams(seed=5), position)) for position in range(50)]
+    monkeypatch.setattr(sampler, "_uniform", lambda params, position: torch.tensor(0.5 - 2**-30, dtype=torch.float64))
+    assert sampler.sample(torch.zeros(1, 2), [0], [SamplingParams(temperature=1.0)]) == [0]
+    assert sampler.sample(torch.zeros(1, 2), [0], [SamplingParams(seed=3)]) == [0]
+    # And the generator itself draws at float64 resolution.
+    draws = [float(Sampler(seed=s)._uniform(SamplingParams(temperature=1.0), 0)) for s in range(20)]
     assert all((u * 2**24) % 1 != 0 for u in draws)

@@ -185,3 +185,19 @@ def test_an_assistant_message_may_have_null_content_but_others_may_not(served):
         error = error_of(post(served[0], "/v1/chat/completions",
                               {**body, "messages": [{"role": role, "content": None}, *CHAT]}), 400)
         assert error["param"] == "messages.0.content" and "assistant" in error["message"]
+
+
+def test_a_one_list_batch_of_token_ids_is_that_prompt_and_params_carry_no_union_tags(served, client):
+    # lm-eval sends token prompts as [[ids]].
+    ids = [9906, 1010, 260]
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    nested = client.completions.create(prompt=[ids], **kwargs)
+    assert nested.choices[0].text == client.completions.create(prompt=ids, **kwargs).choices[0].text
+    assert nested.usage.prompt_tokens == len(ids)
+    error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": [ids, ids]}), 400)
+    assert error["param"] == "prompt" and "batched prompts" in error["message"]
+    # pydantic names the union member it tried ("str", "list[int]"); a client has no such field.
+    bad = {"model": MODEL, "messages": [{"role": "user", "content": 5}]}
+    param = error_of(post(served[0], "/v1/chat/completions", bad), 400)["param"]
+    assert param == "messages.0.content"
+    assert error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400)["param"] == "prompt"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,13 +69,26 @@ def engine_failed(message: str) -> APIError:
     return APIError(500, f"The engine failed: {message}", type="server_error", code="engine_error")
 
 
+# A field name as the API spells them; pydantic's union tags ("list[int]", "function-after[...]",
+# "ContentPart") are not, except the bare type names below.
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_BARE_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
+
+
 def _validation_param(error: dict) -> str | None:
-    # loc is like ("body", "messages", 0, "content"); the first name after "body" is the request
-    # field the client must fix.
-    names = [str(part) for part in error.get("loc", ()) if part != "body"]
+    # loc is like ("body", "messages", 0, "content", "str"): after "body", the path to the field the
+    # client must fix, with the name of each union member pydantic tried (here "str") mixed in.
+    # Those tags name no field, so they are dropped, and "messages.0.content" is left.
+    names = [str(part) for part in error.get("loc", ()) if part != "body" and _is_field_or_index(part)]
     if error.get("type") == "json_invalid" or not names:
         return None
     return ".".join(names)
+
+
+def _is_field_or_index(part: str | int) -> bool:
+    if isinstance(part, int):
+        return True
+    return _FIELD_NAME.fullmatch(part) is not None and part not in _BARE_TYPE_TAGS
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -142,7 +142,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     # A text, or token ids; batches of prompts are not supported (one request, one sequence), but
-    # a one-text list, as some clients always send, is that text.
+    # a one-prompt batch, as some clients always send ([text], or [[ids]] from lm-eval), is that prompt.
     prompt: str | list[StrictInt] = Field(min_length=1)
     # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
@@ -152,7 +152,7 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and all(isinstance(item, str) for item in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
             if len(prompt) > 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             return prompt[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -73,10 +74,19 @@ def gpu_block_count(config: EngineConfig, geometry: CacheGeometry) -> int:
     return config.num_gpu_blocks or geometry.blocks_for(config.kv_cache_memory_gib)
 
 
+def check_model_dir(model_dir: str | Path) -> None:
+    """FileNotFoundError unless `model_dir` is a converted model folder. Checked before transformers
+    sees the path: it takes a missing folder's name for a hub repo id, and fails with a message
+    about repo ids or waits on the network."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"no converted model at {model_dir} (run `make model`)")
+
+
 def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    check_model_dir(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 class LLMEngine:
@@ -87,13 +97,15 @@ class LLMEngine:
         if config.retain_host_memory:
             retain_freed_host_memory()
         self.device = resolve_device(config.device)
-        self.tokenizer = load_tokenizer(config.model)
-        model = load_model(config.model, config.dtype, self.device, config.max_model_len)
-        self.arch = model.arch
+        # What the folder's config.json can refute is checked before the weights load.
+        check_model_dir(config.model)
+        self.arch = LlamaArch.from_model_dir(config.model)
         if config.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"{self.arch.max_position_embeddings} positions")
-        self.kv_cache = self._make_cache(model.embed_tokens.weight.dtype)
+        self.kv_cache = self._make_cache(getattr(torch, config.dtype))
+        self.tokenizer = load_tokenizer(config.model)
+        model = load_model(config.model, config.dtype, self.device, config.max_model_len)
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads)
         self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(config.seed), self.device)
         self.scheduler = Scheduler(SchedulerConfig(

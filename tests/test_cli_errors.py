@@ -81,3 +81,17 @@ def test_a_workload_the_kv_budget_cannot_hold_is_one_line(capsys, tmp_path, monk
     monkeypatch.setattr(simulate, "build_base_workload", lambda args: (workload, "test"))
     assert "cannot fit in 1 KV blocks" in one_line_error(
         capsys, ["simulate", "--kv-blocks", "1", "--json", str(tmp_path / "sim.json"), "--no-plots"], "simulate")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--predictor", "none"],
+                                     ["bench", "engine", "--skip", "hf_static,hf_continuous"]])
+def test_a_missing_model_folder_is_named_with_the_fix(capsys, tmp_path, monkeypatch, command) -> None:
+    # Before: transformers' "Repo id must use alphanumeric chars" traceback for a path, and for a
+    # relative name like nosuch/model a wait of most of a minute on the hub when not offline.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    name = " ".join(command[:2]) if command[0] == "bench" else command[0]
+    for model in (str(tmp_path / "none"), "nosuch/model"):
+        err = one_line_error(capsys, [*command, "--model", model, *(["--json", str(tmp_path / "b.json")]
+                                                                     if name == "bench engine" else [])], name)
+        assert f"no converted model at {model} (run `make model`)" in err

@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,
                           retain_host_memory=not args.no_retain_host_memory)
-    from transformers import AutoTokenizer
+    from engine.llm_engine import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     items = load_workload(tokenizer, args.split, args.num_prompts, args.max_prompt_tokens, args.max_output_tokens)
     # The allocator setting is process-wide: the HF baselines, run after the engine, share it.
     results = {"engine": run_engine(items, config)}

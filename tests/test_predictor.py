@@ -52,12 +52,19 @@ def test_lexical_features_flag_what_they_name():
     assert unfinished["previous_reply_unfinished"] == 1 and unfinished["kw_continue"] == 1
 
 
-def test_lexical_matrix_rows_equal_single_prompt_features():
-    prompts = [chat(("user", "list ten ideas")), chat(("user", "yes or no?")), "bare"]
-    matrix = lexical_matrix(prompts)
+def test_lexical_matrix_rows_hold_each_prompts_features():
+    # Pinned by hand, row by row (the matrix is built from lexical_features, so comparing the two
+    # could not fail): the one feature function serves training and serving alike.
+    matrix = lexical_matrix([chat(("user", "list ten ideas")), chat(("user", "yes or no?")), "bare"])
     assert matrix.shape == (3, len(FEATURE_NAMES))
-    for row, prompt in zip(matrix, prompts):
-        np.testing.assert_array_equal(row, lexical_features(prompt))
+    rows = [dict(zip(FEATURE_NAMES, row)) for row in matrix]
+    assert rows[0]["kw_list"] == 1 and rows[1]["kw_list"] == 0 and rows[2]["kw_list"] == 0
+    assert rows[1]["ends_with_question"] == 1 and rows[1]["question_marks"] == 1 and rows[1]["kw_short"] == 1
+    assert rows[0]["ends_with_question"] == 0 and rows[0]["kw_short"] == 0
+    assert rows[0]["log_request_chars"] == pytest.approx(np.log1p(len("list ten ideas")))
+    assert rows[2]["log_request_chars"] == rows[2]["log_prompt_chars"] == pytest.approx(np.log1p(4))
+    assert rows[2]["log_request_words"] == pytest.approx(np.log1p(1))
+    assert rows[2]["log_history_chars"] == 0 and rows[0]["log_history_chars"] > 0
     assert lexical_matrix([]).shape == (0, len(FEATURE_NAMES))
 
 

@@ -6,8 +6,10 @@ on the block manager and through the whole scheduler with the paged token runner
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings, target
 from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager
@@ -18,7 +20,9 @@ from scheduler.testing import PagedTokenRunner, reference_output
 
 
 def request(request_id: str, prompt_len: int = 4, max_tokens: int = 8) -> Request:
-    return Request(request_id, [1 + i % 50 for i in range(prompt_len)],
+    # Seeded by the id: requests of one size must differ, or swapping their KV would go unseen.
+    offset = zlib.crc32(request_id.encode())
+    return Request(request_id, [1 + (i + offset) % 50 for i in range(prompt_len)],
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0)
 
 
@@ -90,12 +94,16 @@ def test_block_manager_invariants_under_random_operations(ops: list[tuple[str, i
     assert manager.num_requests_holding() == 0
 
 
-scheduler_events = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort", "finish"]),
-                                      st.integers(1, 30), st.integers(1, 12)), max_size=50)
+scheduler_events = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "abort", "finish"]),
+                                      st.integers(1, 30), st.integers(1, 12)), max_size=60)
+# Three requests too big to share the 10 blocks, stepped together: preemption (and swap) for sure.
+CROWDED = [("add", 20, 12), ("add", 18, 12), ("add", 19, 10)] + [("step", 1, 1)] * 12
 
 
 @settings(max_examples=60, deadline=None)
 @given(scheduler_events, st.sampled_from(["recompute", "swap"]))
+@example(CROWDED, "swap")
+@example(CROWDED, "recompute")
 def test_scheduler_never_leaks_blocks(events: list[tuple[str, int, int]], mode: str) -> None:
     config = SchedulerConfig(num_gpu_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                              max_model_len=40, preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0)
@@ -127,6 +135,9 @@ def test_scheduler_never_leaks_blocks(events: list[tuple[str, int, int]], mode: 
     while scheduler.has_unfinished_requests():
         now += 1.0
         step()
+    target(float(scheduler.stats().num_preemptions))  # steer the search toward crowded caches
+    if events == CROWDED:
+        assert scheduler.stats().num_preemptions > 0
     manager = scheduler.block_manager
     assert manager.num_free_blocks == 10 and manager.host.num_free == config.num_cpu_blocks
     for request_id, tokens in done.items():  # every completed output equals the reference

@@ -95,3 +95,31 @@ def test_a_missing_model_folder_is_named_with_the_fix(capsys, tmp_path, monkeypa
         err = one_line_error(capsys, [*command, "--model", model, *(["--json", str(tmp_path / "b.json")]
                                                                      if name == "bench engine" else [])], name)
         assert f"no converted model at {model} (run `make model`)" in err
+
+
+def test_the_triton_backend_is_refused_where_its_kernels_cannot_run(capsys, tmp_path, monkeypatch) -> None:
+    import torch
+
+    from engine.attention.backend import resolve_backend_name
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        resolve_backend_name("triton", torch.device("cpu"))
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs the kernels on the CPU
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
+
+
+def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_dir, monkeypatch) -> None:
+    import torch
+
+    from engine import llm_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the triton backend runs here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    monkeypatch.setattr(llm_engine, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded before the check"))
+    err = one_line_error(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--attention-backend", "triton"],
+                         "generate")
+    assert "needs a CUDA GPU (or TRITON_INTERPRET=1)" in err

@@ -3,7 +3,8 @@
 "torch" is the reference in engine/attention/reference.py (the CPU path); "triton" is the paged
 attention kernel in engine/kernels (imported lazily, so the CPU path never needs Triton to
 compile). "auto" picks Triton when CUDA is available or TRITON_INTERPRET=1 is set (the Triton
-interpreter then runs the kernels on the CPU, slowly; tests use it), else the torch reference.
+interpreter then runs the kernels on the CPU, slowly; tests use it), else the torch reference;
+"triton" asked for without either is refused.
 
 A backend prepares a per-step plan once (`prepare`) and every layer calls `forward` with it.
 """
@@ -66,9 +67,14 @@ class TritonBackend:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto" made concrete; ValueError for "triton" where its kernels cannot run (the engine would
+    start, then fail every request)."""
+    runs_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if name == "auto":
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        return "triton" if device.type == "cuda" or interpreted else "torch"
+        return "triton" if runs_triton else "torch"
+    if name == "triton" and not runs_triton:
+        raise ValueError("the triton backend needs a CUDA GPU (or TRITON_INTERPRET=1); "
+                         "use --attention-backend torch")
     return name
 
 

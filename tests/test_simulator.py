@@ -196,14 +196,16 @@ def test_the_throughput_goal_also_reads_each_policy_saturated() -> None:
 
 
 @pytest.mark.integration
-def test_simulate_cli_on_sharegpt(tmp_path) -> None:
+def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
     import json
 
+    from training import simulate
     from training.cli import main
 
     out = tmp_path / "sim.json"
+    monkeypatch.setattr(simulate, "DEFAULT_STEP_COST", tmp_path / "none.json")  # a checkout without one
     assert main(["simulate", "--policies", "fcfs,sjf", "--num-requests", "40", "--load", "0.8",
-                 "--predictions", "noisy-oracle", "--json", str(out), "--step-cost", str(tmp_path / "none.json")]) == 0
+                 "--predictions", "noisy-oracle", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["load"] == 0.8 and set(report["policies"]) == {"fcfs", "sjf"}
     for figures in report["policies"].values():
@@ -279,3 +281,22 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
     with pytest.raises(SystemExit) as exited:
         main(["eval-predictor", "--store", str(tmp_path / "empty")])
     assert "no 'champion' alias" in str(exited.value.code) and "\n" not in str(exited.value.code)
+
+
+def test_a_missing_step_cost_file_is_an_error_unless_it_is_the_default(tmp_path, monkeypatch, caplog, capsys) -> None:
+    from training import simulate
+    from training.cli import main
+
+    # Named on the command line: an error, not placeholder coefficients in silence.
+    missing = tmp_path / "step_cost.json"
+    assert main(["simulate", "--step-cost", str(missing), "--json", str(tmp_path / "sim.json"), "--num-requests", "2",
+                 "--predictions", "noisy-oracle", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--step-cost {missing}: no such file" in err
+    assert not (tmp_path / "sim.json").exists()
+    # The default missing (a checkout without data): the placeholder, with a warning.
+    monkeypatch.setattr(simulate, "DEFAULT_STEP_COST", missing)
+    with caplog.at_level("WARNING", logger=simulate.logger.name):
+        cost, source, calibration = simulate.load_cost_model(None)
+    assert cost == simulate.DEFAULT_COST and calibration == {} and "placeholder" in source
+    assert "placeholder" in caplog.text

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-mix", type=tier_weights, default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
-    parser.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST)
+    parser.add_argument("--step-cost", type=Path, default=None,
+                        help=f"calibrated step-cost JSON (default {DEFAULT_STEP_COST}, or placeholder "
+                             f"coefficients with a warning when that file is missing)")
     parser.add_argument("--kv-blocks", type=positive_int, default=None,
                         help=f"device KV blocks (the binding budget); default: the calibrated engine's "
                              f"num_gpu_blocks from --step-cost, else {DEFAULT_KV_BLOCKS}")
@@ -72,16 +74,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
 
 
-def load_cost_model(path: Path) -> tuple[StepCostModel, str, dict]:
-    """The cost model, where it came from, and the calibration file's content ({} without one)."""
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            return StepCostModel.from_dict(data), f"calibrated ({path})", data
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a cost model
-            raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
-    note = f"default placeholder coefficients ({path} not found; run `lengthwise bench engine --calibrate`)"
-    return DEFAULT_COST, note, {}
+def load_cost_model(path: Path | None) -> tuple[StepCostModel, str, dict]:
+    """The cost model, where it came from, and the calibration file's content ({} without one).
+
+    `path` None reads DEFAULT_STEP_COST, or falls back to placeholder coefficients, with a warning,
+    when that file is missing (a checkout without data); a path given explicitly must exist."""
+    if path is None:
+        if not DEFAULT_STEP_COST.exists():
+            note = (f"default placeholder coefficients ({DEFAULT_STEP_COST} not found; "
+                    f"run `lengthwise bench engine --calibrate`)")
+            logger.warning("step cost: %s", note)
+            return DEFAULT_COST, note, {}
+        path = DEFAULT_STEP_COST
+    elif not path.is_file():
+        raise FileNotFoundError(f"--step-cost {path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+        return StepCostModel.from_dict(data), f"calibrated ({path})", data
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a cost model
+        raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
 
 
 def check_predictor_folder(path: Path) -> None:

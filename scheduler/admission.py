@@ -140,8 +140,10 @@ class AdmissionController:
         lambda * t_step * mean(d * (p + d / 2)) against the cache's tokens. With 32 seats and a
         512-token budget the seats bind for chat-length replies: the token term alone read 0.1-0.3
         while the simulated queue grew without bound. With the cache full, fewer seats are filled
-        and steps get faster, so the seat term too read a median 0.84 under a load of 1.3; the KV
-        term reads 1.36 there (1,000 simulated ShareGPT requests, 16k KV tokens)."""
+        and steps get faster, so the seat term too read a median 0.8-0.9 under a load of 1.3 (a
+        probe with placeholder step costs and 16k KV tokens). With all three terms,
+        `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.40 at load
+        0.9, 0.81 at 1.0 and 1.32 at 1.3."""
         self._prune(now)
         if not self._steps or not self._arrivals:
             return None

@@ -9,6 +9,7 @@ preemption); otherwise the block count follows from `kv_cache_memory_gib`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -16,7 +17,10 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 PreemptionMode = Literal["recompute", "swap"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
-DEFAULT_MODEL = "data/models/smollm2-135m-instruct"
+# The checkout's root, so default paths do not depend on the directory a command runs in
+# (engine/ may not import training/, whose training.dataset.REPO_ROOT is the same folder).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = str(REPO_ROOT / "data" / "models" / "smollm2-135m-instruct")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.arg_types import positive_int
+from engine.config import REPO_ROOT
 from predictor.embed_lgbm import prior_outputs
 
-DEFAULT_PREDICTOR = Path("data/predictors/default")
+DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 
 
 def fold_of(conversation_id: str, folds: int) -> int:
@@ -74,7 +75,7 @@ def out_of_fold(trace_tables: list, trace_features: list[np.ndarray], folds: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folds", type=positive_int, default=5)
-    parser.add_argument("--json", type=Path, default=Path("out/oof_prior_stack.json"))
+    parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "oof_prior_stack.json")
     args = parser.parse_args()
 
     from scipy import stats

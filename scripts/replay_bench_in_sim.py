@@ -24,12 +24,12 @@ def main(argv: list[str]) -> None:
     from scheduler.simulation import simulate
     from training import bench_serve, simulate as sim
     from training.sim_metrics import summarize
-    from training.sim_workload import Turn, build_workload, predictor_predictions
+    from training.sim_workload import REPO_ROOT, Turn, build_workload, predictor_predictions
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--result-dir", type=Path, default=Path("out/bench_serve"))
-    parser.add_argument("--predictor", type=Path, default=Path("data/predictors/default"))
+    parser.add_argument("--result-dir", type=Path, default=REPO_ROOT / "out" / "bench_serve")
+    parser.add_argument("--predictor", type=Path, default=sim.DEFAULT_PREDICTOR)
     parser.add_argument("--sim-args", default="", help="simulator flags, one quoted string")
     args = parser.parse_args(argv[:split])
     bench_parser = argparse.ArgumentParser()

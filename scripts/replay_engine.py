@@ -60,13 +60,14 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
 
 def main(argv: list[str]) -> None:
     import predictor
+    from engine.config import REPO_ROOT
     from training import bench_serve
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--policies", default="fcfs,sjf")
-    parser.add_argument("--predictor", default="data/predictors/default")
-    parser.add_argument("--out-dir", type=Path, default=Path("out/replay_engine"))
+    parser.add_argument("--predictor", default=str(REPO_ROOT / "data" / "predictors" / "default"))
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "out" / "replay_engine")
     args = parser.parse_args(argv[:split])
     bench_parser = argparse.ArgumentParser()
     bench_serve.add_arguments(bench_parser)

@@ -123,3 +123,22 @@ def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_
     err = one_line_error(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--attention-backend", "triton"],
                          "generate")
     assert "needs a CUDA GPU (or TRITON_INTERPRET=1)" in err
+
+
+def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from engine.config import EngineConfig
+    from training import simulate
+    from training.cli import _build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    defaults = [EngineConfig().model, simulate.DEFAULT_STEP_COST]
+    for argv, names in ((["generate", "hi"], ("model",)), (["serve"], ("model",)),
+                        (["bench", "engine"], ("model", "json", "step_cost_out")), (["bench", "serve"], ("result_dir",)),
+                        (["simulate"], ("predictor", "json"))):
+        args = _build_parser(argv).parse_args(argv)
+        defaults += [getattr(args, name) for name in names]
+    for path in defaults:
+        assert Path(path).is_absolute() and Path(path).is_relative_to(root), path

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.arg_types import positive_float, positive_int, power_of_two
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, REPO_ROOT, EngineConfig
 from engine.llm_engine import StepRecord
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-prompts", type=positive_int, default=64)
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave glibc's allocator at its defaults (engine/host_memory.py), for an A/B")
     parser.add_argument("--skip", type=baseline_names, default=frozenset(),
                         help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
-    parser.add_argument("--json", type=Path, default=Path("out/bench_engine.json"))
+    parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "bench_engine.json")
     parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
-    parser.add_argument("--step-cost-out", type=Path, default=Path("data/step_cost.json"))
+    parser.add_argument("--step-cost-out", type=Path, default=REPO_ROOT / "data" / "step_cost.json")
 
 
 def baseline_names(text: str) -> frozenset[str]:

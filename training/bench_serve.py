@@ -29,6 +29,7 @@ import numpy as np
 
 from engine.arg_types import (checked_by, non_negative_float, non_negative_int, positive_float, positive_int,
                                positive_rate)
+from engine.config import REPO_ROOT
 from training import bench_serve_report as report
 from training import tracking
 
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default=None, help="run name (e.g. the server's policy)")
-    parser.add_argument("--result-dir", default="out/bench_serve")
+    parser.add_argument("--result-dir", default=str(REPO_ROOT / "out" / "bench_serve"))
     parser.add_argument("--no-mlflow", action="store_true")
 
 

@@ -24,13 +24,13 @@ from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
-from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload,
+from training.sim_workload import (NOISY_ORACLE, REPO_ROOT, arrival_times, assign_tiers, build_workload,
                                    load_test_turns, noisy_oracle, predictor_predictions)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STEP_COST = Path("data/step_cost.json")
-DEFAULT_PREDICTOR = Path("data/predictors/default")
+DEFAULT_STEP_COST = REPO_ROOT / "data" / "step_cost.json"
+DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 # Placeholder coefficients for the CPU engine until `lengthwise bench engine --calibrate` writes
 # data/step_cost.json: 30 ms per step, 0.8 ms per fed token, 1 us per attended context token.
 DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=SchedulerConfig.aging_tokens_per_step)
     parser.add_argument("--admission", action="store_true", help="enable token admission control")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--json", type=Path, default=Path("out/simulate.json"))
+    parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "simulate.json")
     parser.add_argument("--no-plots", action="store_true")
 
 

@@ -142,3 +142,13 @@ def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypa
         defaults += [getattr(args, name) for name in names]
     for path in defaults:
         assert Path(path).is_absolute() and Path(path).is_relative_to(root), path
+
+
+def test_calibrating_does_not_overwrite_the_committed_step_cost_by_default() -> None:
+    from engine.config import REPO_ROOT
+    from training import simulate
+    from training.cli import _build_parser
+
+    args = _build_parser(["bench", "engine"]).parse_args(["bench", "engine", "--calibrate"])
+    assert args.step_cost_out == REPO_ROOT / "out" / "step_cost.json"
+    assert simulate.DEFAULT_STEP_COST == REPO_ROOT / "data" / "step_cost.json"

@@ -9,8 +9,9 @@ overhead share (step time outside the model forward) and the peak RSS; a bar cha
 
 `--calibrate` also fits the engine's step time as a + b * batched_tokens + c * sum_context_tokens by
 least squares over its steps, times a swap copy of the engine's KV blocks (d, seconds per block
-copied out or in), and writes the coefficients (plus the KV budget used) to `--step-cost-out` for
-the simulator.
+copied out or in), and writes the coefficients (plus the KV budget used) to `--step-cost-out`
+(out/step_cost.json); `lengthwise simulate --step-cost FILE` reads it, and by default the committed
+data/step_cost.json.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "bench_engine.json")
     parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
-    parser.add_argument("--step-cost-out", type=Path, default=REPO_ROOT / "data" / "step_cost.json")
+    # Not data/step_cost.json, what `simulate` reads: that file is committed and kept fixed so
+    # simulator figures stay comparable; replacing it is a deliberate --step-cost-out.
+    parser.add_argument("--step-cost-out", type=Path, default=REPO_ROOT / "out" / "step_cost.json",
+                        help="where --calibrate writes the fit (simulate reads data/step_cost.json)")
 
 
 def baseline_names(text: str) -> frozenset[str]:

@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_COST = REPO_ROOT / "data" / "step_cost.json"
 DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
-# Placeholder coefficients for the CPU engine until `lengthwise bench engine --calibrate` writes
-# data/step_cost.json: 30 ms per step, 0.8 ms per fed token, 1 us per attended context token.
+# Placeholder coefficients for the CPU engine where data/step_cost.json (the committed calibration,
+# from `lengthwise bench engine --calibrate`) is missing: 30 ms per step, 0.8 ms per fed token, 1 us
+# per attended context token.
 DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
 DEFAULT_KV_BLOCKS = 1024  # 16k tokens of 16: binds at 32 seats of ShareGPT-sized requests
 KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head dim 64
@@ -82,7 +83,7 @@ def load_cost_model(path: Path | None) -> tuple[StepCostModel, str, dict]:
     if path is None:
         if not DEFAULT_STEP_COST.exists():
             note = (f"default placeholder coefficients ({DEFAULT_STEP_COST} not found; "
-                    f"run `lengthwise bench engine --calibrate`)")
+                    f"run `lengthwise bench engine --calibrate --step-cost-out {DEFAULT_STEP_COST}`)")
             logger.warning("step cost: %s", note)
             return DEFAULT_COST, note, {}
         path = DEFAULT_STEP_COST

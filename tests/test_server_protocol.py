@@ -201,3 +201,37 @@ def test_a_one_list_batch_of_token_ids_is_that_prompt_and_params_carry_no_union_
     param = error_of(post(served[0], "/v1/chat/completions", bad), 400)["param"]
     assert param == "messages.0.content"
     assert error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400)["param"] == "prompt"
+
+
+# ---- sizes -----------------------------------------------------------------------------------
+def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
+    from engine.server.serving import longest_token_bytes
+
+    base_url, _, tokenizer = served
+    bound = SHORT_MODEL_LEN * longest_token_bytes(tokenizer)
+    huge = "a" * (bound + 1)
+    tokenizer.encoded.clear()
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages")):
+        error = error_of(post(base_url, path, {"model": MODEL, **body}), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+    assert all(length <= bound for length in tokenizer.encoded), "a text past the bound was tokenized"
+    # Token ids past the context are refused before they are decoded.
+    error = error_of(post(base_url, "/v1/completions", {"model": MODEL, "prompt": [1] * SHORT_MODEL_LEN}), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+
+
+def test_a_body_over_the_size_limit_is_413(served, client):
+    import httpx
+
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * (2 << 20) + b'"}'
+    headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    declared = httpx.post(served[0] + "/v1/completions", content=body, headers=headers, timeout=60)
+    # Sent in chunks with no Content-Length, the body is cut off once it passes the limit.
+    chunked = httpx.post(served[0] + "/v1/completions", headers=headers, timeout=60,
+                         content=(body[i:i + 65536] for i in range(0, len(body), 65536)))
+    assert "content-length" not in chunked.request.headers
+    for response in (declared, chunked):
+        error = error_of(response, 413)
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2

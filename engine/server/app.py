@@ -31,6 +31,7 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()  # other names accepted for the same model (its path)
     shutdown_grace_s: float = 30.0
     info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
+    max_body_bytes: int | None = None  # larger request bodies get a 413; None: default_body_limit()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -39,6 +40,18 @@ class ServerSettings:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+
+def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
+    """A request body size no request that can fit the context reaches.
+
+    A prompt that fits has at most max_model_len * max_token_bytes bytes of UTF-8 text (see
+    serving.longest_token_bytes), and JSON spends at most 6 bytes on one byte of it (a control
+    character as \\u0000); 8x leaves room for the rest of the body. The 1 MiB floor keeps tiny
+    test contexts from refusing ordinary bodies."""
+    return max(1 << 20, 8 * max_model_len * max_token_bytes)
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -56,7 +69,9 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     app = FastAPI(title="lengthwise", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     errors.install_error_handlers(app)
-    if settings.api_key is not None:
+    body_limit = settings.max_body_bytes or default_body_limit(settings.max_model_len, serving.max_token_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    if settings.api_key is not None:  # added last, so checked first
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     served = {settings.model_name, *settings.model_aliases}
 
@@ -114,3 +129,32 @@ class ApiKeyMiddleware:
     def _authorized(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization")
         return given is not None and secrets.compare_digest(given, self.expected)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with a 413: by its Content-Length before anything
+    reads it, or, for a body sent in chunks without one, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await errors.request_too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise errors.BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -48,6 +48,20 @@ def context_exceeded(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="context_length_exceeded")
 
 
+def request_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a body is read, once it passes the limit. An HTTPException, because FastAPI
+    lets only those out of its body reading (any other error there becomes a 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.limit = limit
+
+
 def unauthorized() -> APIError:
     return APIError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                     code="invalid_api_key")
@@ -105,6 +119,10 @@ async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+async def _on_body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+    return request_too_large(exc.limit).response()
+
+
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return APIError(exc.status_code, str(exc.detail), type=kind).response()
@@ -118,5 +136,6 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(BodyTooLarge, _on_body_too_large)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)

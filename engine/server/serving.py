@@ -62,6 +62,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_token_bytes = longest_token_bytes(tokenizer)
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
         # fail with "Already borrowed" while it sets its padding and truncation state.
@@ -76,9 +77,11 @@ class OpenAIServing:
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
         if isinstance(body.prompt, str):
+            self._check_text_length(body.prompt, "prompt")
             prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
         else:
             self._check_token_ids(body.prompt)
+            self._check_context(len(body.prompt), None, "prompt", "max_tokens")  # before decoding them
             prompt_ids = list(body.prompt)
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
         request_id = new_id("cmpl")
@@ -134,12 +137,22 @@ class OpenAIServing:
                                                              add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc
+        self._check_text_length(prompt_text, "messages")
         return prompt_text, self._encode(prompt_text)
 
     def _encode(self, text: str) -> list[int]:
         # The chat template already carries any special tokens; plain prompts get none added
         # either, so the ids are exactly the text's tokens.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_text_length(self, text: str, param: str) -> None:
+        """Refuses, without tokenizing it, a text too long to fit the context however it tokenizes:
+        tokenizing megabytes would hold the one tokenizer thread, and every request behind it."""
+        limit = self.max_model_len * self.max_token_bytes
+        if len(text) > limit:
+            raise errors.context_exceeded(param, f"This model's maximum context length is {self.max_model_len} "
+                                          f"tokens; the {param} has {len(text)} characters, more than "
+                                          f"{self.max_model_len} tokens can hold ({limit}).")
 
     def _check_token_ids(self, ids: list[int]) -> None:
         vocab = len(self.tokenizer)
@@ -254,6 +267,20 @@ class AbortingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in UTF-8 bytes of its piece.
+
+    No token stands for more bytes of text than its piece has: a byte-level BPE piece spells each
+    byte it stands for as one character of one or two bytes, a SentencePiece piece spells a space
+    as the three-byte "▁" and a fallback byte as "<0xNN>", and an added token is its own text. A
+    text of N characters has at least N bytes, so it needs at least N / longest tokens, and one
+    of more than max_model_len * longest characters cannot fit. (This assumes the tokenizer drops
+    no text: no normalizer that deletes characters, no run of unknown characters fused into one
+    <unk>; the Llama-family tokenizers served here do neither.)"""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len((piece or "").encode("utf-8")) for piece in pieces)
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

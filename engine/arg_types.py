@@ -1,9 +1,13 @@
-"""argparse types that refuse impossible numbers with a one-line usage error (every command's)."""
+"""argparse types that refuse impossible numbers with a one-line usage error (every command's), and
+the check of an output path a command makes before its work, so a bad one fails in seconds, not
+after the run whose results it was to hold."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Callable
 
 from scheduler.request import SEED_MAX, SEED_MIN
@@ -117,3 +121,31 @@ def checked_by(parse: Callable[[str], object], name: str) -> Callable[[str], str
 
     check.__name__ = name
     return check
+
+
+def prepare_output_file(path: Path, flag: str) -> Path:
+    """Create the folder of the output file `path` and check that the file can be written there;
+    OSError naming `flag` otherwise (a folder in its place, a folder that cannot be made)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path}: is a folder, not a file")
+    _make_folder(path.parent, flag)
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(f"{flag} {path}: not writable")
+    return path
+
+
+def prepare_output_dir(path: Path, flag: str) -> Path:
+    """Create the output folder `path` and check that files can be written in it."""
+    path = Path(path)
+    _make_folder(path, flag)
+    if not os.access(path, os.W_OK):
+        raise PermissionError(f"{flag} {path}: not writable")
+    return path
+
+
+def _make_folder(folder: Path, flag: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, a read-only or virtual file system (/proc)
+        raise OSError(f"{flag}: cannot create the folder {folder} ({exc.strerror or exc})") from None

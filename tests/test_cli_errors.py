@@ -152,3 +152,51 @@ def test_calibrating_does_not_overwrite_the_committed_step_cost_by_default() -> 
     args = _build_parser(["bench", "engine"]).parse_args(["bench", "engine", "--calibrate"])
     assert args.step_cost_out == REPO_ROOT / "out" / "step_cost.json"
     assert simulate.DEFAULT_STEP_COST == REPO_ROOT / "data" / "step_cost.json"
+
+
+@pytest.fixture
+def taken(tmp_path):
+    """A folder and a file where an output path wants the other."""
+    folder, a_file = tmp_path / "taken", tmp_path / "file.txt"
+    folder.mkdir()
+    a_file.write_text("x")
+    return folder, a_file
+
+
+# Each command below would have run (a load test, a model load, a simulation, a training) and
+# only then lost its results to the bad output path.
+def test_bench_serve_checks_its_result_dir_before_the_load(capsys, taken, monkeypatch) -> None:
+    from training import bench_serve
+
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("load started first"))
+    assert "--result-dir: cannot create the folder /proc/nope" in one_line_error(
+        capsys, ["bench", "serve", "--result-dir", "/proc/nope", "--no-mlflow"], "bench serve")
+    assert "--result-dir: cannot create the folder" in one_line_error(
+        capsys, ["bench", "serve", "--result-dir", str(taken[1] / "sub"), "--no-mlflow"], "bench serve")
+
+
+def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken) -> None:
+    none = ["--model", str(tmp_path / "no-model")]  # the model check would come second
+    assert f"--json {taken[0]}: is a folder" in one_line_error(
+        capsys, ["bench", "engine", *none, "--json", str(taken[0])], "bench engine")
+    assert "--step-cost-out: cannot create the folder /proc/nope" in one_line_error(
+        capsys, ["bench", "engine", *none, "--json", str(tmp_path / "b.json"), "--calibrate",
+                 "--step-cost-out", "/proc/nope/cost.json"], "bench engine")
+
+
+def test_simulate_and_trace_check_their_outputs_first(capsys, tmp_path, taken) -> None:
+    assert f"--json {taken[0]}: is a folder" in one_line_error(
+        capsys, ["simulate", "--json", str(taken[0]), "--step-cost", str(tmp_path / "no-cost.json")], "simulate")
+    assert f"--out {taken[0]}: is a folder" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--log", str(tmp_path / "t.jsonl"), "--out", str(taken[0]),
+                 "--model", str(tmp_path / "no-model")], "trace")
+
+
+def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> None:
+    from training import train
+
+    monkeypatch.setattr(train, "run", lambda args: pytest.fail("trained before the store was checked"))
+    assert "is a file, not a folder" in one_line_error(
+        capsys, ["train", "--model", "length", "--store", str(taken[1])], "train")
+    assert "--store: cannot create the folder /proc/nope" in one_line_error(
+        capsys, ["train", "--model", "length", "--store", "/proc/nope"], "train")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import positive_float, positive_int, power_of_two
+from engine.arg_types import positive_float, positive_int, power_of_two, prepare_output_file
 from engine.config import DEFAULT_MODEL, REPO_ROOT, EngineConfig
 from engine.llm_engine import StepRecord
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
@@ -139,6 +139,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    prepare_output_file(args.json, "--json")  # before the runs, not after them
+    if args.calibrate:
+        prepare_output_file(args.step_cost_out, "--step-cost-out")
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,
@@ -163,7 +166,6 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(results, config, len(items))
     if args.calibrate:
         summary["step_cost"] = write_step_cost(results["engine"].steps, config, args.step_cost_out)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, args.json.with_suffix(".png"))
     print(json.dumps({k: summary[k] for k in ("tokens_per_s", "ratio_vs_hf_static", "ratio_vs_hf_continuous",
@@ -219,7 +221,7 @@ def write_step_cost(steps: list[StepRecord], config: EngineConfig, path: Path) -
     fit.update(kv_cache_memory_gib=config.kv_cache_memory_gib, num_gpu_blocks=_kv_cache_tokens(config) // config.block_size,
                block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                max_num_batched_tokens=config.max_num_batched_tokens, threads=config.num_threads, model=config.model)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_file(path, "--step-cost-out")
     path.write_text(json.dumps(fit, indent=2) + "\n")
     log.info("step cost: %.4f + %.2e * tokens + %.2e * context + %.2e * swapped blocks (R^2 %.3f) -> %s",
              fit["a"], fit["b"], fit["c"], fit["d"], fit["r2"], path)

@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from engine.arg_types import (checked_by, non_negative_float, non_negative_int, positive_float, positive_int,
-                               positive_rate)
+                               positive_rate, prepare_output_dir)
 from engine.config import REPO_ROOT
 from training import bench_serve_report as report
 from training import tracking
@@ -238,6 +238,7 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     slos = report.parse_goodput(args.goodput)
     model = args.model or server_model(args)
     items = sample_workload(args)
@@ -251,8 +252,6 @@ def run(args: argparse.Namespace) -> int:
     if preemptions_before is not None and preemptions_after is not None:
         summary["server_preemptions"] = preemptions_after - preemptions_before
     report.print_summary(summary, label)
-    out = Path(args.result_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
     config["model"] = model
     config.update({f"server_{key}": value for key, value in info.items()})

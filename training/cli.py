@@ -57,11 +57,21 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_store(args: argparse.Namespace) -> None:
+    """`train` and `eval-predictor` name an MLflow store with --store; train would otherwise find a
+    file in its place, or an unwritable folder, only when it logs, after the training."""
+    if getattr(args, "store", None) is not None:
+        from training.tracking import check_store
+
+        check_store(args.store)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)
     try:
+        _check_store(args)
         return int(module.run(args) or 0)
     except (ValueError, OSError) as exc:  # bad input found while running: one line, not a traceback
         if os.environ.get("LENGTHWISE_TRACEBACK") == "1":

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
-                              power_of_two, tier_weights)
+                              power_of_two, prepare_output_file, tier_weights)
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    prepare_output_file(args.json, "--json")  # before the simulation, not after it
     if args.predictions == "predictor":
         check_predictor_folder(args.predictor)  # before the workload loads
     cost, cost_source, calibration = load_cost_model(args.step_cost)
@@ -203,7 +204,6 @@ def run(args: argparse.Namespace) -> int:
                       "aging_tokens_per_step": config.aging_tokens_per_step, "admission": config.enable_admission},
         "sweep": sweep if len(sweep) > 1 else [],
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     if not args.no_plots:
         plot_latency_cdf(latencies, args.load, args.json.with_name(args.json.stem + "_cdf.png"))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import non_negative_float, non_negative_int, positive_int
+from engine.arg_types import non_negative_float, non_negative_int, positive_int, prepare_output_file
 from training import dataset
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resample_split is not None and (args.out.resolve() == DEFAULT_TRACE.resolve()
                                             or args.log.resolve() == DEFAULT_LOG.resolve()):
         raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
+    prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
+    prepare_output_file(args.out, "--out")
     seed_log_from_table(args.log, args.out)
     llm = LLM(model=args.model)
     if args.resample_split is not None:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from engine.arg_types import prepare_output_dir
 from predictor.features import FEATURE_SPEC_VERSION
 from training.dataset import REPO_ROOT
 
@@ -45,9 +46,11 @@ def tracking_uri(store: Path) -> str:
 
 
 def check_store(store: Path) -> None:
-    """An MLflow store is a folder: refuse a file in its place before any work is done for it."""
+    """An MLflow store is a folder: refuse a file in its place, or a folder that cannot be made or
+    written, before any work is done for it (`main` checks a command's --store before it runs)."""
     if store.exists() and not store.is_dir():
         raise NotADirectoryError(f"MLflow store {store} is a file, not a folder")
+    prepare_output_dir(store, "--store")
 
 
 @contextmanager

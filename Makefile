@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# One-time GGUF -> safetensors conversion (git-ignored); later loads take seconds.
+# One-time GGUF -> safetensors conversion (git-ignored); later loads take seconds. engine.convert
+# renames the folder into place once complete, so its config.json means a whole conversion.
 $(MODEL_DIR)/config.json: $(STAMP)
 	$(PY) -m engine.convert --out $(MODEL_DIR)
 

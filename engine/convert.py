@@ -6,6 +6,9 @@ to float32 and `save_pretrained` the weights (safetensors) together with the tok
 loads (engine, tests, HF baselines) take seconds and all read the very same weights.
 
 The package is never imported (it only carries data): its folder is found through importlib.
+The folder is written under a hidden sibling name and renamed into place when complete, so an
+interrupted conversion never leaves a folder that looks done (`make model` checks config.json,
+which `save_pretrained` writes before the weights).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -72,11 +76,27 @@ def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = _plain_copy(loaded)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
+    partial.mkdir(parents=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    _move_into_place(partial, out_dir)
     log.info("wrote %s", out_dir)
     return out_dir
+
+
+def _move_into_place(partial: Path, out_dir: Path) -> None:
+    """Rename the finished folder to `out_dir`, replacing an earlier one. A directory cannot be
+    renamed over a non-empty one, so the old folder moves aside first: an interruption between the
+    two renames leaves no `out_dir`, which the next `make model` converts again."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    partial.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,3 +200,44 @@ def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> N
         capsys, ["train", "--model", "length", "--store", str(taken[1])], "train")
     assert "--store: cannot create the folder /proc/nope" in one_line_error(
         capsys, ["train", "--model", "length", "--store", "/proc/nope"], "train")
+
+
+def _fake_transformers(monkeypatch, fail_after_config: bool) -> None:
+    """Stand-ins for the 35 s GGUF load: the model's save writes config.json first, as
+    save_pretrained does, then the weights (or dies in between)."""
+    import sys
+    import types
+
+    from engine import convert
+
+    class Saved:
+        def save_pretrained(self, folder, **kwargs) -> None:
+            (folder / "config.json").write_text("{}")
+            if fail_after_config:
+                raise RuntimeError("killed while writing the weights")
+            (folder / "model.safetensors").write_bytes(b"weights")
+
+    class Tokenizer:
+        def save_pretrained(self, folder) -> None:
+            (folder / "tokenizer.json").write_text("{}")
+
+    fake = types.SimpleNamespace(AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: Tokenizer()),
+                                 AutoModelForCausalLM=types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setattr(convert, "_plain_copy", lambda loaded: Saved())
+
+
+def test_an_interrupted_conversion_leaves_nothing_make_would_take_for_done(tmp_path, monkeypatch) -> None:
+    from engine.convert import convert
+
+    out = tmp_path / "models" / "smollm2"
+    _fake_transformers(monkeypatch, fail_after_config=True)
+    with pytest.raises(RuntimeError):
+        convert(out, tmp_path / "model.gguf")
+    assert not (out / "config.json").exists()  # the Makefile's target: it would skip the conversion
+    _fake_transformers(monkeypatch, fail_after_config=False)
+    assert convert(out, tmp_path / "model.gguf") == out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    (out / "stale.bin").write_bytes(b"")  # converting again replaces the folder whole
+    convert(out, tmp_path / "model.gguf")
+    assert not (out / "stale.bin").exists() and [p.name for p in out.parent.iterdir()] == ["smollm2"]

@@ -4,7 +4,9 @@ It checks the simulator against the real server. Pass the bench arguments the ru
 arrival times come from the fcfs run's JSON (every policy's run used the same seed). Prints
 simulated and measured mean / p50 / p99 end-to-end latency per policy. Without a measured fcfs
 run in --result-dir, arrivals are drawn as `bench serve` draws them, to try a workload before
-spending server time on it; extra simulator flags (e.g. --max-num-seqs 16) go in --sim-args.
+spending server time on it; simulator flags for the server (e.g. --max-num-seqs 16) go in --sim-args.
+It always replays fcfs, sjf and oracle on the bench's workload, so --sim-args refuses the
+simulator's workload, policy and report flags (--policies, --load, --num-requests, ...).
 
     python scripts/replay_bench_in_sim.py --result-dir out/bench_serve -- --num-prompts 200 \
         --request-rate 1 --seed 0 --ignore-eos --max-output-tokens 512 --max-model-len 1024
@@ -14,9 +16,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+
+# The simulator flags a replay honours: the server's configuration. The rest describe simulate's
+# own workload (requests, arrivals, tiers, predictions), policies or report, which a replay takes
+# from the bench run or fixes, and --max-prompt-tokens/--max-output-tokens, whose sum the bench's
+# --max-model-len replaces.
+HONOURED = frozenset({"step_cost", "kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                      "preemption_mode", "aging_tokens_per_s", "aging_tokens_per_step", "admission"})
+
+
+def parse_sim_args(text: str) -> argparse.Namespace:
+    """The simulator's arguments from one string; exit 2 with one line naming any flag the replay
+    would otherwise ignore."""
+    from training import simulate as sim
+
+    parser = argparse.ArgumentParser(prog="replay_bench_in_sim.py --sim-args", allow_abbrev=False)
+    sim.add_arguments(parser)
+    tokens = shlex.split(text)
+    args = parser.parse_args(tokens)
+    names = {token.split("=", 1)[0] for token in tokens if token.startswith("-")}
+    ignored = sorted(option for action in parser._actions if action.dest not in HONOURED
+                     for option in action.option_strings if option in names)
+    if ignored:
+        print(f"replay_bench_in_sim.py: error: --sim-args {' '.join(ignored)}: not honoured by a replay "
+              f"(it replays fcfs, sjf and oracle on the bench's workload; --predictor is the script's own)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return args
 
 
 def main(argv: list[str]) -> None:
@@ -32,6 +63,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--predictor", type=Path, default=sim.DEFAULT_PREDICTOR)
     parser.add_argument("--sim-args", default="", help="simulator flags, one quoted string")
     args = parser.parse_args(argv[:split])
+    sim_args = parse_sim_args(args.sim_args)  # before the workload loads
+    cost, _, calibration = sim.load_cost_model(sim_args.step_cost)
     bench_parser = argparse.ArgumentParser()
     bench_serve.add_arguments(bench_parser)
     bench_args = bench_parser.parse_args(argv[split + 1:])
@@ -45,10 +78,6 @@ def main(argv: list[str]) -> None:
     workload = build_workload(turns, predictor_predictions(turns, args.predictor),
                               [starts[item.index] for item in items], [Tier.STANDARD] * len(items),
                               max_tokens=None)
-    sim_parser = argparse.ArgumentParser()
-    sim.add_arguments(sim_parser)
-    sim_args = sim_parser.parse_args(args.sim_args.split())
-    cost, _, calibration = sim.load_cost_model(sim_args.step_cost)
     config = replace(sim.scheduler_config(sim_args, calibration), max_model_len=bench_args.max_model_len)
     print(f"{len(items)} requests, {sum(item.max_tokens for item in items)} output tokens")
     for name in ("fcfs", "sjf", "oracle"):
@@ -62,4 +91,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError) as exc:  # a bad path or file: one line, as the lengthwise CLI does
+        print(f"replay_bench_in_sim.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -241,3 +241,29 @@ def test_an_interrupted_conversion_leaves_nothing_make_would_take_for_done(tmp_p
     (out / "stale.bin").write_bytes(b"")  # converting again replaces the folder whole
     convert(out, tmp_path / "model.gguf")
     assert not (out / "stale.bin").exists() and [p.name for p in out.parent.iterdir()] == ["smollm2"]
+
+
+def load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypatch) -> None:
+    from training import bench_serve
+
+    replay = load_script("replay_bench_in_sim")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    with pytest.raises(SystemExit) as exited:
+        replay.main(["--sim-args", "--policies fcfs --load=0.5 --max-num-seqs 8 --json x.json", "--",
+                     "--num-prompts", "2"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "\n" not in err
+    assert "--json --load --policies: not honoured" in err and "--max-num-seqs" not in err
+    honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission")
+    assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)

@@ -44,7 +44,7 @@ def served(tiny_model_dir):
         max_num_batched_tokens=256, max_model_len=SHORT_MODEL_LEN, attention_backend="torch",
         policy="priority"))
     async_engine = AsyncLLMEngine(engine)
-    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY)
+    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY, policy="priority")
     tokenizer = EncodeRecordingTokenizer(engine.tokenizer)
     with running_server(create_app(async_engine, tokenizer, settings)) as (base_url, _):
         yield base_url, async_engine, tokenizer
@@ -201,6 +201,22 @@ def test_a_one_list_batch_of_token_ids_is_that_prompt_and_params_carry_no_union_
     param = error_of(post(served[0], "/v1/chat/completions", bad), 400)["param"]
     assert param == "messages.0.content"
     assert error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400)["param"] == "prompt"
+
+
+# ---- scheduling inputs -----------------------------------------------------------------------
+def test_integer_priority_reaches_the_engine_under_priority_scheduling(served, client, monkeypatch):
+    engine = served[1].engine
+    seen = []
+    add_request = engine.add_request
+
+    def recording(*args, **kwargs):  # the real engine call, with its priority noted on the way
+        seen.append(kwargs.get("priority"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": -5})
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert seen == [-5, 0]
 
 
 # ---- sizes -----------------------------------------------------------------------------------

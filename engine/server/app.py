@@ -32,6 +32,7 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
     max_body_bytes: int | None = None  # larger request bodies get a 413; None: default_body_limit()
+    policy: str = "fcfs"  # the engine's scheduling policy; a nonzero priority needs "priority"
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -57,7 +58,7 @@ def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
     engine.listener = metrics
-    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len)
+    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=settings.policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -57,11 +57,13 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, max_model_len: int, *,
+                 policy: str = "fcfs") -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.policy = policy  # the scheduler's; only "priority" orders by the integer priority
         self.max_token_bytes = longest_token_bytes(tokenizer)
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
@@ -76,6 +78,7 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
+        self._check_priority(body)
         if isinstance(body.prompt, str):
             self._check_text_length(body.prompt, "prompt")
             prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
@@ -103,6 +106,7 @@ class OpenAIServing:
             choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self._check_priority(body)
         messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
         request_id = new_id("chatcmpl")
@@ -144,6 +148,12 @@ class OpenAIServing:
         # The chat template already carries any special tokens; plain prompts get none added
         # either, so the ids are exactly the text's tokens.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_priority(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        # As vLLM answers: under any other policy the priority would be silently ignored.
+        if body.priority != 0 and self.policy != "priority":
+            raise errors.invalid_field("priority", f"priority: this server schedules by {self.policy}, not by "
+                                       "priority (--policy priority); send priority 0 or leave it out")
 
     def _check_text_length(self, text: str, param: str) -> None:
         """Refuses, without tokenizing it, a text too long to fit the context however it tokenizes:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from scheduler.policies import POLICIES
 from scheduler.request import SEED_MAX, SEED_MIN
 
 
@@ -52,6 +53,17 @@ def non_negative_float(text: str) -> float:
 def positive_float_list(text: str) -> list[float]:
     """Comma-separated positive numbers; empty text is an empty list."""
     return [positive_float(part) for part in text.split(",") if part.strip()]
+
+
+def policy_list(text: str) -> list[str]:
+    """Comma-separated scheduling policies: at least one, each known."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no policies: name one or more of {','.join(POLICIES)}")
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policies {','.join(unknown)}; choose from {','.join(POLICIES)}")
+    return names
 
 
 def port_number(text: str) -> int:

@@ -267,3 +267,12 @@ def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypat
     assert "--json --load --policies: not honoured" in err and "--max-num-seqs" not in err
     honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission")
     assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)
+
+
+@pytest.mark.parametrize("policies, message", [(",", "no policies"), ("", "no policies"),
+                                               ("fcfs,bogus", "unknown policies bogus")])
+def test_simulate_needs_known_policies(capsys, tmp_path, policies, message) -> None:
+    # "," ran no policy, exited 0 and wrote an empty report.
+    err = usage_error(capsys, ["simulate", "--policies", policies, "--json", str(tmp_path / "sim.json"),
+                               "--num-requests", "2", "--predictions", "noisy-oracle", "--no-plots"])
+    assert f"argument --policies: {message}" in err and not (tmp_path / "sim.json").exists()

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
-                              power_of_two, prepare_output_file, tier_weights)
+                              policy_list, power_of_two, prepare_output_file, tier_weights)
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -40,7 +40,8 @@ KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 K
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policies", default="fcfs,sjf,srpt,oracle", help="comma-separated: " + ",".join(POLICIES))
+    parser.add_argument("--policies", type=policy_list, default="fcfs,sjf,srpt,oracle",
+                        help="comma-separated: " + ",".join(POLICIES))
     parser.add_argument("--num-requests", type=positive_int, default=2000)
     parser.add_argument("--load", type=positive_float, default=0.9,
                         help="offered load, share of saturated throughput")
@@ -164,10 +165,7 @@ def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    policies = args.policies
     prepare_output_file(args.json, "--json")  # before the simulation, not after it
     if args.predictions == "predictor":
         check_predictor_folder(args.predictor)  # before the workload loads

@@ -203,6 +203,22 @@ def test_a_one_list_batch_of_token_ids_is_that_prompt_and_params_carry_no_union_
     assert error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": [1, "a"]}), 400)["param"] == "prompt"
 
 
+# ---- response fields -----------------------------------------------------------------------
+def test_every_chunk_of_a_stream_carries_the_one_created_time(client, monkeypatch):
+    import itertools
+    import time
+
+    ticks, real_time = itertools.count(), time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + next(ticks))  # each reading a second later
+    kwargs = dict(model=MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True})
+    streams = (client.chat.completions.create(messages=CHAT, **kwargs),
+               client.completions.create(prompt="Hello", **kwargs))
+    for stream in streams:
+        chunks = list(stream)
+        assert len(chunks) >= 5 and len({chunk.created for chunk in chunks}) == 1
+
+
 # ---- scheduling inputs -----------------------------------------------------------------------
 def test_integer_priority_reaches_the_engine_under_priority_scheduling(served, client, monkeypatch):
     engine = served[1].engine

@@ -252,7 +252,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
+    created: int  # one time per request, shared by every chunk of a stream (serving.py)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -274,7 +274,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now_s)
+    created: int  # one time per request, shared by every chunk of a stream (serving.py)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
@@ -296,7 +296,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now_s)
+    created: int  # one time per request, shared by every chunk of a stream (serving.py)
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None

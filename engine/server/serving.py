@@ -24,7 +24,7 @@ from engine.server import errors
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
-                                    CompletionResponse, UsageInfo, new_id)
+                                    CompletionResponse, UsageInfo, new_id, now_s)
 from scheduler.admission import AdmissionRejected
 from scheduler.request import SamplingParams, Tier
 
@@ -87,47 +87,49 @@ class OpenAIServing:
             self._check_context(len(body.prompt), None, "prompt", "max_tokens")  # before decoding them
             prompt_ids = list(body.prompt)
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
-        request_id = new_id("cmpl")
-        stream = await self._submit(request_id, body, prompt_ids, prompt_text, "prompt")
+        head = self._head("cmpl")
+        stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
 
         def chunk(text: str, finish: str | None) -> CompletionResponse:
-            return CompletionResponse(id=request_id, model=self.model_name,
-                                      choices=[CompletionChoice(text=text, finish_reason=finish)])
+            return CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(stream, chunk, None, include_usage,
-                                  lambda usage: CompletionResponse(id=request_id, model=self.model_name,
-                                                                   choices=[], usage=usage))
+                                  lambda usage: CompletionResponse(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
         return CompletionResponse(
-            id=request_id, model=self.model_name, usage=_usage(final), service_tier=_tier_name(body),
+            **head, usage=_usage(final), service_tier=_tier_name(body),
             choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_priority(body)
         messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
-        request_id = new_id("chatcmpl")
-        stream = await self._submit(request_id, body, prompt_ids, prompt_text, "messages")
+        head = self._head("chatcmpl")
+        stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
         def chunk(text: str, finish: str | None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+            return ChatCompletionChunk(**head, choices=[
                 ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            opening = ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+            opening = ChatCompletionChunk(**head, choices=[
                 ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
             events = self._events(stream, chunk, opening, include_usage,
-                                  lambda usage: ChatCompletionChunk(id=request_id, model=self.model_name,
-                                                                    choices=[], usage=usage))
+                                  lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, usage=_usage(final), service_tier=_tier_name(body),
+            **head, usage=_usage(final), service_tier=_tier_name(body),
             choices=[ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
+
+    def _head(self, id_prefix: str) -> dict[str, Any]:
+        """The fields every object of one response shares: a stream's chunks carry the same id and
+        the same `created`, taken once, as OpenAI's do (a time read per chunk drifts across them)."""
+        return {"id": new_id(id_prefix), "created": now_s(), "model": self.model_name}
 
     # ---- admission ---------------------------------------------------------------------------
     async def _off_loop(self, function: Callable, *args: Any) -> Any:

@@ -60,12 +60,13 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
 
 def main(argv: list[str]) -> None:
     import predictor
+    from engine.arg_types import policy_list
     from engine.config import REPO_ROOT
     from training import bench_serve
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--policies", default="fcfs,sjf")
+    parser.add_argument("--policies", type=policy_list, default="fcfs,sjf")  # checked before any model loads
     parser.add_argument("--predictor", default=str(REPO_ROOT / "data" / "predictors" / "default"))
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "out" / "replay_engine")
     args = parser.parse_args(argv[:split])
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> None:
     predictions = predictor.load(args.predictor).predict([item.prompt for item in items])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
-    for policy in args.policies.split(","):
+    for policy in args.policies:
         summary = replay(policy, items, starts, predictions, bench_args.temperature,
                          args.out_dir / f"{policy}_steps.jsonl")
         print(json.dumps(summary), flush=True)

@@ -20,7 +20,7 @@ import time
 def install_step_log(path: str) -> None:
     import engine.llm_engine as llm_engine
 
-    log = open(path, "w", buffering=1)
+    log = open(path, "w", buffering=1)  # before the engine starts: a bad path fails at once
     step = llm_engine.LLMEngine.step
 
     def logged_step(self):
@@ -33,8 +33,19 @@ def install_step_log(path: str) -> None:
     llm_engine.LLMEngine.step = logged_step
 
 
-if __name__ == "__main__":
-    install_step_log(os.environ["STEP_LOG"])
-    from training.cli import main
+def main(argv: list[str]) -> int:
+    path = os.environ.get("STEP_LOG")
+    try:
+        if not path:
+            raise ValueError("set STEP_LOG=FILE, the file each engine step is logged to")
+        install_step_log(path)
+    except (ValueError, OSError) as exc:
+        print(f"serve_step_log.py: error: {exc}", file=sys.stderr)
+        return 2
+    from training.cli import main as lengthwise
 
+    return lengthwise(argv)
+
+
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

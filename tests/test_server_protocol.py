@@ -6,6 +6,8 @@ priority policy, serves this module; its tokenizer notes every text it encodes.
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -16,6 +18,7 @@ from engine.server.app import ServerSettings, create_app
 from test_server import API_KEY, CHAT, MODEL, error_of, post, running_server
 
 SHORT_MODEL_LEN = 128
+ALIAS = "tiny-by-its-path"  # another name of the same model, as serve accepts the model folder
 
 
 class EncodeRecordingTokenizer:
@@ -44,7 +47,8 @@ def served(tiny_model_dir):
         max_num_batched_tokens=256, max_model_len=SHORT_MODEL_LEN, attention_backend="torch",
         policy="priority"))
     async_engine = AsyncLLMEngine(engine)
-    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY, policy="priority")
+    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY, policy="priority",
+                              model_aliases=(ALIAS,))
     tokenizer = EncodeRecordingTokenizer(engine.tokenizer)
     with running_server(create_app(async_engine, tokenizer, settings)) as (base_url, _):
         yield base_url, async_engine, tokenizer
@@ -217,6 +221,33 @@ def test_every_chunk_of_a_stream_carries_the_one_created_time(client, monkeypatc
     for stream in streams:
         chunks = list(stream)
         assert len(chunks) >= 5 and len({chunk.created for chunk in chunks}) == 1
+
+
+def stream_payloads(base_url: str, path: str, body: dict) -> list[dict]:
+    """Every JSON event of a streamed response, before [DONE]."""
+    import httpx
+
+    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert lines.pop() == "[DONE]"
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": CHAT}),
+                                        ("/v1/completions", {"prompt": "Hello"})])
+def test_responses_name_the_model_asked_for_and_chunks_carry_the_service_tier(served, path, body):
+    body = {**body, "max_tokens": 3, "ignore_eos": True}
+    for asked, named in ((ALIAS, ALIAS), (MODEL, MODEL), (None, MODEL)):
+        sent = {**body, "model": asked} if asked else body
+        reply = post(served[0], path, sent)
+        assert reply.status_code == 200 and reply.json()["model"] == named, reply.text
+        assert {chunk["model"] for chunk in stream_payloads(served[0], path, sent)} == {named}
+    for tier, named in (("flex", "flex"), ("priority", "priority"), ("auto", "default"), (None, "default")):
+        sent = {**body, "service_tier": tier, "stream_options": {"include_usage": True}}
+        assert post(served[0], path, {**sent, "stream_options": None}).json()["service_tier"] == named
+        chunks = stream_payloads(served[0], path, sent)  # the usage chunk among them
+        assert chunks and [chunk.get("service_tier") for chunk in chunks] == [named] * len(chunks)
 
 
 # ---- scheduling inputs -----------------------------------------------------------------------

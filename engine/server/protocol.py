@@ -300,6 +300,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(BaseModel):

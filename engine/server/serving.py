@@ -87,7 +87,7 @@ class OpenAIServing:
             self._check_context(len(body.prompt), None, "prompt", "max_tokens")  # before decoding them
             prompt_ids = list(body.prompt)
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
-        head = self._head("cmpl")
+        head = self._head("cmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
 
         def chunk(text: str, finish: str | None) -> CompletionResponse:
@@ -99,15 +99,14 @@ class OpenAIServing:
                                   lambda usage: CompletionResponse(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
-        return CompletionResponse(
-            **head, usage=_usage(final), service_tier=_tier_name(body),
-            choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
+        return CompletionResponse(**head, usage=_usage(final), choices=[
+            CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_priority(body)
         messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
-        head = self._head("chatcmpl")
+        head = self._head("chatcmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
         def chunk(text: str, finish: str | None) -> ChatCompletionChunk:
@@ -122,14 +121,16 @@ class OpenAIServing:
                                   lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
-        return ChatCompletionResponse(
-            **head, usage=_usage(final), service_tier=_tier_name(body),
-            choices=[ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
+        return ChatCompletionResponse(**head, usage=_usage(final), choices=[
+            ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
 
-    def _head(self, id_prefix: str) -> dict[str, Any]:
+    def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
-        the same `created`, taken once, as OpenAI's do (a time read per chunk drifts across them)."""
-        return {"id": new_id(id_prefix), "created": now_s(), "model": self.model_name}
+        the same `created`, taken once, as OpenAI's do (a time read per chunk drifts across them).
+        `model` is the name the client asked for (app.py has checked it names this model; it may
+        be an alias such as the model's path), as vLLM echoes it, else the served name."""
+        return {"id": new_id(id_prefix), "created": now_s(), "model": body.model or self.model_name,
+                "service_tier": _tier_name(body)}
 
     # ---- admission ---------------------------------------------------------------------------
     async def _off_loop(self, function: Callable, *args: Any) -> Any:

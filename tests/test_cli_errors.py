@@ -355,3 +355,10 @@ def test_serve_step_log_without_its_file_is_one_line() -> None:
     done = subprocess.run([sys.executable, str(root / "scripts" / "serve_step_log.py"), "serve"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "set STEP_LOG=FILE" in done.stderr
+
+
+def test_usage_errors_name_the_flag_once(capsys) -> None:
+    err = usage_error(capsys, ["bench", "serve", "--goodput", "ttft:abc"]).splitlines()[-1]
+    assert err.count("--goodput") == 1 and "an SLO is KEY:MS" in err
+    err = usage_error(capsys, ["bench", "serve", "--tier-mix", "gold:1"]).splitlines()[-1]
+    assert err.count("--tier-mix") == 1 and "a tier mix is TIER:SHARE" in err

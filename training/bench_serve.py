@@ -82,10 +82,10 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
         except ValueError:
             mix[tier] = math.nan
         if math.isnan(mix[tier]):
-            raise ValueError(f"--tier-mix parts are TIER:SHARE with TIER in {list(TIER_TO_SERVICE_TIER)} "
+            raise ValueError(f"a tier mix is TIER:SHARE,... with TIER one of {', '.join(TIER_TO_SERVICE_TIER)} "
                              f"and SHARE a number, got {part!r}")
     if not all(math.isfinite(v) and v >= 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise ValueError("--tier-mix shares must be non-negative with a positive sum")
+        raise ValueError(f"tier shares must be >= 0 with a positive sum, got {text!r}")
     return mix
 
 
@@ -238,8 +238,8 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     slos = report.parse_goodput(args.goodput)
+    out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     model = args.model or server_model(args)
     items = sample_workload(args)
     info, preemptions_before = server_state(args.base_url)

@@ -53,10 +53,10 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             limit_ms = math.nan
         if key not in SLO_KEYS or not (math.isfinite(limit_ms) and limit_ms > 0):
-            raise ValueError(f"--goodput takes KEY:MS with KEY in {SLO_KEYS} and MS a positive number of "
-                             f"milliseconds, got {item!r}")
+            raise ValueError(f"an SLO is KEY:MS with KEY one of {', '.join(SLO_KEYS)} and MS a positive number "
+                             f"of milliseconds, got {item!r}")
         if key in slos:
-            raise ValueError(f"--goodput names {key} twice")
+            raise ValueError(f"--goodput gives {key} twice")
         slos[key] = limit_ms / 1000.0
     return slos
 

@@ -120,6 +120,7 @@ def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     monkeypatch.setattr(llm_engine, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded before the check"))
+    monkeypatch.setattr(llm_engine, "KVCache", lambda *a, **k: pytest.fail("KV cache allocated before the check"))
     err = one_line_error(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--attention-backend", "triton"],
                          "generate")
     assert "needs a CUDA GPU (or TRITON_INTERPRET=1)" in err

@@ -327,6 +327,12 @@ def test_unknown_model_is_404(served):
     assert error_of(post(served[0], "/v1/completions", body), 404)["code"] == "model_not_found"
 
 
+def test_a_wrong_method_is_405_with_allow(served):
+    response = httpx.put(served[0] + "/v1/chat/completions", json={}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert "POST" in response.headers.get("allow", "")
+    assert error_of(response, 405)["type"] == "invalid_request_error"
+
+
 def test_a_nonzero_priority_is_400_without_priority_scheduling(served):
     # As vLLM answers: under fcfs an integer priority would be silently ignored.
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}

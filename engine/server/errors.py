@@ -125,7 +125,8 @@ async def _on_body_too_large(request: Request, exc: BodyTooLarge) -> JSONRespons
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+    # Starlette's headers carry what the status needs, such as a 405's Allow.
+    return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

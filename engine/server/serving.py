@@ -1,10 +1,12 @@
 """The completion and chat handlers: request -> engine submission -> JSON or server-sent events.
 
-Per request: tokenize on a worker thread (chat template for chat), check the context length,
-build SamplingParams and the tier, submit to the async engine (admission answers here: 429, 503,
-400), then either collect the final output while watching for a client disconnect, or stream one
-SSE chunk per engine step ending in `data: [DONE]`. A request whose client leaves is aborted,
-which frees its KV blocks at the engine's next step boundary.
+Per request: refuse a text too long to fit the context however it tokenizes, tokenize the rest
+on a worker thread (chat template for chat), check the context length, build SamplingParams and
+the tier, submit to the async engine (admission answers here: 429, 503, 400), then either collect
+the final output while watching for a client disconnect, or stream one SSE chunk per engine step
+ending in `data: [DONE]`. Every object of one response shares its id, `created`, model name and
+service tier. A request whose client leaves is aborted, which frees its KV blocks at the engine's
+next step boundary.
 """
 
 from __future__ import annotations

@@ -56,11 +56,20 @@ def read_spec(folder: Path) -> PredictorSpec:
     path = Path(folder) / SPEC_FILENAME
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a saved predictor folder")
-    fields = json.loads(path.read_text())
+    try:
+        fields = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a predictor spec (not JSON: {exc})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path}: not a predictor spec (a JSON object is expected)")
     # The version first: a newer format may carry fields this code does not know.
-    if fields.get("version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise ValueError(f"predictor format {fields['version']} is newer than this code ({FORMAT_VERSION})")
-    return PredictorSpec(**fields)
+    version = fields.get("version", FORMAT_VERSION)
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ValueError(f"predictor format {version} is newer than this code ({FORMAT_VERSION})")
+    try:
+        return PredictorSpec(**fields)
+    except TypeError as exc:  # missing or unknown fields
+        raise ValueError(f"{path}: not a predictor spec ({exc})") from None
 
 
 def predictor_class(kind: str):

@@ -96,6 +96,18 @@ def test_length_predictor_round_trip(tmp_path):
     assert short.score < long.score and short.p50 <= short.p90
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "a JSON object is expected"),
+    ('{"kind": "length", "feature_spec": {}, "data_hash": "", "weights": 3}', "not a predictor spec"),
+    ('{"kind": "forest", "feature_spec": {}, "data_hash": ""}', "unknown predictor kind"),
+])
+def test_a_spec_that_is_not_a_predictors_is_a_value_error_naming_the_file(tmp_path, text, message):
+    (tmp_path / "predictor.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        predictor.load(tmp_path)
+
+
 def test_predict_in_batches_keeps_order():
     model = _length_predictor()
     prompts = [chat(("user", "x" * n)) for n in range(70)]

@@ -193,6 +193,15 @@ def test_simulate_and_trace_check_their_outputs_first(capsys, tmp_path, taken) -
                  "--model", str(tmp_path / "no-model")], "trace")
 
 
+def test_eval_predictor_checks_its_json_before_evaluating(capsys, taken, monkeypatch) -> None:
+    from training import evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate", lambda *args: pytest.fail("evaluated before --json was checked"))
+    assert f"--json {taken[0]}: is a folder" in one_line_error(
+        capsys, ["eval-predictor", "--predictor", "data/predictors/default", "--json", str(taken[0])],
+        "eval-predictor")
+
+
 def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> None:
     from training import train
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.arg_types import positive_int
+from engine.arg_types import positive_int, prepare_output_file
 from training.labels import LABEL_SOURCES
 
 LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
@@ -112,11 +112,12 @@ def run(args: argparse.Namespace) -> int:
     from training.train_models import limit_torch_threads
 
     limit_torch_threads()
+    if args.json is not None:  # before minutes of evaluation, not after
+        prepare_output_file(args.json, "--json")
     path = resolve_predictor(args.predictor, args.store)
     report = evaluate(path, args.labels, args.limit, not args.no_latency)
     text = json.dumps(asdict(report), indent=2)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
     print(text)
     return 0

@@ -353,7 +353,7 @@ def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engin
 
 
 def test_serve_refuses_a_kv_cache_smaller_than_one_full_context():
-    # As vLLM does: otherwise every request without max_tokens (defaulting to the rest of the
+    # As vLLM does: otherwise every chat request without max_tokens (defaulting to the rest of the
     # context) was refused as too large for the cache, with a 400 that did not say why.
     from scheduler.config import SchedulerConfig
 

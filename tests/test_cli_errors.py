@@ -54,6 +54,11 @@ def test_engine_start_up_errors_are_one_line(capsys, tiny_model_dir) -> None:
         capsys, ["serve", *model, "--predictor", "none", "--kv-cache-memory", "1e-7"], "serve")
     assert "exceeds the model's 2048 positions" in one_line_error(
         capsys, ["serve", *model, "--predictor", "none", "--max-model-len", "20000"], "serve")
+    assert "fewer than max_model_len 1024" in one_line_error(
+        capsys, ["serve", *model, "--predictor", "none", "--max-model-len", "1024", "--kv-cache-memory", "0.0001"],
+        "serve")
+    assert "not a saved predictor folder" in one_line_error(
+        capsys, ["serve", *model, "--predictor", str(tiny_model_dir / "no-predictor")], "serve")
 
 
 def test_files_that_are_not_what_a_flag_wants_are_one_line(capsys, tmp_path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -263,13 +264,20 @@ def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(ti
     asyncio.run(scenario())
 
 
+def isolate_serve_paths(monkeypatch, root):
+    """Point serve's registry and default predictor into `root` (nothing there yet)."""
+    monkeypatch.setattr(serve_cli, "MLFLOW_DB", root / "mlruns" / "mlflow.db")
+    monkeypatch.setattr(serve_cli, "DEFAULT_PREDICTOR", str(root / "data" / "predictors" / "default"))
+
+
 def test_predictor_resolution(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no mlruns/ and no data/predictors/ here
+    isolate_serve_paths(monkeypatch, tmp_path)
+    monkeypatch.chdir(tmp_path)  # and the working directory plays no part
     assert serve_cli.resolve_predictor("none") is None
     assert serve_cli.resolve_predictor("champion") is None
-    with pytest.raises(SystemExit):
+    with pytest.raises(FileNotFoundError, match="not a saved predictor folder"):
         serve_cli.resolve_predictor(str(tmp_path))
-    folder = save(chars_predictor(), tmp_path / serve_cli.DEFAULT_PREDICTOR)
+    folder = save(chars_predictor(), Path(serve_cli.DEFAULT_PREDICTOR))
     assert serve_cli.resolve_predictor("champion") == serve_cli.DEFAULT_PREDICTOR
     assert serve_cli.resolve_predictor(str(folder)) == str(folder)
 
@@ -291,11 +299,11 @@ def test_serve_arguments_build_the_engine_config():
 
 
 def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path, monkeypatch):
-    # Registered by training's own code, resolved by serve's from the repository root: the two
+    # Registered by training's own code, resolved by serve's from the same store: the two
     # sides name the store, the model and the alias separately (serve never imports training).
     from training import tracking
 
-    monkeypatch.chdir(tmp_path)
+    isolate_serve_paths(monkeypatch, tmp_path)
     folder = save(chars_predictor(), tmp_path / "saved")
     with tracking.tracking_session(tmp_path / "mlruns"):
         run_id = tracking.log_run("chars", {"model": "length"}, {tracking.SELECTION_METRIC: 0.5}, folder, [],
@@ -360,3 +368,12 @@ def test_serve_refuses_a_kv_cache_smaller_than_one_full_context():
     small = SchedulerConfig(num_gpu_blocks=32, block_size=16, max_model_len=1024)
     assert "holds 512 tokens, fewer than max_model_len 1024" in serve_cli.kv_shortfall(small)
     assert serve_cli.kv_shortfall(SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=1024)) is None
+
+
+def test_the_model_answers_to_its_path_as_given_absolute_and_repository_relative(monkeypatch):
+    from engine.config import DEFAULT_MODEL, REPO_ROOT
+
+    aliases = serve_cli.model_aliases(DEFAULT_MODEL)
+    assert DEFAULT_MODEL in aliases and "data/models/smollm2-135m-instruct" in aliases
+    monkeypatch.chdir(REPO_ROOT / "data")
+    assert set(serve_cli.model_aliases("models/x")) == {"models/x", str(REPO_ROOT / "data/models/x"), "data/models/x"}

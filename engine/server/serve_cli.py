@@ -1,8 +1,8 @@
 """`lengthwise serve`: build the engine, the length predictor and the HTTP app, then run uvicorn.
 
 The predictor is a saved folder, or `champion`: the model version under the `champion` alias of
-`lengthwise-predictor` in the MLflow registry (sqlite:///mlruns/mlflow.db), falling back to
-data/predictors/default when the registry has none. On SIGINT/SIGTERM the server stops admitting
+`lengthwise-predictor` in the MLflow registry (mlruns/mlflow.db under the repository), falling
+back to data/predictors/default when the registry has none. On SIGINT/SIGTERM the server stops admitting
 (503), lets in-flight requests finish for --shutdown-grace seconds, then aborts the rest.
 """
 
@@ -15,12 +15,14 @@ from pathlib import Path
 import uvicorn
 
 from engine.arg_types import non_negative_float, port_number, positive_float, positive_int
+from engine.config import REPO_ROOT
 
 logger = logging.getLogger("lengthwise.serve")
 
-TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+# Under the repository, as `lengthwise train` writes them, wherever serve is started from.
+MLFLOW_DB = REPO_ROOT / "mlruns" / "mlflow.db"
 REGISTERED_PREDICTOR = "lengthwise-predictor"
-DEFAULT_PREDICTOR = "data/predictors/default"
+DEFAULT_PREDICTOR = str(REPO_ROOT / "data" / "predictors" / "default")
 # After the engine has drained, what uvicorn waits for handlers to send their last events.
 FLUSH_AFTER_DRAIN_S = 5
 POLICIES = ("fcfs", "priority", "sjf", "srpt")
@@ -62,29 +64,30 @@ def resolve_predictor(spec: str | None) -> str | None:
         return None
     if spec != "champion":
         if not (Path(spec) / "predictor.json").exists():
-            raise SystemExit(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
+            raise FileNotFoundError(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
         return spec
     path = _champion_from_registry()
     if path is not None:
         return path
     if (Path(DEFAULT_PREDICTOR) / "predictor.json").exists():
-        logger.info("no '%s@champion' in %s; using %s", REGISTERED_PREDICTOR, TRACKING_URI, DEFAULT_PREDICTOR)
+        logger.info("no '%s@champion' in %s; using %s", REGISTERED_PREDICTOR, MLFLOW_DB, DEFAULT_PREDICTOR)
         return DEFAULT_PREDICTOR
     logger.warning("no champion predictor and no %s: serving without length predictions", DEFAULT_PREDICTOR)
     return None
 
 
 def _champion_from_registry() -> str | None:
-    if not Path("mlruns/mlflow.db").exists():
+    if not MLFLOW_DB.exists():
         return None
+    tracking_uri = f"sqlite:///{MLFLOW_DB}"
     try:
         import mlflow
         from mlflow import MlflowClient
 
-        client = MlflowClient(tracking_uri=TRACKING_URI, registry_uri=TRACKING_URI)
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         version = client.get_model_version_by_alias(REGISTERED_PREDICTOR, "champion")
-        mlflow.set_registry_uri(TRACKING_URI)  # models:/ sources resolve through the registry
-        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=TRACKING_URI)
+        mlflow.set_registry_uri(tracking_uri)  # models:/ sources resolve through the registry
+        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri)
     except Exception as exc:  # noqa: BLE001 - any registry trouble falls back to the default
         logger.info("champion predictor not available from the registry (%s)", exc)
         return None
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     too_small = kv_shortfall(engine.scheduler.config)
     if too_small:
-        raise SystemExit(f"lengthwise serve: error: {too_small}")
+        raise ValueError(too_small)  # one line and exit status 2 at the CLI boundary
     logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
@@ -144,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": str(config.max_num_batched_tokens),
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
-                              model_aliases=(args.model,), shutdown_grace_s=args.shutdown_grace,
+                              model_aliases=model_aliases(args.model), shutdown_grace_s=args.shutdown_grace,
                               policy=config.policy, info=tuple(info.items()))
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
@@ -162,6 +165,16 @@ def run(args: argparse.Namespace) -> int:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
     return 0
+
+
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Names a client may send besides the served name: the model path as given, absolute, and
+    relative to the repository (the default is absolute; clients sent data/models/... before)."""
+    path = Path(model).resolve()
+    aliases = [model, str(path)]
+    if path.is_relative_to(REPO_ROOT):
+        aliases.append(str(path.relative_to(REPO_ROOT)))
+    return tuple(dict.fromkeys(aliases))
 
 
 def kv_shortfall(scheduler_config) -> str | None:

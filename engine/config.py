@@ -17,9 +17,18 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 PreemptionMode = Literal["recompute", "swap"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
-# The checkout's root, so default paths do not depend on the directory a command runs in
-# (engine/ may not import training/, whose training.dataset.REPO_ROOT is the same folder).
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project_root() -> Path:
+    """The checkout's root, so default paths do not depend on the directory a command runs in;
+    for an installed (non-editable) package, which has no checkout around it, the working
+    directory, as before."""
+    checkout = Path(__file__).resolve().parents[1]
+    return checkout if (checkout / "pyproject.toml").exists() else Path.cwd()
+
+
+# The one definition: training/ and scripts/ import it from here.
+REPO_ROOT = _project_root()
 DEFAULT_MODEL = str(REPO_ROOT / "data" / "models" / "smollm2-135m-instruct")
 
 

@@ -11,8 +11,8 @@ replays a benchmark sending each request's true length as `max_tokens` (`bench s
 --ignore-eos`) says so with `max_tokens=None`. Time advances step by step; when
 nothing is in the system it jumps to the next arrival. Arrivals during a step join before the next.
 
-`lengthwise bench engine --calibrate` writes the coefficients to data/step_cost.json (keys a, b, c,
-d; a file without d charges nothing for swaps).
+`lengthwise bench engine --calibrate` writes the coefficients (keys a, b, c, d; a file without d
+charges nothing for swaps) to out/step_cost.json; the simulator reads data/step_cost.json.
 """
 
 from __future__ import annotations

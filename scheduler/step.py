@@ -39,7 +39,7 @@ class SchedulerStats:
     num_finished: int
     num_rejected: int  # by admission control, cumulative
     throughput_tokens_per_s: float | None  # EWMA of served tokens per second
-    stability_margin: float | None  # lambda * (m_prefill + m_decode) / (B / t_step)
+    stability_margin: float | None  # offered load over capacity: tokens, seats or KV (admission.py)
 
 
 def token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:

@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LENGTHWISE_TRACEBACK") == "1":
             raise
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"lengthwise {args._command}: error: {message or type(exc).__name__}", file=sys.stderr)
+        # The same exceptions also come from bugs (list.remove, max of nothing): the hint says how
+        # to see where one was raised.
+        print(f"lengthwise {args._command}: error: {message or type(exc).__name__} "
+              f"(LENGTHWISE_TRACEBACK=1 shows where)", file=sys.stderr)
         return 2
 
 

@@ -18,6 +18,8 @@ from typing import Iterator, Literal
 
 import datasets
 
+from engine.config import REPO_ROOT
+
 Split = Literal["train", "validation", "test"]
 SPLITS: tuple[Split, ...] = ("train", "validation", "test")
 # Share of conversations (in percent) per split; the remainder is the test split.
@@ -34,7 +36,6 @@ TURN_COLUMNS = (
     "in_train",
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TABLE_DIR = REPO_ROOT / "data" / "sharegpt_turns"
 CONVERTED_MODEL_DIR = REPO_ROOT / "data" / "models" / "smollm2-135m-instruct"
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"

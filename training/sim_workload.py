@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
+from engine.config import REPO_ROOT
 from scheduler.request import Tier
 from scheduler.simulation import SimRequest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO_ROOT / "data" / "cache" / "sim_predictions"
 NOISY_ORACLE = "noisy-oracle"
 NOISY_ORACLE_SIGMA = 0.6  # log-space noise of the development predictions

@@ -84,7 +84,8 @@ class AdmissionController:
         self._ewma_tokens: float | None = None  # tokens per step
         self._ewma_time: float | None = None  # seconds per step
         self._steps: deque[tuple[float, float, int]] = deque()  # (time, step seconds, tokens)
-        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, prompt, predicted out)
+        # (time, prompt, predicted output, predicted KV token-steps or None without a prediction)
+        self._arrivals: deque[tuple[float, int, float, float | None]] = deque()
         self._overloaded = False
         self.num_rejected = 0
 
@@ -102,7 +103,11 @@ class AdmissionController:
         self._prune(now)
 
     def record_arrival(self, now: float, request: Request) -> None:
-        self._arrivals.append((now, request.num_prompt_tokens, predicted_output_tokens(request)))
+        prompt, decode = request.num_prompt_tokens, predicted_output_tokens(request)
+        # Without a prediction the decode falls back to max_tokens (the rest of the context for a
+        # chat request), which the KV term, quadratic in it, would turn into a phantom overload.
+        kv_steps = decode * (prompt + decode / 2) if request.predicted_len is not None else None
+        self._arrivals.append((now, prompt, decode, kv_steps))
         self._prune(now)
 
     def _prune(self, now: float) -> None:
@@ -137,7 +142,8 @@ class AdmissionController:
         The largest of three utilizations: tokens, lambda * (m_prefill + m_decode) against
         B / t_step of a full step; seats, lambda * (m_decode + m_prefill / B) against max_num_seqs / t_step, since a
         request holds a seat for every decode step (one token each) and every prefill chunk; and KV,
-        lambda * t_step * mean(d * (p + d / 2)) against the cache's tokens. With 32 seats and a
+        lambda * t_step * mean(d * (p + d / 2)) against the cache's tokens, the mean over arrivals
+        that came with a prediction (none: no KV term). With 32 seats and a
         512-token budget the seats bind for chat-length replies: the token term alone read 0.1-0.3
         while the simulated queue grew without bound. With the cache full, fewer seats are filled
         and steps get faster, so the seat term too read a median 0.8-0.9 under a load of 1.3 (a
@@ -152,9 +158,10 @@ class AdmissionController:
         # call two requests 20 ms apart 50 per second.
         span = max(self.config.stability_window_s, now - self._arrivals[0][0])
         arrival_rate = len(self._arrivals) / span
-        mean_prompt = sum(p for _, p, _ in self._arrivals) / len(self._arrivals)
-        mean_decode = sum(d for _, _, d in self._arrivals) / len(self._arrivals)
-        mean_kv_steps = sum(d * (p + d / 2) for _, p, d in self._arrivals) / len(self._arrivals)
+        mean_prompt = sum(a[1] for a in self._arrivals) / len(self._arrivals)
+        mean_decode = sum(a[2] for a in self._arrivals) / len(self._arrivals)
+        predicted_kv = [a[3] for a in self._arrivals if a[3] is not None]
+        mean_kv_steps = sum(predicted_kv) / len(predicted_kv) if predicted_kv else 0.0
         mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
         # B / t_step of a full step: the best rate among steps that used at least half the budget.
         # B over the mean step, mostly short decodes, overstated the served engine's capacity

@@ -237,3 +237,23 @@ def test_small_steps_alone_do_not_stand_for_the_token_capacity() -> None:
     seats = 1.0 * (50 + 50 / 512) * 0.25 / 1024
     kv = 1.0 * 50 * (50 + 25) * 0.25 / (ROOMY_KV_BLOCKS * 16)
     assert ctl.stability_margin(9.0) == pytest.approx(max(seats, kv))
+
+
+def test_arrivals_without_a_prediction_stay_out_of_the_kv_term() -> None:
+    # Served without a predictor, a chat request's decode falls back to max_tokens (the rest of a
+    # 2k context); squared in the KV term, ten 100-token requests in 36 s read as 1.5, an overload.
+    config = SchedulerConfig(num_gpu_blocks=1456, max_num_batched_tokens=512, max_num_seqs=256,
+                             max_model_len=2048, stability_window_s=10.0)
+
+    def margin(predicted: float | None) -> float:
+        ctl = AdmissionController(config)
+        for i in range(10):
+            request = Request(f"r{i}", [1] * 100, SamplingParams(max_tokens=1948), arrival_time=4.0 * i,
+                              predicted_len=predicted)
+            ctl.record_arrival(4.0 * i, request)
+            ctl.record_step(now=4.0 * i, num_tokens=3, step_time_s=0.06)
+        return ctl.stability_margin(36.0)
+
+    rate = 10 / 36.0
+    assert margin(None) == pytest.approx(rate * (1948 + 100 / 512) * 0.06 / 256)  # the seat term
+    assert margin(250.0) == pytest.approx(rate * 250 * (100 + 125) * 0.06 / (1456 * 16))  # KV binds

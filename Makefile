@@ -41,4 +41,4 @@ test-fast: model
 	$(PY) -m pytest -q -m "not integration"
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR)
+	rm -rf $(VENV) $(MODEL_DIR) $(dir $(MODEL_DIR)).$(notdir $(MODEL_DIR)).partial $(dir $(MODEL_DIR)).$(notdir $(MODEL_DIR)).old

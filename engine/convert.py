@@ -76,7 +76,9 @@ def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = _plain_copy(loaded)
-    out_dir = Path(out_dir)
+    # Resolved: a symlinked model folder is replaced where it points, and the renames below then
+    # move real folders (renaming the link itself would leave its target orphaned).
+    out_dir = Path(out_dir).resolve()
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
     partial.mkdir(parents=True)

@@ -1,0 +1,63 @@
+"""Model conversion: a GGUF load written into place atomically, so an interrupted run leaves
+nothing that `make` would take for a finished model."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _fake_transformers(monkeypatch, fail_after_config: bool) -> None:
+    """Stand-ins for the 35 s GGUF load: the model's save writes config.json first, as
+    save_pretrained does, then the weights (or dies in between)."""
+    import sys
+    import types
+
+    from engine import convert
+
+    class Saved:
+        def save_pretrained(self, folder, **kwargs) -> None:
+            (folder / "config.json").write_text("{}")
+            if fail_after_config:
+                raise RuntimeError("killed while writing the weights")
+            (folder / "model.safetensors").write_bytes(b"weights")
+
+    class Tokenizer:
+        def save_pretrained(self, folder) -> None:
+            (folder / "tokenizer.json").write_text("{}")
+
+    fake = types.SimpleNamespace(AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda *a, **k: Tokenizer()),
+                                 AutoModelForCausalLM=types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setattr(convert, "_plain_copy", lambda loaded: Saved())
+
+
+def test_an_interrupted_conversion_leaves_nothing_make_would_take_for_done(tmp_path, monkeypatch) -> None:
+    from engine.convert import convert
+
+    out = tmp_path / "models" / "smollm2"
+    _fake_transformers(monkeypatch, fail_after_config=True)
+    with pytest.raises(RuntimeError):
+        convert(out, tmp_path / "model.gguf")
+    assert not (out / "config.json").exists()  # the Makefile's target: it would skip the conversion
+    _fake_transformers(monkeypatch, fail_after_config=False)
+    assert convert(out, tmp_path / "model.gguf") == out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    (out / "stale.bin").write_bytes(b"")  # converting again replaces the folder whole
+    convert(out, tmp_path / "model.gguf")
+    assert not (out / "stale.bin").exists() and [p.name for p in out.parent.iterdir()] == ["smollm2"]
+
+
+def test_a_symlinked_model_folder_is_replaced_where_it_points(tmp_path, monkeypatch) -> None:
+    from engine.convert import convert
+
+    target = tmp_path / "disk" / "smollm2"
+    target.mkdir(parents=True)
+    link = tmp_path / "models" / "smollm2"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    _fake_transformers(monkeypatch, fail_after_config=False)
+    for _ in range(2):  # the second run found the renamed link in its way
+        convert(link, tmp_path / "model.gguf")
+    assert link.is_symlink() and (link / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["smollm2"]
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["smollm2"]

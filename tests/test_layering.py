@@ -81,3 +81,32 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
                    "    from engine import server\n")
     assert _imported_names(bad) == ["engine.server.app", "engine.server.app.build_app", "torch", "engine",
                                     "engine.server"]
+
+
+def test_every_package_import_is_a_main_dependency() -> None:
+    """`pip install .` without [dev] must run every command (httpx was dev-only, and `bench serve`
+    imports it)."""
+    import ast
+    import importlib.metadata
+    import re
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~\[; ]", spec)[0].lower().replace("_", "-") for spec in project["dependencies"]}
+    ours = {"scheduler", "predictor", "engine", "training", "__future__"}
+    imported = set()
+    for package in ("scheduler", "predictor", "engine", "training"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - ours - set(sys.stdlib_module_names) - {"pydantic", "starlette"}  # fastapi's own
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = sorted(name for name in third_party
+                        if not {d.lower().replace("_", "-") for d in distributions.get(name, [name])} & declared)
+    assert undeclared == []

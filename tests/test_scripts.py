@@ -1,0 +1,81 @@
+"""The scripts under scripts/: bad input is refused in one line before any model or data loads."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypatch) -> None:
+    from training import bench_serve
+
+    replay = load_script("replay_bench_in_sim")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    with pytest.raises(SystemExit) as exited:
+        replay.main(["--sim-args", "--policies fcfs --load=0.5 --max-num-seqs 8 --json x.json", "--",
+                     "--num-prompts", "2"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "\n" not in err
+    assert "--json --load --policies: not honoured" in err and "--max-num-seqs" not in err
+    honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission")
+    assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)
+
+
+def test_replay_engine_checks_its_policies_before_loading(capsys, monkeypatch) -> None:
+    import predictor
+    from training import bench_serve
+
+    replay = load_script("replay_engine")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    monkeypatch.setattr(predictor, "load", lambda path: pytest.fail("predictor loaded first"))
+    with pytest.raises(SystemExit) as exited:
+        replay.main(["--policies", "fcfs,bogus", "--", "--num-prompts", "2"])
+    assert exited.value.code == 2 and "unknown policies bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["32x400", "--steps", "0"], "argument --steps: must be a positive integer"),
+    (["2x4000"], "leaves no room for 12 decode steps"), (["3y4"], "a shape is BATCHxCONTEXT"),
+    (["33x10"], "above max_num_seqs 32"),
+])
+def test_decode_step_probe_checks_its_shapes_before_loading(capsys, monkeypatch, argv, message) -> None:
+    from engine import llm_engine
+
+    probe = load_script("decode_step_probe")
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: pytest.fail("model loaded first"))
+    monkeypatch.setattr("sys.argv", ["decode_step_probe.py", *argv])  # the old main() read sys.argv
+    with pytest.raises(SystemExit) as exited:
+        probe.main()
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_decode_step_probe_refuses_a_shape_the_kv_cache_cannot_hold() -> None:
+    from engine.config import EngineConfig
+
+    probe = load_script("decode_step_probe")
+    config = EngineConfig()
+    assert probe.shape_problem(32, 600, 12, config, kv_blocks=1456) is None  # the README's shapes
+    assert "needs up to 2176 KV blocks" in probe.shape_problem(32, 1000, 12, config, kv_blocks=1456)
+
+
+def test_serve_step_log_without_its_file_is_one_line() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "STEP_LOG"}
+    done = subprocess.run([sys.executable, str(root / "scripts" / "serve_step_log.py"), "serve"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "set STEP_LOG=FILE" in done.stderr

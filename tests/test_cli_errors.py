@@ -217,6 +217,13 @@ def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> N
         capsys, ["train", "--model", "length", "--store", "/proc/nope"], "train")
 
 
+def test_eval_predictor_reads_its_store_without_creating_it(capsys, tmp_path) -> None:
+    typo = tmp_path / "typo"
+    with pytest.raises(SystemExit, match=f"no MLflow store at {typo}"):
+        main(["eval-predictor", "--store", str(typo), "--no-latency"])
+    assert not typo.exists()
+
+
 @pytest.mark.parametrize("policies, message", [(",", "no policies"), ("", "no policies"),
                                                ("fcfs,bogus", "unknown policies bogus")])
 def test_simulate_needs_known_policies(capsys, tmp_path, policies, message) -> None:

@@ -59,11 +59,12 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def _check_store(args: argparse.Namespace) -> None:
     """`train` and `eval-predictor` name an MLflow store with --store; train would otherwise find a
-    file in its place, or an unwritable folder, only when it logs, after the training."""
+    file in its place, or an unwritable folder, only when it logs, after the training.
+    eval-predictor only reads it."""
     if getattr(args, "store", None) is not None:
         from training.tracking import check_store
 
-        check_store(args.store)
+        check_store(args.store, for_writing=args._command == "train", flag="--store")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,12 +45,14 @@ def tracking_uri(store: Path) -> str:
     return f"sqlite:///{Path(store).resolve() / 'mlflow.db'}"
 
 
-def check_store(store: Path) -> None:
-    """An MLflow store is a folder: refuse a file in its place, or a folder that cannot be made or
-    written, before any work is done for it (`main` checks a command's --store before it runs)."""
+def check_store(store: Path, for_writing: bool = True, flag: str = "MLflow store") -> None:
+    """An MLflow store is a folder: refuse a file in its place, and, for a store to be written, a
+    folder that cannot be made or written, before any work is done for it (`main` checks a
+    command's --store before it runs). A store only read is not created."""
     if store.exists() and not store.is_dir():
-        raise NotADirectoryError(f"MLflow store {store} is a file, not a folder")
-    prepare_output_dir(store, "--store")
+        raise NotADirectoryError(f"{flag} {store} is a file, not a folder")
+    if for_writing:
+        prepare_output_dir(store, flag)
 
 
 @contextmanager
@@ -146,6 +148,9 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    database = Path(store or default_store()) / "mlflow.db"
+    if not database.exists():  # reading: a store that is not there is not created
+        raise LookupError(f"no MLflow store at {database.parent}")
     with tracking_session(store):
         client = mlflow.MlflowClient()
         try:

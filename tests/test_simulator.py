@@ -295,7 +295,14 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
     assert main(["eval-predictor", "--predictor", str(tmp_path / "none"), "--no-latency"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "not a saved predictor folder" in error
-    # No champion registered (a fresh clone).
+    # No store (a fresh clone), and a store with no champion registered.
+    with pytest.raises(SystemExit) as exited:
+        main(["eval-predictor", "--store", str(tmp_path / "empty")])
+    assert "no MLflow store at" in str(exited.value.code) and "\n" not in str(exited.value.code)
+    from training import tracking
+
+    with tracking.tracking_session(tmp_path / "empty"):
+        pass
     with pytest.raises(SystemExit) as exited:
         main(["eval-predictor", "--store", str(tmp_path / "empty")])
     assert "no 'champion' alias" in str(exited.value.code) and "\n" not in str(exited.value.code)

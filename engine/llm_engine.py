@@ -209,7 +209,7 @@ class LLMEngine:
         try:
             runner_output = self.runner.execute(output, self._sampling_params_of)
         except BaseException:
-            self.scheduler.restart_failed_step(output)  # no request stranded mid-step (Ctrl-C, OOM)
+            self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
         done = self.now()
         progressed = self.scheduler.update_from_output(output, runner_output, done)

@@ -288,7 +288,7 @@ class Scheduler:
         reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         return self.block_manager.num_free_blocks - needed >= reserve
 
-    def restart_failed_step(self, output: SchedulerOutput) -> None:
+    def restart_failed_step(self, output: SchedulerOutput, now: float) -> None:
         """After the model step for `output` raised: the requests it touched start over by recompute.
 
         Scheduling already advanced their computed tokens, and their KV (and any swap copy) may be
@@ -305,6 +305,7 @@ class Scheduler:
             self.block_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
+            request.requeued_at = now  # queued again: its wait counts from here
             self.waiting.append(request)
 
     # ---- results -----------------------------------------------------------------------------

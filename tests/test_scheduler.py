@@ -103,8 +103,10 @@ def test_a_failed_model_step_strands_no_request_and_leaks_no_block(mode: str) ->
         if step % 5 == 3:
             if step % 10 == 3:
                 runner.execute(output)
-            scheduler.restart_failed_step(output)
+            scheduler.restart_failed_step(output, now=float(step))
             failures += 1
+            assert all(scheduler.get_request(c.request_id).requeued_at == float(step) for c in output.chunks
+                       if not scheduler.get_request(c.request_id).is_finished)
         else:
             for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
                 if request.is_finished:

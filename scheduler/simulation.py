@@ -136,8 +136,12 @@ class SimulationResult:
     num_steps: int
     num_preemptions: int
     peak_kv_usage: float
-    max_stability_margin: float | None
+    stability_margins: tuple[tuple[float, float], ...]  # (time, margin) every 64 steps
     leaked_blocks: int  # device and host blocks still held when everything finished; must be 0
+
+    @property
+    def max_stability_margin(self) -> float | None:
+        return max((margin for _, margin in self.stability_margins), default=None)
 
 
 def _record(request: Request, rejected: bool = False) -> RequestRecord:
@@ -160,7 +164,8 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
     scheduler = Scheduler(config, policy)
     pending = sorted(workload, key=lambda r: (r.arrival_time, r.request_id))
     records: list[RequestRecord] = []
-    now, next_arrival, steps, peak_usage, margin = 0.0, 0, 0, 0.0, None
+    now, next_arrival, steps, peak_usage = 0.0, 0, 0, 0.0
+    margins: list[tuple[float, float]] = []
     while next_arrival < len(pending) or scheduler.has_unfinished_requests():
         if not scheduler.has_unfinished_requests():
             now = max(now, pending[next_arrival].arrival_time)
@@ -188,9 +193,8 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
                 records.append(_record(request))
         scheduler.record_step(now, output.num_batched_tokens, step_time)
         steps += 1
-        if steps % 64 == 0:
-            value = scheduler.admission.stability_margin(now)
-            margin = value if margin is None or (value is not None and value > margin) else margin
+        if steps % 64 == 0 and (value := scheduler.admission.stability_margin(now)) is not None:
+            margins.append((now, value))
         if steps >= max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
     served = [r for r in records if not r.rejected]
@@ -201,5 +205,5 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
     return SimulationResult(
         records=tuple(sorted(records, key=lambda r: r.arrival_time)), makespan_s=end - start,
         num_steps=steps, num_preemptions=stats.num_preemptions, peak_kv_usage=peak_usage,
-        max_stability_margin=margin,
+        stability_margins=tuple(margins),
         leaked_blocks=stats.num_total_blocks - stats.num_free_blocks + host.num_blocks - host.num_free)

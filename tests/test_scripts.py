@@ -79,3 +79,12 @@ def test_serve_step_log_without_its_file_is_one_line() -> None:
     done = subprocess.run([sys.executable, str(root / "scripts" / "serve_step_log.py"), "serve"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "set STEP_LOG=FILE" in done.stderr
+
+
+def test_margin_vs_load_refuses_the_flags_it_decides_and_survives_a_run_without_samples(capsys) -> None:
+    script = load_script("margin_vs_load")
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--policies", "sjf", "--load=0.5"])
+    assert exited.value.code == 2 and "--policies, --load: not used here" in capsys.readouterr().err
+    assert script.margin_summary(0.5, []) == {"load": 0.5, "num_samples": 0}
+    assert script.margin_summary(0.5, [0.2, 0.4, 0.3])["median"] == 0.3

@@ -74,6 +74,7 @@ class FCFSPolicy(TieredPolicy):
 
 class PriorityPolicy(TieredPolicy):
     name = "priority"
+    orders_by_priority = True
 
     def score(self, request: Request, now: float) -> float:
         return float(request.priority)

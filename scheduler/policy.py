@@ -17,6 +17,9 @@ class SchedulingPolicy:
     """Base policy: first come, first served; the newest running request gives way."""
 
     name = "fcfs"
+    # Whether the order reads the request's integer priority (the HTTP layer refuses a nonzero one
+    # otherwise, as vLLM does).
+    orders_by_priority = False
 
     def sort_key(self, request: Request, now: float) -> tuple:
         """Smaller keys are admitted first. Recomputed every step."""

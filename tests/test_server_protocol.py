@@ -47,7 +47,7 @@ def served(tiny_model_dir):
         max_num_batched_tokens=256, max_model_len=SHORT_MODEL_LEN, attention_backend="torch",
         policy="priority"))
     async_engine = AsyncLLMEngine(engine)
-    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY, policy="priority",
+    settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY,
                               model_aliases=(ALIAS,))
     tokenizer = EncodeRecordingTokenizer(engine.tokenizer)
     with running_server(create_app(async_engine, tokenizer, settings)) as (base_url, _):
@@ -268,7 +268,7 @@ def test_integer_priority_reaches_the_engine_under_priority_scheduling(served, c
 
 # ---- sizes -----------------------------------------------------------------------------------
 def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
-    from engine.server.serving import longest_token_bytes
+    from engine.server.limits import longest_token_bytes
 
     base_url, _, tokenizer = served
     bound = SHORT_MODEL_LEN * longest_token_bytes(tokenizer)

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import AsyncLLMEngine
 from engine.server import errors
+from engine.server.limits import BodyLimitMiddleware, default_body_limit
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.serving import OpenAIServing
@@ -32,7 +33,6 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
     max_body_bytes: int | None = None  # larger request bodies get a 413; None: default_body_limit()
-    policy: str = "fcfs"  # the engine's scheduling policy; a nonzero priority needs "priority"
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -45,20 +45,12 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 
 
-def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
-    """A request body size no request that can fit the context reaches.
-
-    A prompt that fits has at most max_model_len * max_token_bytes bytes of UTF-8 text (see
-    serving.longest_token_bytes), and JSON spends at most 6 bytes on one byte of it (a control
-    character as \\u0000); 8x leaves room for the rest of the body. The 1 MiB floor keeps tiny
-    test contexts from refusing ordinary bodies."""
-    return max(1 << 20, 8 * max_model_len * max_token_bytes)
-
-
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
     engine.listener = metrics
-    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=settings.policy)
+    # The engine's own policy says whether a nonzero priority means anything (set before start).
+    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len,
+                            policy=engine.engine.scheduler.policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -130,32 +122,3 @@ class ApiKeyMiddleware:
     def _authorized(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization")
         return given is not None and secrets.compare_digest(given, self.expected)
-
-
-class BodyLimitMiddleware:
-    """Refuses a request body over `max_bytes` with a 413: by its Content-Length before anything
-    reads it, or, for a body sent in chunks without one, as soon as the bytes read pass the limit."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await errors.request_too_large(self.max_bytes).response()(scope, receive, send)
-            return
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise errors.BodyTooLarge(self.max_bytes)
-            return message
-
-        await self.app(scope, counting_receive, send)

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
                               model_aliases=model_aliases(args.model), shutdown_grace_s=args.shutdown_grace,
-                              policy=config.policy, info=tuple(info.items()))
+                              info=tuple(info.items()))
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
                                   overlap_prediction=engine.device.type == "cuda")

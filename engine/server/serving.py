@@ -23,11 +23,13 @@ from pydantic import BaseModel
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
 from engine.server import errors
+from engine.server.limits import check_text_length, longest_token_bytes
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
                                     CompletionResponse, UsageInfo, new_id, now_s)
 from scheduler.admission import AdmissionRejected
+from scheduler.policy import SchedulingPolicy
 from scheduler.request import SamplingParams, Tier
 
 if TYPE_CHECKING:
@@ -60,12 +62,12 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, max_model_len: int, *,
-                 policy: str = "fcfs") -> None:
+                 policy: SchedulingPolicy | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.policy = policy  # the scheduler's; only "priority" orders by the integer priority
+        self.policy = policy or SchedulingPolicy()  # the scheduler's: does it read the integer priority?
         self.max_token_bytes = longest_token_bytes(tokenizer)
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
@@ -82,7 +84,7 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest, raw: Request):
         self._check_priority(body)
         if isinstance(body.prompt, str):
-            self._check_text_length(body.prompt, "prompt")
+            check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_bytes)
             prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
         else:
             self._check_token_ids(body.prompt)
@@ -146,7 +148,7 @@ class OpenAIServing:
                                                              add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc
-        self._check_text_length(prompt_text, "messages")
+        check_text_length(prompt_text, "messages", self.max_model_len, self.max_token_bytes)
         return prompt_text, self._encode(prompt_text)
 
     def _encode(self, text: str) -> list[int]:
@@ -156,18 +158,9 @@ class OpenAIServing:
 
     def _check_priority(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         # As vLLM answers: under any other policy the priority would be silently ignored.
-        if body.priority != 0 and self.policy != "priority":
-            raise errors.invalid_field("priority", f"priority: this server schedules by {self.policy}, not by "
-                                       "priority (--policy priority); send priority 0 or leave it out")
-
-    def _check_text_length(self, text: str, param: str) -> None:
-        """Refuses, without tokenizing it, a text too long to fit the context however it tokenizes:
-        tokenizing megabytes would hold the one tokenizer thread, and every request behind it."""
-        limit = self.max_model_len * self.max_token_bytes
-        if len(text) > limit:
-            raise errors.context_exceeded(param, f"This model's maximum context length is {self.max_model_len} "
-                                          f"tokens; the {param} has {len(text)} characters, more than "
-                                          f"{self.max_model_len} tokens can hold ({limit}).")
+        if body.priority != 0 and not self.policy.orders_by_priority:
+            raise errors.invalid_field("priority", f"priority: this server schedules by {self.policy.name}, not "
+                                       "by priority (--policy priority); send priority 0 or leave it out")
 
     def _check_token_ids(self, ids: list[int]) -> None:
         vocab = len(self.tokenizer)
@@ -282,20 +275,6 @@ class AbortingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-def longest_token_bytes(tokenizer: Any) -> int:
-    """The longest vocabulary entry, in UTF-8 bytes of its piece.
-
-    No token stands for more bytes of text than its piece has: a byte-level BPE piece spells each
-    byte it stands for as one character of one or two bytes, a SentencePiece piece spells a space
-    as the three-byte "▁" and a fallback byte as "<0xNN>", and an added token is its own text. A
-    text of N characters has at least N bytes, so it needs at least N / longest tokens, and one
-    of more than max_model_len * longest characters cannot fit. (This assumes the tokenizer drops
-    no text: no normalizer that deletes characters, no run of unknown characters fused into one
-    <unk>; the Llama-family tokenizers served here do neither.)"""
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len((piece or "").encode("utf-8")) for piece in pieces)
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

@@ -1,0 +1,76 @@
+"""Size limits that refuse oversized input before it costs anything.
+
+A text prompt longer than any tokenization of max_model_len tokens could spell is refused without
+being tokenized (tokenizing megabytes would hold the one tokenizer thread, and every request behind
+it), and a request body larger than any request that fits the context gets a 413 before it is read
+whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.server import errors
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in UTF-8 bytes of its piece.
+
+    No token stands for more bytes of text than its piece has: a byte-level BPE piece spells each
+    byte it stands for as one character of one or two bytes, a SentencePiece piece spells a space
+    as the three-byte "▁" and a fallback byte as "<0xNN>", and an added token is its own text. A
+    text of N characters has at least N bytes, so it needs at least N / longest tokens, and one
+    of more than max_model_len * longest characters cannot fit. (This assumes the tokenizer drops
+    no text: no normalizer that deletes characters, no run of unknown characters fused into one
+    <unk>; the Llama-family tokenizers served here do neither.)"""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len((piece or "").encode("utf-8")) for piece in pieces)
+
+
+def check_text_length(text: str, param: str, max_model_len: int, max_token_bytes: int) -> None:
+    """Refuses (400 context_length_exceeded), without tokenizing it, a text too long to fit the
+    context however it tokenizes."""
+    limit = max_model_len * max_token_bytes
+    if len(text) > limit:
+        raise errors.context_exceeded(param, f"This model's maximum context length is {max_model_len} "
+                                      f"tokens; the {param} has {len(text)} characters, more than "
+                                      f"{max_model_len} tokens can hold ({limit}).")
+
+
+def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
+    """A request body size no request that can fit the context reaches.
+
+    A prompt that fits has at most max_model_len * max_token_bytes bytes of UTF-8 text (see
+    longest_token_bytes), and JSON spends at most 6 bytes on one byte of it (a control
+    character as \\u0000); 8x leaves room for the rest of the body. The 1 MiB floor keeps tiny
+    test contexts from refusing ordinary bodies."""
+    return max(1 << 20, 8 * max_model_len * max_token_bytes)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with a 413: by its Content-Length before anything
+    reads it, or, for a body sent in chunks without one, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await errors.request_too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise errors.BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -76,6 +76,9 @@ def client(served) -> openai.OpenAI:
     ("structured_outputs", {"regex": "a+"}), ("allowed_token_ids", [1, 2]), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("bad_words", ["x"]), ("truncate_prompt_tokens", 8), ("prompt_logprobs", 1), ("length_penalty", 0.5),
+    ("spaces_between_special_tokens", False), ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": True}),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
@@ -103,7 +106,9 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
                "skip_special_tokens": True, "echo": False, "use_beam_search": False, "guided_json": None,
                "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
                "allowed_token_ids": None, "functions": [], "function_call": "none", "prediction": None,
-               "audio": None, "modalities": ["text"]}
+               "audio": None, "modalities": ["text"], "bad_words": [], "truncate_prompt_tokens": None,
+               "prompt_logprobs": None, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+               "chat_template": None, "chat_template_kwargs": {}}
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
     for value_of in (lambda field, value: value, lambda field, value: None):
         sent = {field: value_of(field, value) for field, value in neutral.items()}
@@ -189,6 +194,13 @@ def test_an_assistant_message_may_have_null_content_but_others_may_not(served):
         error = error_of(post(served[0], "/v1/chat/completions",
                               {**body, "messages": [{"role": role, "content": None}, *CHAT]}), 400)
         assert error["param"] == "messages.0.content" and "assistant" in error["message"]
+    # The tool calls themselves would be dropped, leaving a tool result with no call before it.
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    error = error_of(post(served[0], "/v1/chat/completions", {**body, "messages": conversation(
+        {"content": None, "tool_calls": [call]})}), 400)
+    assert error["param"] == "messages.1.tool_calls" and "tool calls are not supported" in error["message"]
+    assert post(served[0], "/v1/chat/completions",
+                {**body, "messages": conversation({"content": None, "tool_calls": []})}).status_code == 200
 
 
 def test_a_one_list_batch_of_token_ids_is_that_prompt_and_params_carry_no_union_tags(served, client):

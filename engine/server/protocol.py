@@ -10,39 +10,24 @@ client would otherwise get other output than it asked for, and no signal.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
+from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 
 
-# Output-changing fields this server does not implement -> the values that change nothing. A field
-# is checked on every endpoint whose request model declares it.
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}), "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,),
-    # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-}
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(CompletionUnsupportedFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -64,46 +49,12 @@ class _Request(BaseModel):
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    # Accepted only with their neutral values (NEUTRAL_VALUES), which clients often send explicitly.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    echo: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    use_beam_search: bool | None = None
-    # Refused whatever their value unless null, so their shape is not checked.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    allowed_token_ids: Any = None
-
     @field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k",
                      mode="before")
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         # OpenAI's API (and its clients) take an explicit null as "not set".
         return cls.model_fields[info.field_name].default if value is None else value
-
-    @field_validator(*NEUTRAL_VALUES, check_fields=False)  # chat-only fields live on the subclass
-    @classmethod
-    def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral = NEUTRAL_VALUES[info.field_name]
-        if value is not None and value not in neutral:
-            usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
-            raise ValueError(f"{info.field_name} is not supported by this server (send it unset"
-                             f"{' or ' + usable if usable else ''})")
-        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -173,6 +124,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # Never None once validated: a null or absent content is read as "" in an assistant turn.
     content: str | list[ContentPart] = Field(default=None, validate_default=True)
+    # A turn's tool calls would be dropped, leaving the model a tool result with no call before it.
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, calls: list[Any] | None) -> list[Any] | None:
+        if calls:
+            raise ValueError("tool calls are not supported by this server (send tool_calls unset or [])")
+        return calls
 
     @field_validator("content", mode="before")
     @classmethod
@@ -206,16 +166,9 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, ChatUnsupportedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    prediction: Any = None
-    audio: Any = None
-    modalities: list[str] | None = None
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:

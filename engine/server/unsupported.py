@@ -1,0 +1,89 @@
+"""Request fields of OpenAI's and vLLM's APIs that change the output in ways this server does not
+implement: accepted only with a value that changes nothing (clients often send the defaults
+explicitly), refused otherwise with a 400 naming the field. Dropping them silently would give a
+client other output than it asked for, and no signal.
+
+The request models in protocol.py inherit these declarations; one validator checks them all.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+# Field -> the values that change nothing. A field is checked on every endpoint whose request
+# model declares it.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
+    # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+}
+
+
+class CompletionUnsupportedFields(BaseModel):
+    """The fields both endpoints take."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    echo: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    # Refused whatever their value unless null, so their shape is not checked.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+
+    @field_validator(*NEUTRAL_VALUES, check_fields=False)  # chat-only fields live on the subclass
+    @classmethod
+    def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = NEUTRAL_VALUES[info.field_name]
+        if value is not None and value not in neutral:
+            usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
+            raise ValueError(f"{info.field_name} is not supported by this server (send it unset"
+                             f"{' or ' + usable if usable else ''})")
+        return value
+
+
+class ChatUnsupportedFields(BaseModel):
+    """The fields only chat takes (checked by the validator above, in the request that mixes both)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None

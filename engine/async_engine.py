@@ -212,8 +212,9 @@ class AsyncLLMEngine:
                 self.listener.on_finished(output, stream.tier, stream.prediction)
 
     def _fail_all(self, message: str) -> None:
-        for stream in self._streams.values():
+        for request_id, stream in self._streams.items():
             stream.put(StreamEnd("error", message))
+            self.listener.on_aborted(request_id, stream.tier, reason="error")
         self._streams.clear()
         self._no_streams.set()
 

@@ -232,9 +232,12 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
             lines = [line for line in response.iter_lines() if line]
         after = httpx.post(base_url + "/v1/completions", json=body)
         health = httpx.get(base_url + "/health")
+        failed = httpx.get(base_url + "/metrics").text
     assert "device lost" in lines[-2] and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
     assert health.status_code == 500
+    # The failed request is counted, and the metrics keep nothing of it.
+    assert 'finished_reason="error"' in failed and not app.state.metrics._last_token_time
 
 
 def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(tiny_model_dir, monkeypatch):

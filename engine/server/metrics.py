@@ -185,9 +185,10 @@ class ServerMetrics:
         if output.first_scheduled_time is not None:
             self.queue_time.labels(*labels).observe(max(0.0, output.first_scheduled_time - arrival))
 
-    def on_aborted(self, request_id: str, tier: Tier) -> None:
+    def on_aborted(self, request_id: str, tier: Tier, reason: str = "abort") -> None:
+        """A request ended without a finished output: aborted, or failed with the engine ("error")."""
         self._last_token_time.pop(request_id, None)
-        self.finished.labels(self._model_name, tier.name.lower(), "abort").inc()
+        self.finished.labels(self._model_name, tier.name.lower(), reason).inc()
 
     def on_prediction(self, latency_s: float, batch_size: int) -> None:
         self.predictor_latency.labels(self._model_name).observe(latency_s)

@@ -18,7 +18,6 @@ PreemptionMode = Literal["recompute", "swap"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
-
 def _project_root() -> Path:
     """The checkout's root, so default paths do not depend on the directory a command runs in;
     for an installed (non-editable) package, which has no checkout around it, the working

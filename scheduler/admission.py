@@ -28,13 +28,13 @@ all of it), between 1 s and an hour.
 
 The stability margin is offered load over capacity in a sliding window, the largest of three
 utilizations: tokens, lambda * (m_prefill + m_decode) against the step budget B over the time of a
-full step (the window's best step rate); seats, lambda * (m_decode + m_prefill / B) against max_num_seqs over the mean step time (a
-request holds a seat for each decode step and each prefill chunk); and KV, lambda * t_step *
-mean(d * (p + d / 2)) against the KV cache's tokens (Little's law: a request holds p + d / 2 KV
-slots on average over its d decode steps). The window holds the last
-`stability_window_s` seconds, and at least the last MIN_ARRIVALS_IN_WINDOW arrivals however long
-ago they came: two arrivals in ten seconds say little about a rate. Above 1 the queue cannot
-drain; it is logged when it crosses 1.
+full step (the window's best step rate); seats, lambda * (m_decode + m_prefill / B) against
+max_num_seqs over the mean step time (a request holds a seat for each decode step and each
+prefill chunk); and KV, lambda * t_step * mean(d * (p + d / 2)) against the KV cache's tokens
+(Little's law: a request holds p + d / 2 KV slots on average over its d decode steps), from the
+arrivals that came with a prediction. The window holds the last `stability_window_s` seconds, and
+at least the last MIN_ARRIVALS_IN_WINDOW arrivals however long ago they came: two arrivals in ten
+seconds say little about a rate. Above 1 the queue cannot drain; it is logged when it crosses 1.
 """
 
 from __future__ import annotations

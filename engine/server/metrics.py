@@ -88,7 +88,8 @@ class _EngineStateCollector(Collector):
             yield from self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
                                    _stat(stats, "kv_usage", "kv_cache_usage"))
             yield from self._gauge("stability_margin", "Offered load over capacity, in tokens, seats or KV "
-                                   "cache, whichever binds; above 1 the queue cannot drain.", _stat(stats, "stability_margin"))
+                                   "cache, whichever binds; above 1 the queue cannot drain.",
+                                   _stat(stats, "stability_margin"))
             preemptions = _stat(stats, "num_preemptions")
             if preemptions is not None:
                 family = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative preemptions.",

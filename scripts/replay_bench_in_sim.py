@@ -55,7 +55,8 @@ def main(argv: list[str]) -> None:
     from scheduler.simulation import simulate
     from training import bench_serve, simulate as sim
     from training.sim_metrics import summarize
-    from training.sim_workload import REPO_ROOT, Turn, build_workload, predictor_predictions
+    from engine.config import REPO_ROOT
+    from training.sim_workload import Turn, build_workload, predictor_predictions
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
                               policy_list, power_of_two, prepare_output_file, tier_weights)
+from engine.config import REPO_ROOT
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
-from training.sim_workload import (NOISY_ORACLE, REPO_ROOT, arrival_times, assign_tiers, build_workload,
-                                   load_test_turns, noisy_oracle, predictor_predictions)
+from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload, load_test_turns,
+                                   noisy_oracle, predictor_predictions)
 
 logger = logging.getLogger(__name__)
 

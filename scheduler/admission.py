@@ -140,14 +140,14 @@ class AdmissionController:
         """Offered load over capacity in the sliding window (above 1: the queue grows), or None.
 
         The largest of three utilizations: tokens, lambda * (m_prefill + m_decode) against
-        B / t_step of a full step; seats, lambda * (m_decode + m_prefill / B) against max_num_seqs / t_step, since a
-        request holds a seat for every decode step (one token each) and every prefill chunk; and KV,
-        lambda * t_step * mean(d * (p + d / 2)) against the cache's tokens, the mean over arrivals
-        that came with a prediction (none: no KV term). With 32 seats and a
-        512-token budget the seats bind for chat-length replies: the token term alone read 0.1-0.3
-        while the simulated queue grew without bound. With the cache full, fewer seats are filled
-        and steps get faster, so the seat term too read a median 0.8-0.9 under a load of 1.3 (a
-        probe with placeholder step costs and 16k KV tokens). With all three terms,
+        B / t_step of a full step; seats, lambda * (m_decode + m_prefill / B) against
+        max_num_seqs / t_step, since a request holds a seat for every decode step (one token each)
+        and every prefill chunk; and KV, lambda * t_step * mean(d * (p + d / 2)) against the
+        cache's tokens, the mean over arrivals that came with a prediction (none: no KV term). With
+        32 seats and a 512-token budget the seats bind for chat-length replies: the token term
+        alone read 0.1-0.3 while the simulated queue grew without bound. With the cache full, fewer
+        seats are filled and steps get faster, so the seat term too read a median 0.8-0.9 under a
+        load of 1.3 (a probe with placeholder step costs and 16k KV tokens). With all three terms,
         `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.40 at load
         0.9, 0.81 at 1.0 and 1.32 at 1.3."""
         self._prune(now)

@@ -88,3 +88,19 @@ def test_margin_vs_load_refuses_the_flags_it_decides_and_survives_a_run_without_
     assert exited.value.code == 2 and "--policies, --load: not used here" in capsys.readouterr().err
     assert script.margin_summary(0.5, []) == {"load": 0.5, "num_samples": 0}
     assert script.margin_summary(0.5, [0.2, 0.4, 0.3])["median"] == 0.3
+
+
+def test_step_log_fit_recovers_the_cost_of_logged_steps(tmp_path) -> None:
+    import json
+
+    fit = load_script("step_log_fit")
+    lines, t = [], 0.0
+    for tokens, context in [(512, 512), (40, 900), (32, 4000), (300, 2500), (64, 6400), (8, 300)]:
+        seconds = 0.05 + 0.001 * tokens + 2e-6 * context
+        lines.append(json.dumps({"t0": t, "t1": t + seconds, "cpu": seconds, "num_batched_tokens": tokens,
+                                 "sum_context_tokens": context}))
+        t += seconds + 0.01
+    (tmp_path / "fcfs_steps.jsonl").write_text("\n".join(lines) + "\n")
+    result = fit.fit_steps(tmp_path / "fcfs_steps.jsonl")
+    assert result["steps"] == 6 and result["batched_tokens"] == 956 and result["gaps_s"] == pytest.approx(0.05)
+    assert (result["a_ms"], result["b_ms_per_token"], result["c_us_per_context_token"]) == pytest.approx((50, 1, 2))

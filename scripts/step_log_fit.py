@@ -1,0 +1,54 @@
+"""Compare the engine steps two served runs logged (scripts/serve_step_log.py): the work each did,
+and the step cost fitted to each run's own steps.
+
+For each POLICY it reads DIR/POLICY_steps.jsonl and prints the steps, the wall and process CPU
+seconds inside them, the time between them, the batched and summed-context tokens, and a least
+squares fit of step seconds = a + b * batched tokens + c * summed context tokens. With the same
+work under both policies, a difference in duration comes either from the number of steps (which
+the order changes) or from the cost per step (which it should not).
+
+    python scripts/step_log_fit.py out/bench_serve_s8 [--policies fcfs,sjf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def fit_steps(path: Path) -> dict:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not steps:
+        raise SystemExit(f"step_log_fit.py: error: {path} holds no steps")
+    column = {key: np.array([step[key] for step in steps], dtype=float)
+              for key in ("t0", "t1", "cpu", "num_batched_tokens", "sum_context_tokens")}
+    wall = column["t1"] - column["t0"]
+    design = np.c_[np.ones_like(wall), column["num_batched_tokens"], column["sum_context_tokens"]]
+    a, b, c = np.linalg.lstsq(design, wall, rcond=None)[0]
+    return {"steps": len(steps), "wall_s": wall.sum(), "cpu_s": column["cpu"].sum(),
+            "gaps_s": (column["t0"][1:] - column["t1"][:-1]).sum(),
+            "batched_tokens": int(column["num_batched_tokens"].sum()),
+            "context_tokens": int(column["sum_context_tokens"].sum()),
+            "a_ms": a * 1e3, "b_ms_per_token": b * 1e3, "c_us_per_context_token": c * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--policies", default="fcfs,sjf")
+    args = parser.parse_args(argv)
+    for policy in args.policies.split(","):
+        path = args.run_dir / f"{policy}_steps.jsonl"
+        if not path.is_file():
+            parser.error(f"no step log {path}")
+        fit = fit_steps(path)
+        print(policy, json.dumps({key: round(value, 3) if isinstance(value, float) else value
+                                  for key, value in fit.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -325,3 +325,35 @@ def test_a_missing_step_cost_file_is_an_error_unless_it_is_the_default(tmp_path,
         cost, source, calibration = simulate.load_cost_model(None)
     assert cost == simulate.DEFAULT_COST and calibration == {} and "placeholder" in source
     assert "placeholder" in caplog.text
+
+
+def record_of(request_id: str, output_tokens: int, e2e_s: float, tier: Tier = Tier.STANDARD):
+    from scheduler.simulation import RequestRecord
+
+    return RequestRecord(request_id, tier, arrival_time=0.0, output_tokens=output_tokens, rejected=False,
+                         first_scheduled_time=0.0, first_token_time=0.5, finish_time=e2e_s)
+
+
+def test_the_longest_decile_is_the_top_tenth_by_true_length_and_its_p99_is_theirs() -> None:
+    from scheduler.simulation import SimulationResult
+    from training.sim_metrics import longest_decile
+
+    # Twenty requests of 1..20 tokens; the two longest take 100 s and 90 s, the rest 1-18 s.
+    records = [record_of(f"r{n}", n, 100.0 if n == 20 else 90.0 if n == 19 else float(n)) for n in range(1, 21)]
+    assert sorted(r.request_id for r in longest_decile(records)) == ["r19", "r20"]
+    result = SimulationResult(records=tuple(records), makespan_s=100.0, num_steps=1, num_preemptions=0,
+                              peak_kv_usage=0.0, stability_margins=(), leaked_blocks=0)
+    assert summarize(result)["p99_e2e_longest10pct_s"] == pytest.approx(percentile([90.0, 100.0], 99))
+
+
+def test_goal_ratios_have_the_issue_s_direction_and_bounds() -> None:
+    fcfs = {"mean_e2e_s": 9.0, "p99_e2e_longest10pct_s": 20.0, "output_tokens_per_s": 100.0, "max_wait_s": 5.0,
+            "num_rejected": 0}
+    sjf = {**fcfs, "mean_e2e_s": 3.0, "p99_e2e_longest10pct_s": 30.0}
+    checks = goal_checks({"fcfs": fcfs, "sjf": sjf}, aging_bound_s=10.0)
+    assert checks["longest10pct_p99_sjf_over_fcfs"] == pytest.approx(1.5)  # sjf over FCFS, not the reverse
+    assert checks["meets_mean_ratio_3x"] is True  # exactly 3.0 meets ">= 3"
+    sjf["p99_e2e_longest10pct_s"] = 40.0  # exactly 2x meets "at most 2x"; more does not
+    assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 10.0)["meets_longest10pct_2x"] is True
+    sjf["p99_e2e_longest10pct_s"] = 40.5
+    assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 10.0)["meets_longest10pct_2x"] is False

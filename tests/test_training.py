@@ -216,6 +216,38 @@ def test_trace_records_lengths_and_resumes(tmp_path):
     assert trace.load_trace("test", path=tmp_path / "trace.parquet")["conversation_id"] == ["c1"]
 
 
+def test_each_prompt_draws_with_a_seed_of_its_key_and_the_run_seed(tmp_path):
+    # A resample (--seed 1) must draw other samples than the committed trace (--seed 0): with the
+    # run seed ignored, its two-sample agreement would be about 1 and the ceiling meaningless.
+    from types import SimpleNamespace
+
+    from training import trace
+
+    class RecordingEngine:
+        def __init__(self):
+            self.seeds, self.live = {}, []
+
+        def add_request(self, request_id, prompt, params):
+            self.seeds[request_id] = params.seed
+            self.live.append(request_id)
+
+        def step(self):
+            done, self.live = self.live, []
+            return [SimpleNamespace(request_id=r, finished=True, token_ids=(1, 2), finish_reason="stop") for r in done]
+
+    rows = [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p, "prompt_tokens": 3,
+             "split": "test", "in_train": False} for i, p in enumerate(["first prompt", "second prompt"])]
+    seeds = []
+    for run_seed in (0, 1):
+        engine = RecordingEngine()
+        trace.record_trace(SimpleNamespace(engine=engine), rows, tmp_path / f"log{run_seed}.jsonl", max_tokens=4,
+                           temperature=1.0, window=2, seed=run_seed)
+        seeds.append([engine.seeds[f"trace-{row['key']}"] for row in rows])
+        assert seeds[-1] == [trace.seed_of(row["key"], run_seed) for row in rows]
+    assert seeds[0][0] != seeds[0][1]  # each prompt its own seed
+    assert all(a != b for a, b in zip(*seeds))  # and another one in a resample with another seed
+
+
 def test_sample_agreement_pairs_prompts_by_key(tmp_path):
     from training import trace
 

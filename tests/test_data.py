@@ -42,6 +42,9 @@ def test_split_is_deterministic_and_roughly_80_10_10():
     assert 0.77 < share["train"] < 0.83
     assert 0.08 < share["validation"] < 0.12
     assert 0.08 < share["test"] < 0.12
+    # Exact counts, pinned from the current split_of: the bands above cannot see a threshold moved
+    # by one bucket (`<=` for `<` shifts about 1% of ids, 44 of these 5,000, across a border).
+    assert {name: splits.count(name) for name in dataset.SPLITS} == {"train": 4005, "validation": 465, "test": 530}
 
 
 def test_load_turns_rejects_unknown_split(tmp_path: Path):
@@ -126,6 +129,11 @@ def test_turn_table_values(turns):
     assert (table["turn_index"] >= 0).all()
     assert set(table["split"]) == set(dataset.SPLITS)
     assert table.groupby("conversation_id")["split"].nunique().max() == 1
+    # The stored split is the one split_of derives now, for every conversation: a table built by a
+    # different split rule (or a changed rule reading an old table) would mix evaluation data.
+    stored = table.groupby("conversation_id")["split"].first()
+    derived = stored.index.map(dataset.split_of)
+    assert (stored.to_numpy() == derived.to_numpy()).all()
     assert table.loc[table["split"] == "train", "in_train"].all()
 
 

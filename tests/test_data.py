@@ -84,14 +84,38 @@ def test_small_build_counts_match_whole_tokenization(tokenizer):
             {"from": "gpt", "value": "leading reply"}, {"from": "human", "value": "go on"},
             {"from": "gpt", "value": "done"}]},
         {"id": "c2_0", "conversations": [{"from": "weird", "value": "x"}]},
+        # A record's own system message replaces the template's default system block, whose
+        # tokens must then not be added on top.
+        {"id": "s3_0", "conversations": [
+            {"from": "system", "value": "You answer in one word."}, {"from": "human", "value": "Name a cat."},
+            {"from": "gpt", "value": "Tom."}, {"from": "human", "value": "Another?"},
+            {"from": "gpt", "value": "Felix."}]},
     ]
     columns = data_prepare.build_turns(records, tokenizer)
-    assert columns.conversation_id == ["c1", "c1", "c1"]
-    assert columns.turn_index == [0, 2, 0]
+    assert columns.conversation_id == ["c1", "c1", "c1", "s3", "s3"]
+    assert columns.turn_index == [0, 2, 0, 0, 1]
     for prompt, count in zip(columns.prompt, columns.prompt_tokens):
         assert count == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     assert columns.response_tokens[0] == len(tokenizer("Cats are\n small.", add_special_tokens=False)["input_ids"])
     assert columns.prompt[0].endswith("<|im_start|>assistant\n")
+    assert columns.prompt[3].startswith("<|im_start|>system\nYou answer in one word.<|im_end|>\n<|im_start|>user")
+    assert columns.prompt[3].count("<|im_start|>system") == 1
+    data_prepare.check_prompt_token_parity(columns, tokenizer)  # every row: the sample exceeds five
+    columns.prompt_tokens[3] += 1
+    with pytest.raises(RuntimeError, match="row 3"):
+        data_prepare.check_prompt_token_parity(columns, tokenizer)
+
+
+def test_prompt_token_parity_check_raises_on_a_corrupted_count():
+    def whitespace_tokenizer(texts, add_special_tokens):
+        return {"input_ids": [text.split() for text in texts]}
+
+    prompts = [f"prompt number {i} " + "word " * i for i in range(30)]
+    columns = data_prepare.TurnColumns(prompt=prompts, prompt_tokens=[i + 3 for i in range(30)])
+    data_prepare.check_prompt_token_parity(columns, whitespace_tokenizer, sample=30)
+    columns.prompt_tokens[17] -= 1
+    with pytest.raises(RuntimeError, match="row 17: summed 19, whole 20"):
+        data_prepare.check_prompt_token_parity(columns, whitespace_tokenizer, sample=30)
 
 
 def test_rebuilding_the_data_card_keeps_the_sections_written_by_hand(tokenizer, tmp_path: Path):

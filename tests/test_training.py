@@ -54,6 +54,23 @@ def _predictions(scores) -> list[Prediction]:
             for s in scores]
 
 
+def test_the_dedup_tau_reads_only_prompts_not_in_train():
+    # Rows in train get reversed predictions, the rest exact ones: whole tau < 1, dedup tau 1.
+    from types import SimpleNamespace
+
+    from training.labels import LabelledSplit
+    from training.train import evaluate_trained
+
+    lengths = np.array([5, 1, 30, 7, 100, 2, 60, 9])
+    in_train = np.array([False, True, False, True, False, True, False, False])
+    guess = np.where(in_train, 1000 - lengths, lengths)
+    split = LabelledSplit([f"p{i}" for i in range(8)], lengths, in_train, np.ones(8, dtype=np.int64))
+    trained = SimpleNamespace(valid_predictions=_predictions(guess), test_predictions=_predictions(guess))
+    metrics = evaluate_trained(SimpleNamespace(valid=split, test=split), trained)
+    assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0)
+    assert metrics["test_kendall_tau"] < 0.9
+
+
 def test_metrics_on_perfect_reversed_and_constant_orders():
     true = np.array([5, 1, 30, 7, 100, 2])
     perfect = metrics.prediction_metrics(true, _predictions(true))
@@ -182,6 +199,13 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     path = evaluate.resolve_predictor("champion", tmp_path / "mlruns")
     report = evaluate.evaluate(path, limit=200, measure_latency=False)
     assert report.num_examples == 200 and report.kind == "lexical"
+    # Each dedup drops exactly its rows of the same seeded subsample.
+    from training import labels as label_data
+
+    test = label_data.subsample(label_data.load_split("test"), 200, seed=2)
+    strict = ~test.in_train & ~label_data.last_message_in_train(test.prompts)
+    assert report.num_examples_dedup == int((~test.in_train).sum()) < 200
+    assert report.num_examples_dedup_last_message == int(strict.sum()) < report.num_examples_dedup
     json.dumps(dataclasses.asdict(report), allow_nan=False)  # --no-latency writes null, not NaN
     # the registered folder predicts exactly what the locally saved copy predicts
     prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]

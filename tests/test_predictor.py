@@ -71,12 +71,29 @@ def test_lexical_matrix_rows_hold_each_prompts_features():
 def test_quantile_outputs_are_ordered_and_in_tokens():
     outputs = HeadOutputs(score=np.array([0.3, -1.0]), log_point=np.log1p([100.0, 5.0]),
                           log_p50=np.log1p([90.0, 7.0]), log_p90=np.log1p([50.0, 30.0]),
-                          log_rank_len=np.log1p([100.0, 5.0]))
+                          log_rank_len=np.log1p([60.0, 11.0]))  # unlike any other head
     first, second = to_predictions(outputs)
     assert first.point == pytest.approx(100.0) and first.p50 == pytest.approx(90.0)
     assert first.p90 == pytest.approx(90.0)  # a p90 below p50 is raised to p50
     assert second.p90 == pytest.approx(30.0) and second.score == -1.0
-    assert (first.rank_len, second.rank_len) == pytest.approx((100.0, 5.0))
+    assert (first.rank_len, second.rank_len) == pytest.approx((60.0, 11.0))
+
+
+@pytest.mark.parametrize("length_head", ["point", "p50", "p90"])
+def test_the_ranking_length_comes_from_the_chosen_head(length_head):
+    # What the scheduler orders by: the committed predictors name p50; a trace-trained one, point.
+    from predictor.heads import LgbmHeads
+
+    class ConstantBooster:
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def predict(self, features, num_threads=None):
+            return np.full(len(features), self.value)
+
+    boosters = {"point": ConstantBooster(1.0), "p50": ConstantBooster(2.0), "p90": ConstantBooster(3.0)}
+    outputs = LgbmHeads(boosters, score_head="p50", length_head=length_head).predict(np.zeros((2, 4)))
+    assert outputs.log_rank_len.tolist() == [boosters[length_head].value] * 2
 
 
 def _length_predictor() -> LengthPredictor:
@@ -305,6 +322,9 @@ def test_committed_predictors_load_and_rank_an_essay_above_a_greeting(name):
                                      chat(("user", "hi"))])
     assert essay.score > greeting.score and essay.p50 > greeting.p50
     assert 0 < greeting.p50 <= greeting.p90
+    # Both name p50 as their ranking length (heads.json): what the scheduler orders by.
+    chosen = json.loads((REPO_ROOT / "data" / "predictors" / name / "heads.json").read_text())["length_head"]
+    assert chosen == "p50" and (essay.rank_len, greeting.rank_len) == (essay.p50, greeting.p50)
 
 
 def test_a_saved_folder_is_never_mixed_with_another_predictor_and_a_newer_format_says_so(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from training.bench_engine import fit_step_cost
@@ -31,6 +32,8 @@ def test_bench_engine_smoke(tiny_model_dir, tmp_path):
     assert useful["engine"] == useful["hf_static"] == useful["hf_continuous"] <= 15
     assert summary["ratio_vs_hf_static"] == pytest.approx(
         summary["tokens_per_s"]["engine"] / summary["tokens_per_s"]["hf_static"])
+    assert summary["ratio_vs_hf_continuous"] == pytest.approx(
+        summary["tokens_per_s"]["engine"] / summary["tokens_per_s"]["hf_continuous"])
     assert 0.0 <= summary["overhead_share"] < 1.0
     assert out.with_suffix(".png").stat().st_size > 0
     assert {"a", "b", "c", "d", "kv_cache_memory_gib"} <= set(json.loads(step_cost.read_text()))
@@ -55,3 +58,96 @@ def test_hf_baseline_gets_the_engines_kv_capacity(tiny_model_dir):
         config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory_gib=0.001, device="cpu", **options)
         engine = LLMEngine(config)
         assert _kv_cache_tokens(config) == engine.kv_cache.num_gpu_blocks * config.block_size
+
+
+def test_step_cost_r2_is_the_centred_share_of_explained_variance():
+    # With noise the fit is not exact, so R^2 must be 1 - SSres / SStot about the mean; the
+    # uncentred 1 - SSres / sum(t^2) is close to 1 whenever the intercept dominates the times.
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 512, size=200)
+    context = rng.integers(0, 20000, size=200)
+    times = 0.01 + 2e-4 * tokens + 3e-6 * context + rng.normal(0.0, 0.02, size=200)
+    steps = [StepRecord(int(n), 1, int(c), float(t), 0.0) for n, c, t in zip(tokens, context, times)]
+    fit = fit_step_cost(steps)
+    design = np.column_stack([np.ones(200), tokens, context])
+    predicted = design @ np.linalg.lstsq(design, times, rcond=None)[0]
+    expected = 1.0 - ((times - predicted) ** 2).sum() / ((times - times.mean()) ** 2).sum()
+    assert fit["r2"] == pytest.approx(expected, rel=1e-9)
+    assert 0.3 < fit["r2"] < 0.95  # the noise is large enough to matter
+    assert fit["num_steps"] == 200
+
+
+def test_summarise_ratios_divide_by_their_own_baseline():
+    from engine.config import EngineConfig
+    from training.bench_engine import summarise
+    from training.engine_baselines import RunResult
+
+    results = {"engine": RunResult("engine", 120, 2.0, overhead_share=0.1),  # 60 tokens/s
+               "hf_static": RunResult("hf_static", 120, 6.0),  # 20 tokens/s
+               "hf_continuous": RunResult("hf_continuous", 120, 4.0)}  # 30 tokens/s
+    summary = summarise(results, EngineConfig(), num_prompts=3)
+    assert summary["tokens_per_s"] == {"engine": 60.0, "hf_static": 20.0, "hf_continuous": 30.0}
+    assert summary["ratio_vs_hf_static"] == pytest.approx(3.0)
+    assert summary["ratio_vs_hf_continuous"] == pytest.approx(2.0)
+    skipped = summarise({"engine": results["engine"]}, EngineConfig(), num_prompts=3)
+    assert skipped["ratio_vs_hf_static"] is None and skipped["ratio_vs_hf_continuous"] is None
+
+
+def test_swap_time_is_per_block_copied_each_way(tiny_model_dir, monkeypatch):
+    # A swap round copies every block out and back in: 2 * num_blocks block copies. A fake clock
+    # charges 1 ms per block copied out and 3 ms per block copied in, so the answer is 2 ms exactly.
+    import time
+
+    from engine import kv_cache
+    from engine.config import EngineConfig
+    from training.bench_engine import swap_seconds_per_block
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    class TimedKVCache(kv_cache.KVCache):
+        def swap_out(self, pairs):
+            super().swap_out(pairs)
+            clock[0] += 1e-3 * len(pairs)
+
+        def swap_in(self, pairs):
+            super().swap_in(pairs)
+            clock[0] += 3e-3 * len(pairs)
+
+    monkeypatch.setattr(kv_cache, "KVCache", TimedKVCache)
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_memory_gib=0.001)
+    assert swap_seconds_per_block(config, num_blocks=8, rounds=3) == pytest.approx(2e-3)
+
+
+def test_load_workload_takes_first_turns_under_the_prompt_cap_and_caps_replies(monkeypatch):
+    import datasets
+
+    from training import dataset
+    from training.bench_engine import load_workload
+    from training.engine_baselines import WorkItem
+
+    table = datasets.Dataset.from_dict({
+        "prompt": ["a b", "later turn", "c d e", "too long prompt", "f", "g h", "i"],
+        "turn_index": [0, 1, 0, 0, 0, 0, 0],
+        "prompt_tokens": [2, 2, 3, 50, 1, 10, 1],  # row 5 sits exactly at the cap and is kept
+        "response_tokens": [4, 4, 100, 4, 0, 10, 4],
+    })
+    asked = []
+
+    def fake_load_turns(split):
+        asked.append(split)
+        return table
+
+    class WordTokenizer:
+        def encode(self, text, add_special_tokens):
+            assert add_special_tokens is False
+            return [len(word) * 100 + ord(word[0]) for word in text.split()]
+
+    monkeypatch.setattr(dataset, "load_turns", fake_load_turns)
+    items = load_workload(WordTokenizer(), "validation", num_prompts=4, max_prompt_tokens=10, max_output_tokens=10)
+    assert asked == ["validation"]
+    # Rows 1 (not a first turn) and 3 (over the prompt cap) are left out; replies are capped at 10
+    # and at least 1; only the first four kept rows are taken.
+    assert items == [WorkItem((197, 198), 4), WorkItem((199, 200, 201), 10), WorkItem((202,), 1),
+                     WorkItem((203, 204), 10)]
+    assert len(load_workload(WordTokenizer(), "test", 99, 10, 10)) == 5

@@ -47,6 +47,9 @@ def test_pinball_loss_matches_its_definition():
     predicted, target = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 2.0])
     # under-prediction costs q per unit, over-prediction (1 - q)
     assert pinball_loss(predicted, target, 0.9).item() == pytest.approx((0.9 * 1 + 0.1 * 1) / 2)
+    # One side at a time: q and 1 - q would give the same mean above.
+    assert pinball_loss(torch.tensor([1.0]), torch.tensor([2.0]), 0.9).item() == pytest.approx(0.9)
+    assert pinball_loss(torch.tensor([4.0]), torch.tensor([2.0]), 0.9).item() == pytest.approx(0.2)
 
 
 def _predictions(scores) -> list[Prediction]:
@@ -80,6 +83,19 @@ def test_metrics_on_perfect_reversed_and_constant_orders():
     assert metrics.pairwise_accuracy(true.astype(float), np.zeros(6)) == pytest.approx(0.5)
 
 
+def test_each_metric_by_hand():
+    true = np.array([10.0, 20.0, 30.0, 40.0])
+    # p50 and p90 equal to some true lengths: coverage counts true <= quantile, boundaries included.
+    predictions = [Prediction(point=p, p50=q50, p90=q90, score=-r, rank_len=r) for p, q50, q90, r in
+                   [(np.expm1(np.log1p(10.0) + 0.5), 10.0, 20.0, 1.0), (np.expm1(np.log1p(20.0) - 0.5), 15.0, 20.0, 3.0),
+                    (30.0, 30.0, 25.0, 2.0), (40.0, 35.0, 40.0, 4.0)]]
+    result = metrics.prediction_metrics(true, predictions)
+    assert result.p50_coverage == 0.5 and result.p90_coverage == 0.75  # 20 > 15, 40 > 35; 30 > 25
+    assert result.mae_log == pytest.approx((0.5 + 0.5 + 0 + 0) / 4)  # an over and an under, not cancelling
+    assert result.spearman == pytest.approx(0.8)  # of rank_len (1, 3, 2, 4), not of the score
+    assert result.kendall_tau == pytest.approx(4 / 6)
+
+
 def test_the_primary_tau_is_of_the_ranking_length_the_order_the_scheduler_uses():
     true = np.array([5, 1, 30, 7, 100, 2])
     mixed = [Prediction(point=1.0, p50=256.0, p90=256.0, score=-float(t), rank_len=float(t)) for t in true]
@@ -91,9 +107,15 @@ def test_the_primary_tau_is_of_the_ranking_length_the_order_the_scheduler_uses()
 def test_tau_by_bucket_covers_every_row():
     rng = np.random.default_rng(0)
     true = rng.integers(1, 1000, 500)
-    buckets = metrics.tau_by_bucket(true, true + rng.normal(0, 100, 500), rng.integers(1, 2000, 500))
+    bucket_by = rng.integers(1, 2000, 500)
+    score = true + rng.normal(0, 100, 500)
+    buckets = metrics.tau_by_bucket(true, score, bucket_by)
     assert sum(b.num_examples for b in buckets) == 500
     assert all(b.kendall_tau > 0.5 for b in buckets)
+    # Each bucket's tau is of its own rows: reverse the scores in the lowest bucket only.
+    lowest = bucket_by < np.quantile(bucket_by, 0.2)
+    taus = [b.kendall_tau for b in metrics.tau_by_bucket(true, np.where(lowest, -score, score), bucket_by)]
+    assert taus[0] < -0.5 and all(tau > 0.5 for tau in taus[1:])
 
 
 def test_lambdarank_queries_partition_the_rows():

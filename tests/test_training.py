@@ -160,6 +160,16 @@ def test_champion_follows_best_validation_tau(tmp_path):
                          tracking.comparison_tags("sharegpt", "", candidate=False))
         tracking.log_run("own rows", {"model": "length"}, {"val_kendall_tau": 0.9}, folder, [],
                          tracking.comparison_tags("sharegpt", ""))
+        # Nor one of another feature version (it would not load), nor one that failed.
+        tracking.log_run("old features", {"model": "length"}, {tracking.SELECTION_METRIC: 0.9}, folder, [],
+                         {**tracking.comparison_tags("sharegpt", ""), "feature_version": "0"})
+        import mlflow
+
+        mlflow.start_run(run_name="failed")
+        mlflow.set_tags({"feature_version": str(tracking.FEATURE_SPEC_VERSION), "tau_of": tracking.TAU_OF,
+                         **tracking.comparison_tags("sharegpt", "")})
+        mlflow.log_metric(tracking.SELECTION_METRIC, 0.9)
+        mlflow.end_run("FAILED")
         assert tracking.update_champion() == runs["better"]
     local = tracking.download_champion(tmp_path / "download", store=store)
     loaded = predictor.load(local)
@@ -232,6 +242,13 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     # the registered folder predicts exactly what the locally saved copy predicts
     prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]
     assert predictor.load(path).predict(prompts) == predictor.load(tmp_path / "saved").predict(prompts)
+    # --no-register: logged, tagged out of the selection, and the champion stays.
+    unregistered, _ = train.train_and_log(argparse.Namespace(**{**vars(args), "no_register": True, "save": None}))
+    import mlflow
+
+    with tracking.tracking_session(tmp_path / "mlruns"):
+        assert mlflow.get_run(unregistered).data.tags["candidate"] == "false"
+        assert tracking.best_run_id() == run_id
 
 
 @pytest.mark.integration

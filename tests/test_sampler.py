@@ -110,3 +110,20 @@ def test_a_draw_resolves_intervals_finer_than_float32(monkeypatch):
     # And the generator itself draws at float64 resolution.
     draws = [float(Sampler(seed=s)._uniform(SamplingParams(temperature=1.0), 0)) for s in range(20)]
     assert all((u * 2**24) % 1 != 0 for u in draws)
+
+
+def test_seed_zero_is_a_seed():
+    # Seed 0 is falsy but a seed: its draw at a position is the same whatever the engine's own
+    # generator is or has drawn before (it must not fall back to the engine generator).
+    logits = torch.zeros(1, 1000)
+    seeded = [SamplingParams(seed=0)]
+    draws = set()
+    for engine_seed in range(5):
+        sampler = Sampler(seed=engine_seed)
+        sampler.sample(logits.repeat(3, 1), [1, 2, 3], [SamplingParams()] * 3)  # the engine generator moves on
+        draws.add(sampler.sample(logits, [5], seeded)[0])
+        draws.add(sampler.sample(torch.cat([logits, logits]), [9, 5], [SamplingParams(), seeded[0]])[1])
+    assert len(draws) == 1
+    # And it is a seed of its own, not the same draws as seed 1.
+    many = [Sampler(seed=0).sample(logits, [p], [SamplingParams(seed=s)])[0] for p in range(5) for s in (0, 1)]
+    assert many[0::2] != many[1::2]

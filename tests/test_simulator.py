@@ -357,3 +357,26 @@ def test_goal_ratios_have_the_issue_s_direction_and_bounds() -> None:
     assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 10.0)["meets_longest10pct_2x"] is True
     sjf["p99_e2e_longest10pct_s"] = 40.5
     assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 10.0)["meets_longest10pct_2x"] is False
+
+
+def test_a_less_urgent_request_overtaking_beyond_the_bound_counts() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import overtaken_beyond_bound
+
+    standard = RequestRecord("s", Tier.STANDARD, 0.0, 10, False, first_scheduled_time=10.0)
+    batch = RequestRecord("b", Tier.BATCH, 6.0, 10, False, first_scheduled_time=8.0)  # later than s's bound
+    assert overtaken_beyond_bound([standard, batch], {"s": 5.0, "b": 5.0}) == 1
+
+
+def test_standard_slo_attainment_is_end_to_end_over_every_request_offered() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import tier_figures
+
+    def standard(request_id, e2e_s, rejected=False):
+        return RequestRecord(request_id, Tier.STANDARD, 0.0, 10, rejected, first_scheduled_time=0.0,
+                             first_token_time=0.2, finish_time=None if rejected else e2e_s)
+
+    # TTFT 0.2 s for all; end-to-end 5 s and 12 s against a 10 s SLO; one rejected.
+    records = [standard("a", 5.0), standard("b", 12.0), standard("c", 0.0, rejected=True)]
+    figures = tier_figures(records, slo_ttft_s=0.5, slo_e2e_s=10.0)["standard"]
+    assert figures["slo_attainment"] == pytest.approx(1 / 3) and figures["rejected"] == 1

@@ -244,3 +244,21 @@ def test_every_end_id_of_the_checkpoint_stops_a_reply(tiny_model_dir, tmp_path, 
     stopped = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert (stopped.finish_reason, stopped.token_ids) == ("stop", tokens[:first + 1])
     assert llm.generate(PROMPT, greedy(8))[0].token_ids == tokens  # ignore_eos
+
+
+def test_the_tokenizers_eos_token_ends_a_reply_unless_ignore_eos(llm, monkeypatch):
+    # Every other test ignores eos; here the sampler is scripted to emit eos third.
+    engine = llm.engine
+    eos = engine.eos_token_id
+    assert eos is not None
+    script = [100, 200, eos, 300, 400, 500]
+    prompt_len = len(engine.tokenizer.encode(PROMPT, add_special_tokens=False))
+
+    def scripted(logits, positions, params):
+        return [script[position - prompt_len] for position in positions]
+
+    monkeypatch.setattr(engine.runner.sampler, "sample", scripted)
+    stopped = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert (stopped.finish_reason, list(stopped.token_ids)) == ("stop", [100, 200, eos])
+    ignored = llm.generate(PROMPT, greedy(6))[0]
+    assert (ignored.finish_reason, list(ignored.token_ids)) == ("length", script)

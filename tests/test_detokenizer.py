@@ -70,3 +70,12 @@ def test_a_stop_string_across_tokens_cuts_the_text_and_is_never_shown(tokenizer)
         assert matched and shown == expected, (text, stop)
         checked += 1
     assert checked > 50
+
+
+def test_the_earliest_of_several_stop_strings_wins(tokenizer):
+    # " wor" begins before "foo" in the text: the cut is at " wor", whatever the order of the stops.
+    ids = tokenizer.encode("hello world and more foo bar", add_special_tokens=False)
+    for stops in (("foo", " wor"), (" wor", "foo")):
+        state = DetokenizerState.for_prompt(tokenizer.encode("Say:", add_special_tokens=False))
+        assert advance(tokenizer, state, ids, stops)
+        assert state.text == "hello"

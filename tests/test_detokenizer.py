@@ -79,3 +79,20 @@ def test_the_earliest_of_several_stop_strings_wins(tokenizer):
         state = DetokenizerState.for_prompt(tokenizer.encode("Say:", add_special_tokens=False))
         assert advance(tokenizer, state, ids, stops)
         assert state.text == "hello"
+
+
+def test_a_short_stop_string_does_not_shorten_the_hold_back_of_a_long_one(tokenizer):
+    # The hold-back is the longest stop's length - 1: a 1-character stop that never occurs next to
+    # a long one must not let the long one's beginning out before it completes.
+    from engine.detokenizer import release
+
+    stops = ("\x07", "three four")
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    state, shown, matched = DetokenizerState.for_prompt(tokenizer.encode("Say:", add_special_tokens=False)), "", False
+    for index, token in enumerate(ids):
+        matched = advance(tokenizer, state, [token], stops, final=index == len(ids) - 1)
+        shown += release(state, stops, finished=matched or index == len(ids) - 1)
+        assert "one two ".startswith(shown), shown
+        if matched:
+            break
+    assert matched and shown == "one two "

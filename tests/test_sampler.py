@@ -127,3 +127,16 @@ def test_seed_zero_is_a_seed():
     # And it is a seed of its own, not the same draws as seed 1.
     many = [Sampler(seed=0).sample(logits, [p], [SamplingParams(seed=s)])[0] for p in range(5) for s in (0, 1)]
     assert many[0::2] != many[1::2]
+
+
+def test_top_p_reads_the_mass_after_top_k():
+    # After top-k 2 the masses are 0.625 and 0.375: top-p 0.6 is reached by the first token alone
+    # (before the renormalisation the first token's 0.5 would not reach it).
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_k=2, top_p=0.6)])
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
+    # Four equal tokens, top-p 0.5: the first two reach 0.5 exactly; the third is not needed.
+    probs = _filtered_probs(torch.zeros(1, 4), [SamplingParams(top_p=0.5)])
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))

@@ -251,14 +251,25 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch
     directory = embedding_cache.cache_dir(encoder.config, tmp_path / "cache")
     directory.mkdir(parents=True)
     (directory / ".chunk_00007.npz.partial").write_bytes(b"killed mid-write")  # never read
-    embedding_cache.fill_cache(prompts[:40], encoder.config, root=tmp_path / "cache", encoder=encoder)
+    # One vector per distinct encoder text (these prompts repeat some), in chunks of 20.
+    keys = list(dict.fromkeys(embedding_cache.text_key(p) for p in prompts))
+    first = list(dict.fromkeys(embedding_cache.text_key(p) for p in prompts[:40]))
+    assert embedding_cache.fill_cache(prompts[:40], encoder.config, root=tmp_path / "cache", encoder=encoder) == len(first)
     # A chunk deleted in the middle: the next write goes after the highest, not over it.
     (directory / "chunk_00000.npz").unlink()
-    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    assert embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache",
+                                      encoder=encoder) == len(set(keys) - set(first[20:])) == 38
+    assert sorted(p.name for p in directory.glob("chunk_*.npz")) == [
+        "chunk_00001.npz", "chunk_00002.npz", "chunk_00003.npz"]
     (directory / "chunk_00001.bak.npz").write_bytes(b"a copy someone kept")  # not a chunk number
-    embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder)
+    assert embedding_cache.fill_cache(prompts, encoder.config, root=tmp_path / "cache", encoder=encoder) == 0
     assert sorted(p.name for p in directory.glob("chunk_0000?.npz")) == [
         "chunk_00001.npz", "chunk_00002.npz", "chunk_00003.npz"]
+    # Every field of the encoder's configuration but the batch size names its own cache.
+    from dataclasses import replace
+
+    assert embedding_cache.cache_dir(replace(encoder.config, tail_tokens=encoder.config.tail_tokens + 1)) != \
+        embedding_cache.cache_dir(encoder.config)
     # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal.
     (directory / "chunk_99999.npz").write_bytes(b"PK\x03\x04cut off")
     cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")

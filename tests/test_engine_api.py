@@ -158,6 +158,19 @@ def test_abort_frees_everything(llm):
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 50
     stats = engine.stats().scheduler
     assert stats.num_free_blocks == stats.num_total_blocks
+    # Neither the aborted nor the finished request leaves detokenizer state behind.
+    assert engine._detokenizers == {} and engine._num_reported == {}
+
+
+def test_an_aborted_request_leaves_no_detokenizer_state(llm):
+    engine = llm.engine
+    llm.generate(PROMPT, greedy(4))
+    assert engine._detokenizers == {} and engine._num_reported == {}
+    engine.add_request("a", PROMPT, greedy(50))
+    engine.step()
+    assert engine.abort_request("a")
+    assert engine._detokenizers == {} and engine._num_reported == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_an_interrupted_generate_frees_its_requests_and_a_failed_step_strands_none(llm, monkeypatch):

@@ -352,3 +352,13 @@ def test_a_saved_folder_is_never_mixed_with_another_predictor_and_a_newer_format
     spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "version": 9, "calibration": {}}))
     with pytest.raises(ValueError, match="newer than this code"):
         predictor.load(folder)  # before: a TypeError about the unknown field
+
+
+def test_the_length_baseline_keeps_p90_at_or_above_p50_and_counts_at_or_above_zero():
+    from predictor.length import LengthParams, LengthPredictor
+
+    spec = PredictorSpec(kind="length", feature_spec={}, data_hash="")
+    # A fit whose p90 residual fell below its p50 one, and an intercept that goes negative.
+    model = LengthPredictor(LengthParams(intercept=-3.0, slope=1.0, residual_p50=0.8, residual_p90=0.2), spec)
+    for prediction in model.predict([chat(("user", "a")), chat(("user", "a much longer request " * 40))]):
+        assert prediction.p90 >= prediction.p50 >= 0 and prediction.point >= 0 and prediction.rank_len >= 0

@@ -430,3 +430,14 @@ def test_a_bad_prior_is_refused_before_the_encoder_loads(monkeypatch):
                         "predictors" / "default")  # trained on every trace train prompt
     with pytest.raises(SystemExit, match="hold-out-trace"):
         train_embed_lgbm(data, fitters.LgbmConfig())
+
+
+def test_subsample_is_a_seeded_random_subset_not_the_first_rows():
+    from training.labels import LabelledSplit, subsample
+
+    split = LabelledSplit([f"p{i}" for i in range(100)], np.arange(100), np.zeros(100, dtype=bool),
+                          np.ones(100, dtype=np.int64))
+    picked = subsample(split, 10, seed=2)
+    assert picked.prompts == subsample(split, 10, seed=2).prompts  # seeded
+    assert picked.prompts != split.prompts[:10] and picked.lengths.tolist() == sorted(picked.lengths.tolist())
+    assert subsample(split, 10, seed=3).prompts != picked.prompts and subsample(split, None, seed=2) is split

@@ -362,3 +362,10 @@ def test_the_length_baseline_keeps_p90_at_or_above_p50_and_counts_at_or_above_ze
     model = LengthPredictor(LengthParams(intercept=-3.0, slope=1.0, residual_p50=0.8, residual_p90=0.2), spec)
     for prediction in model.predict([chat(("user", "a")), chat(("user", "a much longer request " * 40))]):
         assert prediction.p90 >= prediction.p50 >= 0 and prediction.point >= 0 and prediction.rank_len >= 0
+
+
+def test_head_outputs_below_zero_tokens_are_read_as_zero():
+    outputs = HeadOutputs(score=np.array([-2.0]), log_point=np.array([-0.7]), log_p50=np.array([-0.3]),
+                          log_p90=np.array([-0.1]), log_rank_len=np.array([-0.5]))
+    (prediction,) = to_predictions(outputs)
+    assert (prediction.point, prediction.p50, prediction.p90, prediction.rank_len) == (0.0, 0.0, 0.0, 0.0)

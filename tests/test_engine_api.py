@@ -275,3 +275,16 @@ def test_the_tokenizers_eos_token_ends_a_reply_unless_ignore_eos(llm, monkeypatc
     assert (stopped.finish_reason, list(stopped.token_ids)) == ("stop", [100, 200, eos])
     ignored = llm.generate(PROMPT, greedy(6))[0]
     assert (ignored.finish_reason, list(ignored.token_ids)) == ("length", script)
+
+
+def test_a_step_record_sums_the_context_after_the_step(llm):
+    # A 10-token prompt: its prefill leaves 10 tokens of context, its first decode 11.
+    engine = llm.engine
+    engine.add_request("ctx", list(range(100, 110)), greedy(3))
+    engine.step()
+    assert (engine.last_step.num_seqs, engine.last_step.num_batched_tokens) == (1, 10)
+    assert engine.last_step.sum_context_tokens == 10
+    engine.step()
+    assert (engine.last_step.num_batched_tokens, engine.last_step.sum_context_tokens) == (1, 11)
+    while engine.has_unfinished_requests():
+        engine.step()

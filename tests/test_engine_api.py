@@ -291,3 +291,18 @@ def test_a_step_record_sums_the_context_after_the_step(llm):
     assert (engine.last_step.num_batched_tokens, engine.last_step.sum_context_tokens) == (1, 11)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_reply_cut_inside_a_character_by_max_tokens_keeps_its_text(llm, monkeypatch):
+    # The sampler is scripted to emit an emoji's tokens cut short by max_tokens: the last step
+    # decodes as final, so the reply's text is the full decode, U+FFFD included.
+    engine = llm.engine
+    ids = engine.tokenizer.encode("ok 🎉", add_special_tokens=False)[:-1]
+    expected = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.startswith("ok ") and expected.endswith("\ufffd")
+    prompt_len = len(engine.tokenizer.encode(PROMPT, add_special_tokens=False))
+    monkeypatch.setattr(engine.runner.sampler, "sample",
+                        lambda logits, positions, params: [ids[p - prompt_len] for p in positions])
+    out = llm.generate(PROMPT, greedy(len(ids)))[0]
+    assert (out.finish_reason, list(out.token_ids)) == ("length", ids)
+    assert out.text == expected

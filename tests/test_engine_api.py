@@ -306,3 +306,26 @@ def test_a_reply_cut_inside_a_character_by_max_tokens_keeps_its_text(llm, monkey
     out = llm.generate(PROMPT, greedy(len(ids)))[0]
     assert (out.finish_reason, list(out.token_ids)) == ("length", ids)
     assert out.text == expected
+
+
+def test_each_seeded_token_is_the_draw_at_its_own_position(llm, monkeypatch):
+    # The runner hands the sampler each row's position in its sequence: a seeded token at output
+    # index i is the draw, on the logits of that step, at position prompt_len + i.
+    from engine.sampler import Sampler
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    sample, seen = engine.runner.sampler.sample, []
+
+    def recording(logits, positions, row_params):
+        seen.append(logits.detach().float().cpu().clone())
+        return sample(logits, positions, row_params)
+
+    monkeypatch.setattr(engine.runner.sampler, "sample", recording)
+    out = llm.generate(PROMPT, params)[0]
+    prompt_len = len(out.prompt_token_ids)
+    assert len(seen) == len(out.token_ids) == 8
+    redrawn = [Sampler(seed=99).sample(logits, [prompt_len + i], [params])[0] for i, logits in enumerate(seen)]
+    assert redrawn == list(out.token_ids)
+    # Drawn at one position for all, the tokens would differ (the check has teeth).
+    assert [Sampler(seed=99).sample(logits, [0], [params])[0] for logits in seen] != redrawn

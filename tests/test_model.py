@@ -72,3 +72,28 @@ def test_llama_variants_it_would_compute_wrongly_are_refused(tiny_model_dir, tmp
     (variant / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         LlamaArch.from_model_dir(variant)
+
+
+def test_an_untied_lm_head_and_another_rope_theta_match_hf(tiny_model_dir, tmp_path):
+    # The tiny model and SmolLM2 both tie the LM head to the embeddings and keep RoPE's default
+    # theta: a checkpoint that does neither (Llama 3: untied, theta 500,000) must still match HF.
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_llama_config
+
+    config = tiny_llama_config()
+    config.tie_word_embeddings = False
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    for name in tiny_model_dir.iterdir():
+        if "token" in name.name:
+            shutil.copy(name, tmp_path / name.name)
+    prompts = random_prompts([3, 30])
+    llm = LLM(str(tmp_path), max_num_batched_tokens=64, max_model_len=256, num_gpu_blocks=32, num_threads=1)
+    assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == hf_greedy(tmp_path, prompts, NUM_TOKENS)

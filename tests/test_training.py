@@ -441,3 +441,19 @@ def test_subsample_is_a_seeded_random_subset_not_the_first_rows():
     assert picked.prompts == subsample(split, 10, seed=2).prompts  # seeded
     assert picked.prompts != split.prompts[:10] and picked.lengths.tolist() == sorted(picked.lengths.tolist())
     assert subsample(split, 10, seed=3).prompts != picked.prompts and subsample(split, None, seed=2) is split
+
+
+def test_trace_candidates_are_each_distinct_fitting_prompt_once_in_a_seeded_order(monkeypatch):
+    import datasets
+
+    from training import dataset, trace
+
+    prompts = ["hi", "hi", "write an essay", "continue", "hi", "a prompt far too long", "continue"]
+    table = datasets.Dataset.from_dict({
+        "conversation_id": [f"c{i}" for i in range(7)], "turn_index": [0] * 7, "prompt": prompts,
+        "prompt_tokens": [1, 1, 3, 1, 1, 500, 1], "split": ["train"] * 7, "in_train": [False] * 7})
+    monkeypatch.setattr(dataset, "load_turns", lambda split=None: table)
+    rows = trace.candidate_rows(max_prompt_tokens=10, seed=0)
+    assert sorted(row["prompt"] for row in rows) == ["continue", "hi", "write an essay"]
+    assert len({row["key"] for row in rows}) == 3
+    assert [row["key"] for row in trace.candidate_rows(10, seed=0)] == [row["key"] for row in rows]

@@ -78,12 +78,13 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
     for part in text.split(","):
         tier, _, share = part.partition(":")
         try:
-            mix[tier] = float(share) if tier in TIER_TO_SERVICE_TIER else math.nan
+            value = float(share)
         except ValueError:
-            mix[tier] = math.nan
-        if math.isnan(mix[tier]):
+            value = math.nan
+        if tier not in TIER_TO_SERVICE_TIER or math.isnan(value):
             raise ValueError(f"a tier mix is TIER:SHARE,... with TIER one of {', '.join(TIER_TO_SERVICE_TIER)} "
                              f"and SHARE a number, got {part!r}")
+        mix[tier] = value
     if not all(math.isfinite(v) and v >= 0 for v in mix.values()) or sum(mix.values()) <= 0:
         raise ValueError(f"tier shares must be >= 0 with a positive sum, got {text!r}")
     return mix

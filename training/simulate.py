@@ -98,13 +98,6 @@ def load_cost_model(path: Path | None) -> tuple[StepCostModel, str, dict]:
         raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
 
 
-def check_predictor_folder(path: Path) -> None:
-    """FileNotFoundError or ValueError (naming the file) unless `path` holds a readable predictor.json."""
-    from predictor.saved import read_spec
-
-    read_spec(path)
-
-
 def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
     kv_blocks = args.kv_blocks or int((calibration or {}).get("num_gpu_blocks", DEFAULT_KV_BLOCKS))
     return SchedulerConfig(
@@ -166,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     policies = args.policies
     prepare_output_file(args.json, "--json")  # before the simulation, not after it
     if args.predictions == "predictor":
-        check_predictor_folder(args.predictor)  # before the workload loads
+        from predictor.saved import read_spec
+
+        read_spec(args.predictor)  # a folder that is no predictor fails here, before the workload loads
     cost, cost_source, calibration = load_cost_model(args.step_cost)
     config = scheduler_config(args, calibration)
     base, prediction_source = build_base_workload(args)

@@ -148,9 +148,9 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    database = Path(store or default_store()) / "mlflow.db"
-    if not database.exists():  # reading: a store that is not there is not created
-        raise LookupError(f"no MLflow store at {database.parent}")
+    store = Path(store or default_store())
+    if not (store / "mlflow.db").exists():  # reading: a store that is not there is not created
+        raise LookupError(f"no MLflow store at {store}")
     with tracking_session(store):
         client = mlflow.MlflowClient()
         try:

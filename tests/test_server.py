@@ -30,6 +30,7 @@ from predictor.saved import PredictorSpec
 
 API_KEY = "test-key"
 MODEL = "tiny"
+BROWSER_ORIGIN = "http://localhost:3000"  # a web UI the server lets call it (CORS)
 MAX_MODEL_LEN = 1024
 MAX_QUEUED_TOKENS = 600  # admission bound: a request owing more than this is refused with 429
 
@@ -100,7 +101,7 @@ def served(tiny_model_dir, tokenize_threads):
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
     async_engine = AsyncLLMEngine(engine, chars_predictor())
     settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
-                              info=(("policy", "fcfs"),))
+                              info=(("policy", "fcfs"),), allowed_origins=(BROWSER_ORIGIN,))
     app = create_app(async_engine, ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads), settings)
     with running_server(app) as (base_url, _):
         yield base_url, async_engine
@@ -287,8 +288,10 @@ def test_stop_string_cuts_the_text(client):
 
 
 # ---- errors --------------------------------------------------------------------------------------
-def post(base_url: str, path: str, body, key: str | None = API_KEY) -> httpx.Response:
+def post(base_url: str, path: str, body, key: str | None = API_KEY, origin: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if origin is not None:
+        headers["Origin"] = origin
     if isinstance(body, str):
         return httpx.post(base_url + path, content=body, headers={**headers, "content-type": "application/json"})
     return httpx.post(base_url + path, json=body, headers=headers, timeout=60)
@@ -325,6 +328,26 @@ def test_wrong_or_missing_api_key_is_401(served):
     assert error["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_cors_preflight_is_answered_without_the_key_for_allowed_origins_only(served):
+    def preflight(origin: str) -> httpx.Response:
+        return httpx.options(served[0] + "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+
+    allowed = preflight(BROWSER_ORIGIN)  # browsers send no credentials on a preflight
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    refused = preflight("http://elsewhere.example")
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    # The call itself still needs the key, and its answer names the origin so the page may read it.
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    response = post(served[0], "/v1/completions", body, origin=BROWSER_ORIGIN)
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert post(served[0], "/v1/completions", body, key=None, origin=BROWSER_ORIGIN).status_code == 401
 
 
 def test_unknown_model_is_404(served):

@@ -310,3 +310,12 @@ def test_a_body_over_the_size_limit_is_413(served, client):
         error = error_of(response, 413)
         assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_without_allowed_origins_a_preflight_is_405_not_401_and_grants_no_origin(served):
+    import httpx
+
+    response = httpx.options(served[0] + "/v1/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert error_of(response, 405)["type"] == "invalid_request_error"  # not refused for the key it never sends
+    assert "access-control-allow-origin" not in response.headers

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -33,6 +34,9 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
     max_body_bytes: int | None = None  # larger request bodies get a 413; None: default_body_limit()
+    # Origins whose browser pages may call the API (CORS); empty: none, so browsers refuse
+    # cross-origin calls. "*" allows any page, as vLLM's default does.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -64,8 +68,11 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     errors.install_error_handlers(app)
     body_limit = settings.max_body_bytes or default_body_limit(settings.max_model_len, serving.max_token_bytes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
-    if settings.api_key is not None:  # added last, so checked first
+    if settings.api_key is not None:  # added after the body limit, so checked before it
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
     served = {settings.model_name, *settings.model_aliases}
 
     def check_model(name: str | None) -> None:
@@ -107,6 +114,8 @@ class ApiKeyMiddleware:
 
     A route dependency would run only after FastAPI parsed the JSON body, so a caller with a wrong
     key and a malformed body learned about the body (400) instead of being refused (401).
+    OPTIONS passes, as vLLM lets it: browsers send CORS preflights without credentials, and no
+    route answers OPTIONS with data.
     """
 
     def __init__(self, app, api_key: str) -> None:
@@ -114,7 +123,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        guarded = scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
+        if guarded and not self._authorized(scope):
             await errors.unauthorized().response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

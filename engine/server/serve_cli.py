@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=None,
                         help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                        help="origins whose browser pages may call the API (CORS), or '*' for any; "
+                             "default: none")
     parser.add_argument("--shutdown-grace", type=non_negative_float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
                               model_aliases=model_aliases(args.model), shutdown_grace_s=args.shutdown_grace,
-                              info=tuple(info.items()))
+                              allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()))
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
                                   overlap_prediction=engine.device.type == "cuda")

@@ -37,7 +37,8 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["bench", "serve", "--goodput", "ttft:-5"], "--goodput"), (["bench", "serve", "--tier-mix", "junk"], "--tier-mix"),
     (["bench", "serve", "--tier-mix", "standard:x"], "--tier-mix"),
     (["simulate", "--tier-mix", "junk"], "--tier-mix"), (["simulate", "--tier-mix", "0,0,0"], "--tier-mix"),
-    (["simulate", "--block-size", "3"], "--block-size"),
+    (["simulate", "--block-size", "3"], "--block-size"), (["bench", "attention", "--block-size", "24"], "--block-size"),
+    (["serve", "--allowed-origins"], "--allowed-origins"),
 ])
 def test_values_that_can_be_checked_alone_are_usage_errors(capsys, argv, flag) -> None:
     err = usage_error(capsys, argv)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.arg_types import positive_float, positive_int
+from engine.arg_types import positive_float, positive_int, power_of_two
 
 # Peak HBM bandwidth in GB/s by device-name substring; the first match wins (specific first).
 PEAK_GBPS: tuple[tuple[str, float], ...] = (
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=positive_int, default=32)
     parser.add_argument("--num-kv-heads", type=positive_int, default=8)
     parser.add_argument("--head-dim", type=positive_int, default=128)
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--block-size", type=power_of_two, default=16)  # tl.arange needs a power of two
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--peak-gbps", type=positive_float, default=None,
                         help="peak memory bandwidth in GB/s (default: looked up by device name)")

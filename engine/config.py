@@ -9,8 +9,9 @@ preemption); otherwise the block count follows from `kv_cache_memory_gib`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
+
+from predictor.paths import project_root
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -18,16 +19,8 @@ PreemptionMode = Literal["recompute", "swap"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
-def _project_root() -> Path:
-    """The checkout's root, so default paths do not depend on the directory a command runs in;
-    for an installed (non-editable) package, which has no checkout around it, the working
-    directory, as before."""
-    checkout = Path(__file__).resolve().parents[1]
-    return checkout if (checkout / "pyproject.toml").exists() else Path.cwd()
-
-
-# The one definition: training/ and scripts/ import it from here.
-REPO_ROOT = _project_root()
+# training/ and scripts/ import it from here.
+REPO_ROOT = project_root()
 DEFAULT_MODEL = str(REPO_ROOT / "data" / "models" / "smollm2-135m-instruct")
 
 

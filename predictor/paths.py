@@ -1,0 +1,13 @@
+"""Where relative paths of the project resolve (the one definition; engine.config reuses it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def project_root() -> Path:
+    """The checkout's root, so default paths do not depend on the directory a command runs in;
+    for an installed (non-editable) package, which has no checkout around it, the working
+    directory."""
+    checkout = Path(__file__).resolve().parents[1]
+    return checkout if (checkout / "pyproject.toml").exists() else Path.cwd()

@@ -42,6 +42,13 @@ class EncoderConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def cache_identity(self) -> dict:
+        # batch_size changes nothing in the vectors.
+        return {k: v for k, v in self.as_dict().items() if k != "batch_size"}
+
+    def key_text(self, prompt: str) -> str:
+        return encoder_text(prompt)  # the text embedded: prompts sharing it share a vector
+
 
 def resolve_model_dir(model_ref: str) -> Path:
     """`package:NAME/sub/folder` -> that folder of an installed package; else a plain path."""

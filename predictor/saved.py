@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "lexical": "predictor.lexical:LexicalPredictor",
     "embed_lgbm": "predictor.embed_lgbm:EmbedLgbmPredictor",
     "finetune": "predictor.finetune:FinetunePredictor",
+    "probe": "predictor.probe:ProbePredictor",
 }
 
 

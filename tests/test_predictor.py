@@ -252,8 +252,8 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch
     directory.mkdir(parents=True)
     (directory / ".chunk_00007.npz.partial").write_bytes(b"killed mid-write")  # never read
     # One vector per distinct encoder text (these prompts repeat some), in chunks of 20.
-    keys = list(dict.fromkeys(embedding_cache.text_key(p) for p in prompts))
-    first = list(dict.fromkeys(embedding_cache.text_key(p) for p in prompts[:40]))
+    keys = list(dict.fromkeys(embedding_cache.text_key(p, encoder.config) for p in prompts))
+    first = list(dict.fromkeys(embedding_cache.text_key(p, encoder.config) for p in prompts[:40]))
     assert embedding_cache.fill_cache(prompts[:40], encoder.config, root=tmp_path / "cache",
                                       encoder=encoder) == len(first)
     # A chunk deleted in the middle: the next write goes after the highest, not over it.

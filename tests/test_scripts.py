@@ -104,3 +104,16 @@ def test_step_log_fit_recovers_the_cost_of_logged_steps(tmp_path) -> None:
     result = fit.fit_steps(tmp_path / "fcfs_steps.jsonl")
     assert result["steps"] == 6 and result["batched_tokens"] == 956 and result["gaps_s"] == pytest.approx(0.05)
     assert (result["a_ms"], result["b_ms_per_token"], result["c_us_per_context_token"]) == pytest.approx((50, 1, 2))
+
+
+@pytest.mark.parametrize("layers, message", [("0,16", "numbered from 1"), ("16,x", "comma-separated"), ("", "comma")])
+def test_probe_layer_sweep_checks_its_layers_before_loading(capsys, monkeypatch, layers, message) -> None:
+    from predictor import probe
+
+    sweep = load_script("probe_layer_sweep")
+    monkeypatch.setattr(probe, "HiddenStateProbe", lambda config: pytest.fail("model loaded first"))
+    monkeypatch.setattr("sys.argv", ["probe_layer_sweep.py", "--layers", layers])
+    with pytest.raises(SystemExit) as exited:
+        sweep.main()
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert sweep.layer_list("16,4,16") == [4, 16]

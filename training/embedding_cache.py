@@ -1,9 +1,11 @@
-"""Disk cache of MiniLM embeddings, keyed by the text the encoder sees.
+"""Disk cache of prompt encodings (MiniLM embeddings, the served model's probe states), keyed by
+the text the encoder sees.
 
 Embedding tens of thousands of prompts takes most of an hour on two shared cores, so vectors are
 computed once and stored under data/cache/embeddings/<encoder-config-hash>/ as append-only npz
-chunks (keys: BLAKE2b of the encoder text; vectors: fp16). A chunk is written under a temporary
-name and renamed into place, so a killed run loses at most the chunk it was computing (a chunk
+chunks (keys: BLAKE2b of the encoder text; vectors: fp16). An encoder config says what identifies
+its vectors (`cache_identity()`) and which text of a prompt it reads (`key_text(prompt)`). A
+chunk is written under a temporary name and renamed into place, so a killed run loses at most the chunk it was computing (a chunk
 that cannot be read, as one cut off by older code, is skipped with a warning); the next run skips
 every key already stored. Identical requests ("continue") are embedded once.
 """
@@ -21,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from predictor.encoder import EncoderConfig, encoder_text
+from predictor.encoder import EncoderConfig
+from predictor.probe import ProbeConfig
 from training.dataset import REPO_ROOT
 
 logger = logging.getLogger(__name__)
@@ -30,14 +33,12 @@ DEFAULT_CACHE_ROOT = REPO_ROOT / "data" / "cache" / "embeddings"
 CHUNK_SIZE = 512
 
 
-def text_key(prompt: str) -> bytes:
-    return hashlib.blake2b(encoder_text(prompt).encode("utf-8"), digest_size=16).digest()
+def text_key(prompt: str, config: EncoderConfig | ProbeConfig) -> bytes:
+    return hashlib.blake2b(config.key_text(prompt).encode("utf-8"), digest_size=16).digest()
 
 
-def cache_dir(config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT) -> Path:
-    # batch_size changes nothing in the vectors, so it is not part of the key.
-    identity = {k: v for k, v in config.as_dict().items() if k != "batch_size"}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+def cache_dir(config: EncoderConfig | ProbeConfig, root: Path = DEFAULT_CACHE_ROOT) -> Path:
+    digest = hashlib.sha256(json.dumps(config.cache_identity(), sort_keys=True).encode()).hexdigest()[:12]
     return root / digest
 
 
@@ -62,7 +63,7 @@ def _write_chunk(path: Path, keys: np.ndarray, vectors: np.ndarray) -> None:
     os.replace(partial, path)
 
 
-def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAULT_CACHE_ROOT,
+def fill_cache(prompts: Sequence[str], config: EncoderConfig | ProbeConfig, root: Path = DEFAULT_CACHE_ROOT,
                encoder=None) -> int:
     """Embed every prompt whose key is not stored yet, in stored order; returns how many were new."""
     from tqdm import tqdm
@@ -73,15 +74,13 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAU
     stored = read_cache(directory)
     todo: dict[bytes, str] = {}
     for prompt in prompts:
-        key = text_key(prompt)
+        key = text_key(prompt, config)
         if key not in stored and key not in todo:
             todo[key] = prompt
     if not todo:
         return 0
     if encoder is None:
-        from predictor.encoder import MiniLMEncoder
-
-        encoder = MiniLMEncoder(config)
+        encoder = _encoder_for(config)
     keys = list(todo)
     # After the highest chunk, not after the count: a chunk deleted in the middle must not make
     # the next write replace the newest one. (A partial file a killed run left is never read.)
@@ -96,13 +95,20 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig, root: Path = DEFAU
     return len(keys)
 
 
-def cached_embeddings(prompts: Sequence[str], config: EncoderConfig,
+def _encoder_for(config):
+    from predictor.encoder import MiniLMEncoder
+    from predictor.probe import HiddenStateProbe
+
+    return HiddenStateProbe(config) if isinstance(config, ProbeConfig) else MiniLMEncoder(config)
+
+
+def cached_embeddings(prompts: Sequence[str], config: EncoderConfig | ProbeConfig,
                       root: Path = DEFAULT_CACHE_ROOT) -> tuple[np.ndarray, np.ndarray]:
     """(embeddings [N, dim] float32 of the cached prompts, boolean mask of which prompts were cached)."""
     stored = read_cache(cache_dir(config, root))
-    keys = [text_key(prompt) for prompt in prompts]
+    keys = [text_key(prompt, config) for prompt in prompts]
     found = np.asarray([key in stored for key in keys])
-    dim = next(iter(stored.values())).shape[0] if stored else 384
+    dim = next(iter(stored.values())).shape[0] if stored else 384  # nothing found: the rows are unused
     out = np.zeros((len(prompts), dim), dtype=np.float32)
     for row, key in enumerate(keys):
         if found[row]:

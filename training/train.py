@@ -30,6 +30,7 @@ DEFAULT_LIMITS = {
     "lexical": (None, None, None),
     "embed_lgbm": (8000, 2000, 2000),
     "finetune": (3000, 1000, 1000),
+    "probe": (8000, 2000, 2000),
 }
 
 
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-out-trace", action="store_true",
                         help="leave the trace's conversations out of train and validation, so the model "
                              "can be a --prior of a trace-trained one")
+    parser.add_argument("--probe-tokens", type=positive_int, default=64, metavar="N",
+                        help="probe: the prompt's last N tokens it reads (its cost grows with N)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -136,6 +139,15 @@ def replace_folder(source: Path, target: Path) -> None:
     os.replace(staged, target)
 
 
+def trainer_config(args: argparse.Namespace):
+    """The probe reads the served model's states; every other kind fits LightGBM-style heads."""
+    if args.model == "probe":
+        from predictor.probe import ProbeConfig
+
+        return ProbeConfig(max_tokens=args.probe_tokens)
+    return fitters.LgbmConfig(seed=args.seed)
+
+
 def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     from predictor import saved
     from training import tracking
@@ -147,8 +159,7 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         raise SystemExit("--hold-out-trace applies to --labels sharegpt only")
     check_save_target(args.save)
     data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior, args.hold_out_trace)
-    config = fitters.LgbmConfig(seed=args.seed)
-    trained = TRAINERS[args.model](data, config)
+    trained = TRAINERS[args.model](data, trainer_config(args))
     metrics = evaluate_trained(data, trained)
     predictor = trained.predictor
     if args.labels == "sharegpt" and not data.held_out:  # the only runs that compete for champion

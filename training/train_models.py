@@ -133,6 +133,31 @@ def _load_prior(folder: Path | None, feature_spec: dict, labels: str):
     return LgbmHeads.load(Path(folder)), spec
 
 
+def train_probe(data: TrainingData, config) -> TrainedModel:
+    """The served model's own states at the prompt's end (`config`: a ProbeConfig), a ridge head."""
+    from predictor.probe import HiddenStateProbe, ProbePredictor, probe_features
+    from training import embedding_cache
+
+    limit_torch_threads()
+    encoder = HiddenStateProbe(config)
+    embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
+                               encoder.config, encoder=encoder)
+
+    def states(prompts: Sequence[str]) -> np.ndarray:
+        vectors, found = embedding_cache.cached_embeddings(prompts, encoder.config)
+        if not found.all():
+            raise RuntimeError("probe states missing from the cache after filling it")
+        return probe_features(vectors)
+
+    features = {name: states(getattr(data, name).prompts) for name in ("train", "valid", "test")}
+    head, alpha = fitters.fit_ridge_head(features["train"], data.train.lengths, features["valid"],
+                                         data.valid.lengths)
+    model = ProbePredictor(encoder, head, _spec("probe", data, {"probe": encoder.config.as_dict()}))
+    return TrainedModel(model, to_predictions(head.predict(features["valid"])),
+                        to_predictions(head.predict(features["test"])),
+                        {"ridge_alpha": alpha, **encoder.config.as_dict()})
+
+
 def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
     from training import finetune_train
 
@@ -140,4 +165,4 @@ def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedMod
 
 
 TRAINERS = {"length": train_length, "lexical": train_lexical, "embed_lgbm": train_embed_lgbm,
-            "finetune": train_finetune}
+            "finetune": train_finetune, "probe": train_probe}

@@ -5,9 +5,10 @@ Embedding tens of thousands of prompts takes most of an hour on two shared cores
 computed once and stored under data/cache/embeddings/<encoder-config-hash>/ as append-only npz
 chunks (keys: BLAKE2b of the encoder text; vectors: fp16). An encoder config says what identifies
 its vectors (`cache_identity()`) and which text of a prompt it reads (`key_text(prompt)`). A
-chunk is written under a temporary name and renamed into place, so a killed run loses at most the chunk it was computing (a chunk
-that cannot be read, as one cut off by older code, is skipped with a warning); the next run skips
-every key already stored. Identical requests ("continue") are embedded once.
+chunk is written under a temporary name and renamed into place, so a killed run loses at most
+the chunk it was computing (a chunk that cannot be read, as one cut off by older code, is skipped
+with a warning); the next run skips every key already stored. Identical requests ("continue")
+are embedded once.
 """
 
 from __future__ import annotations

@@ -73,6 +73,15 @@ def port_number(text: str) -> int:
     return port
 
 
+def cors_origin(text: str) -> str:
+    """An origin as browsers send it (scheme://host[:port], no trailing slash, which would never
+    match), or "*" for any."""
+    origin = text.rstrip("/")
+    if origin != "*" and "://" not in origin:
+        raise argparse.ArgumentTypeError(f"an origin is scheme://host[:port] or '*', got {text!r}")
+    return origin
+
+
 def sampling_seed(text: str) -> int:
     """A request's sampling seed: any 64-bit integer, as the HTTP API takes."""
     value = int(text)

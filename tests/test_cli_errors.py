@@ -38,7 +38,7 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["bench", "serve", "--tier-mix", "standard:x"], "--tier-mix"),
     (["simulate", "--tier-mix", "junk"], "--tier-mix"), (["simulate", "--tier-mix", "0,0,0"], "--tier-mix"),
     (["simulate", "--block-size", "3"], "--block-size"), (["bench", "attention", "--block-size", "24"], "--block-size"),
-    (["serve", "--allowed-origins"], "--allowed-origins"),
+    (["serve", "--allowed-origins"], "--allowed-origins"), (["serve", "--allowed-origins", "localhost:3000"], "--allowed-origins"),
 ])
 def test_values_that_can_be_checked_alone_are_usage_errors(capsys, argv, flag) -> None:
     err = usage_error(capsys, argv)
@@ -239,3 +239,24 @@ def test_usage_errors_name_the_flag_once(capsys) -> None:
     assert err.count("--goodput") == 1 and "an SLO is KEY:MS" in err
     err = usage_error(capsys, ["bench", "serve", "--tier-mix", "gold:1"]).splitlines()[-1]
     assert err.count("--tier-mix") == 1 and "a tier mix is TIER:SHARE" in err
+
+
+def test_an_origin_is_kept_as_browsers_send_it() -> None:
+    from engine.arg_types import cors_origin
+
+    assert cors_origin("http://localhost:3000/") == "http://localhost:3000"  # never matched with the slash
+    assert (cors_origin("*"), cors_origin("https://ui.example")) == ("*", "https://ui.example")
+
+
+def test_serving_one_model_with_a_probe_of_another_is_said(caplog, tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from engine.server.serve_cli import warn_if_probing_another_model
+
+    probe = SimpleNamespace(probed_model_dir=tmp_path / "smollm2")
+    with caplog.at_level("WARNING", logger="lengthwise.serve"):
+        warn_if_probing_another_model(probe, str(tmp_path / "smollm2"))
+        warn_if_probing_another_model(SimpleNamespace(), str(tmp_path / "other"))  # not a probe
+        assert not caplog.records
+        warn_if_probing_another_model(probe, str(tmp_path / "other"))
+    assert len(caplog.records) == 1 and "not the served model" in caplog.records[0].getMessage()

@@ -45,6 +45,8 @@ def hf_state(model_dir, ids: list[int], layer: int) -> np.ndarray:
 
 
 def test_states_are_hf_hidden_states_at_the_last_token_whatever_the_batch(probe, tiny_model_dir):
+    from predictor.probe import HiddenStateProbe
+
     batched = probe.encode(PROMPTS)  # three lengths: left padding in one batch
     for row, prompt in enumerate(PROMPTS):
         ids = probe.tokenizer.encode(prompt, add_special_tokens=False)
@@ -52,6 +54,12 @@ def test_states_are_hf_hidden_states_at_the_last_token_whatever_the_batch(probe,
         np.testing.assert_allclose(batched[row], expected, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(probe.encode([prompt])[0], batched[row], rtol=1e-4, atol=1e-4)
     assert not np.allclose(batched[0], batched[1], atol=1e-3)  # the prompt reaches the state
+    # Through a second layer too, padding changes nothing (a padded position that leaked into
+    # the first layer's output would reach the last token only through the second's attention).
+    deeper = HiddenStateProbe(probe_config(tiny_model_dir, layer=2))
+    together = deeper.encode(PROMPTS)
+    for row, prompt in enumerate(PROMPTS):
+        np.testing.assert_allclose(deeper.encode([prompt])[0], together[row], rtol=1e-4, atol=1e-4)
 
 
 def test_a_long_prompt_is_read_by_its_last_max_tokens_ids(tiny_model_dir):
@@ -72,12 +80,22 @@ def test_the_probe_refuses_a_model_other_than_the_one_it_was_fitted_on(tiny_mode
     (other / "config.json").write_text((other / "config.json").read_text().replace('"rms_norm_eps": 1e-05',
                                                                                    '"rms_norm_eps": 1e-06'))
     assert model_fingerprint(other) != model_fingerprint(tiny_model_dir)
-    # Another transformers release writing the same model's config is the same model.
+    # Another transformers release writing the same model's config is the same model, however it
+    # spells the RoPE base and whatever keys of its own it adds.
     rewritten = tmp_path / "rewritten"
     shutil.copytree(tiny_model_dir, rewritten)
     config = json.loads((rewritten / "config.json").read_text())
-    (rewritten / "config.json").write_text(json.dumps({**config, "transformers_version": "9.9.9"}, indent=4))
+    theta = config.pop("rope_theta", None) or config.pop("rope_parameters")["rope_theta"]
+    (rewritten / "config.json").write_text(json.dumps(
+        {**config, "transformers_version": "9.9.9", "use_cache": False,
+         "rope_parameters": {"rope_type": "default", "rope_theta": theta}}, indent=4))
     assert model_fingerprint(rewritten) == model_fingerprint(tiny_model_dir)
+    # Other weights of the same size (another GGUF converted into the same folder) are not.
+    weights = rewritten / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(rewritten) != model_fingerprint(tiny_model_dir)
     fitted = probe_config(tiny_model_dir).resolved()
     with pytest.raises(ValueError, match="not the model the probe was fitted on"):
         HiddenStateProbe(dataclasses.replace(fitted, model_ref=str(other)))
@@ -97,6 +115,8 @@ def test_ridge_head_recovers_a_linear_order_and_picks_its_penalty():
     head, alpha = fit_ridge_head(x[:400], lengths[:400], x[400:], lengths[400:])
     out = head.predict(x[400:])
     assert stats.kendalltau(out.log_point, lengths[400:]).statistic > 0.85
+    # Calibrated, not only ordered: the point is the log length the relation gives.
+    assert np.abs(out.log_point - np.log1p(lengths[400:])).mean() < 0.15
     assert alpha in (1.0, 10.0, 100.0)  # a strong penalty would flatten a clean signal
     assert head.p90_offset > head.p50_offset
     np.testing.assert_array_equal(out.log_rank_len, out.log_point)
@@ -154,3 +174,12 @@ def test_the_committed_probe_reproduces_its_recorded_tau_on_the_converted_model(
     # The states are deterministic, so training's figure comes back. Close variants do not: the
     # final norm applied to the states gives 0.3085, layer 20 0.2945, layer 12 0.1855.
     assert tau == pytest.approx(model.spec.metrics["test_kendall_tau"], abs=5e-4)
+
+
+def test_the_cache_refuses_an_encoder_other_than_its_config(probe, tmp_path):
+    from training import embedding_cache
+
+    other = dataclasses.replace(probe.config, max_tokens=probe.config.max_tokens // 2)
+    with pytest.raises(ValueError, match="not the one `config` describes"):
+        embedding_cache.fill_cache(PROMPTS, other, root=tmp_path, encoder=probe)
+    assert not any(tmp_path.iterdir())  # refused before anything is written

@@ -69,6 +69,9 @@ def fill_cache(prompts: Sequence[str], config: EncoderConfig | ProbeConfig, root
     """Embed every prompt whose key is not stored yet, in stored order; returns how many were new."""
     from tqdm import tqdm
 
+    if encoder is not None and encoder.config.cache_identity() != config.cache_identity():
+        raise ValueError("the encoder given is not the one `config` describes: its vectors would be "
+                         "stored under another encoder's key")
     directory = cache_dir(config, root)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.as_dict(), indent=2))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.arg_types import non_negative_float, port_number, positive_float, positive_int
+from engine.arg_types import cors_origin, non_negative_float, port_number, positive_float, positive_int
 from engine.config import REPO_ROOT
 
 logger = logging.getLogger("lengthwise.serve")
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=None,
                         help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
-    parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+    parser.add_argument("--allowed-origins", nargs="+", type=cors_origin, default=(), metavar="ORIGIN",
                         help="origins whose browser pages may call the API (CORS), or '*' for any; "
                              "default: none")
     parser.add_argument("--shutdown-grace", type=non_negative_float, default=30.0, metavar="S",
@@ -109,6 +109,15 @@ def _predictor_folder(root: Path) -> Path | None:
     return next((p.parent for p in sorted(root.glob("*/predictor.json"))), None)
 
 
+def warn_if_probing_another_model(length_predictor, served_model: str) -> None:
+    """A probe predictor reads a model's own states; serving another model, it predicts that
+    model's lengths, not the served one's. Allowed (it still ranks), but said."""
+    probed = getattr(length_predictor, "probed_model_dir", None)
+    if probed is not None and Path(probed).resolve() != Path(served_model).resolve():
+        logger.warning("the predictor probes %s, not the served model %s: it predicts that model's "
+                       "output lengths", probed, served_model)
+
+
 def build_engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
@@ -144,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     logger.info("attention backend: %s (asked for %s)", attention_backend_name(engine),
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
+    warn_if_probing_another_model(length_predictor, config.model)
     name = args.served_model_name or Path(args.model).name
     info = {"policy": config.policy, "predictor": predictor_path or "none",
             "attention_backend": attention_backend_name(engine), "max_num_seqs": str(config.max_num_seqs),

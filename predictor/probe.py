@@ -20,6 +20,7 @@ probe never reads the states of another model than the one it was fitted on.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -88,7 +89,7 @@ class ProbeConfig:
 
     def resolved(self) -> "ProbeConfig":
         """This config with the fingerprint of the model folder it names."""
-        return ProbeConfig(**{**self.as_dict(), "fingerprint": model_fingerprint(self.model_dir())})
+        return dataclasses.replace(self, fingerprint=model_fingerprint(self.model_dir()))
 
 
 class HiddenStateProbe:
@@ -105,7 +106,7 @@ class HiddenStateProbe:
         if config.fingerprint and found != config.fingerprint:
             raise ValueError(f"probe model {model_dir} is not the model the probe was fitted on "
                              f"(fingerprint {found}, expected {config.fingerprint})")
-        self.config = config if config.fingerprint else config.resolved()
+        self.config = config if config.fingerprint else dataclasses.replace(config, fingerprint=found)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).model
         if config.layer > len(model.layers):
@@ -123,7 +124,8 @@ class HiddenStateProbe:
         # A prompt longer than max_tokens is cut as text first, by a bound generous for any token,
         # so a pasted document is not tokenized whole only to keep its tail.
         tail = prompt[-self.config.max_tokens * 64:]
-        return self.tokenizer.encode(tail, add_special_tokens=False)[-self.config.max_tokens:]
+        ids = self.tokenizer.encode(tail, add_special_tokens=False)[-self.config.max_tokens:]
+        return ids or [self.tokenizer.eos_token_id or 0]  # an empty prompt still gets a state
 
     def encode(self, prompts: Sequence[str]) -> np.ndarray:
         """[N, hidden] float32: layer `layer`'s output at each prompt's last token."""

@@ -54,6 +54,8 @@ def test_states_are_hf_hidden_states_at_the_last_token_whatever_the_batch(probe,
         np.testing.assert_allclose(batched[row], expected, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(probe.encode([prompt])[0], batched[row], rtol=1e-4, atol=1e-4)
     assert not np.allclose(batched[0], batched[1], atol=1e-3)  # the prompt reaches the state
+    # An empty prompt gets a state, alone or batched (alone, its batch had no width at all).
+    assert np.isfinite(probe.encode([""])).all() and np.isfinite(probe.encode(["", PROMPTS[1]])).all()
     # Through a second layer too, padding changes nothing (a padded position that leaked into
     # the first layer's output would reach the last token only through the second's attention).
     deeper = HiddenStateProbe(probe_config(tiny_model_dir, layer=2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from predictor.paths import project_root
+from predictor.paths import SERVED_MODEL_REF, project_root
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -21,7 +21,7 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 
 # training/ and scripts/ import it from here.
 REPO_ROOT = project_root()
-DEFAULT_MODEL = str(REPO_ROOT / "data" / "models" / "smollm2-135m-instruct")
+DEFAULT_MODEL = str(REPO_ROOT / SERVED_MODEL_REF)
 
 
 @dataclass(frozen=True, kw_only=True)

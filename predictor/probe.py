@@ -31,7 +31,7 @@ import numpy as np
 
 from predictor.base import Prediction
 from predictor.heads import HeadOutputs, to_predictions
-from predictor.paths import project_root
+from predictor.paths import SERVED_MODEL_REF, project_root
 from predictor.saved import PredictorSpec
 
 HEAD_FILENAME = "probe_head.npz"
@@ -61,7 +61,7 @@ def model_fingerprint(model_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    model_ref: str = "data/models/smollm2-135m-instruct"  # the served model (engine.config's default)
+    model_ref: str = SERVED_MODEL_REF  # relative to the project root: the served model's folder
     fingerprint: str = ""  # model_fingerprint of model_ref; "" only before it is resolved
     layer: int = 16  # read the output of this decoder layer (1-based)
     max_tokens: int = 64  # the prompt's last ids the probe reads: bounds its cost

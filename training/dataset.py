@@ -18,7 +18,7 @@ from typing import Iterator, Literal
 
 import datasets
 
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_MODEL, REPO_ROOT
 
 Split = Literal["train", "validation", "test"]
 SPLITS: tuple[Split, ...] = ("train", "validation", "test")
@@ -37,7 +37,7 @@ TURN_COLUMNS = (
 )
 
 DEFAULT_TABLE_DIR = REPO_ROOT / "data" / "sharegpt_turns"
-CONVERTED_MODEL_DIR = REPO_ROOT / "data" / "models" / "smollm2-135m-instruct"
+CONVERTED_MODEL_DIR = Path(DEFAULT_MODEL)
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

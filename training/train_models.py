@@ -71,12 +71,18 @@ def train_lexical(data: TrainingData, config: fitters.LgbmConfig) -> TrainedMode
 
 def embed_features(prompts: Sequence[str], encoder_config) -> np.ndarray:
     from predictor.embed_lgbm import embed_lgbm_features
+
+    return embed_lgbm_features(filled_cache_vectors(prompts, encoder_config), prompts)
+
+
+def filled_cache_vectors(prompts: Sequence[str], encoder_config) -> np.ndarray:
+    """Every prompt's cached vector, after `fill_cache` stored them all (else a RuntimeError)."""
     from training import embedding_cache
 
-    embeddings, found = embedding_cache.cached_embeddings(prompts, encoder_config)
+    vectors, found = embedding_cache.cached_embeddings(prompts, encoder_config)
     if not found.all():
-        raise RuntimeError("embeddings missing from the cache after filling it")
-    return embed_lgbm_features(embeddings, prompts)
+        raise RuntimeError(f"{int((~found).sum())} prompts' vectors missing from the cache after filling it")
+    return vectors
 
 
 def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
@@ -143,13 +149,8 @@ def train_probe(data: TrainingData, config) -> TrainedModel:
     embedding_cache.fill_cache(data.valid.prompts + data.test.prompts + data.train.prompts,
                                encoder.config, encoder=encoder)
 
-    def states(prompts: Sequence[str]) -> np.ndarray:
-        vectors, found = embedding_cache.cached_embeddings(prompts, encoder.config)
-        if not found.all():
-            raise RuntimeError("probe states missing from the cache after filling it")
-        return probe_features(vectors)
-
-    features = {name: states(getattr(data, name).prompts) for name in ("train", "valid", "test")}
+    features = {name: probe_features(filled_cache_vectors(getattr(data, name).prompts, encoder.config))
+                for name in ("train", "valid", "test")}
     head, alpha = fitters.fit_ridge_head(features["train"], data.train.lengths, features["valid"],
                                          data.valid.lengths)
     model = ProbePredictor(encoder, head, _spec("probe", data, {"probe": encoder.config.as_dict()}))

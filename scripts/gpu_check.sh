@@ -3,14 +3,17 @@
 #   1. tests/test_kernels.py compiled on CUDA (the same cases the CPU runs under the interpreter);
 #   2. `lengthwise bench attention`: correctness on CUDA, then decode attention at batch 64 x
 #      context 2048, 32/8 heads, head_dim 128, bf16: bandwidth vs peak and time vs torch SDPA.
-# Python: .venv/bin/python when the venv exists, else the machine's python3 (which must hold torch
-# with CUDA, triton, pytest and pytest-timeout), the repo on PYTHONPATH. Without CUDA the tests run
+# Python: $PYTHON if set, else .venv/bin/python when the venv exists, else the machine's python3
+# (which must hold torch with CUDA, triton, pytest and pytest-timeout), the repo on PYTHONPATH. Without CUDA the tests run
 # under the interpreter and the bench says it needs a GPU. Results go to $OUT (or out/gpu_check).
+# Arguments go to the bench, e.g. `scripts/gpu_check.sh --sweep wide`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-out/gpu_check}"
 mkdir -p "$RESULTS"
-if [ -x .venv/bin/python ]; then
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x .venv/bin/python ]; then
     PY=.venv/bin/python
 else
     PY=python3
@@ -26,6 +29,6 @@ PY
 status=0
 timeout 300 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider --timeout 240 \
     --junitxml="$RESULTS/test_kernels.xml" 2>&1 | tee "$RESULTS/test_kernels.log" || status=1
-timeout 300 "$PY" -m training.cli bench attention --out "$RESULTS" 2>&1 | tee "$RESULTS/bench.log" || status=1
+timeout 420 "$PY" -m training.cli bench attention --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/bench.log" || status=1
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED); results in $RESULTS"
 exit $status

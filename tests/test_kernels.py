@@ -201,7 +201,7 @@ def test_bench_peak_bandwidth_lookup(name, gbps):
 
 def _small_bench_args(**overrides) -> SimpleNamespace:
     fields = dict(batch=3, context=40, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                  dtype="float32", peak_gbps=None, no_sweep=True)
+                  dtype="float32", peak_gbps=None, sweep="none", copy_mib=1)
     return SimpleNamespace(**{**fields, **overrides})
 
 
@@ -223,12 +223,14 @@ def test_bench_record_and_plot_from_a_small_run(kernels, tmp_path):
     result = bench.measure(_small_bench_args(peak_gbps=100.0), DEVICE, "test device", run_once,
                            cases=CASES[-2:])
     assert result["all_correct"] and len(result["correctness"]) == 2
-    assert len(calls) == 3  # the default launch and the two SDPA baselines
+    assert len(calls) == 4  # the default launch, the two SDPA baselines and the copy
+    assert result["copy_gbps"] == pytest.approx(2 * 2**20 / 0.5e-3 / 1e9)
     assert result["kv_bytes"] == 2 * 4 * 3 * 40 * 2 * 32
     assert result["triton_default_fraction"] == pytest.approx(result["kv_bytes"] / 0.5e-3 / 100e9)
     bench.write_plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
-    assert len(bench.launch_configs(sweep=True)) == 1 + 3 * 3 * 3
+    assert len(bench.launch_configs("standard")) == 1 + 3 * 3 * 3
+    assert len(bench.launch_configs("none")) == 1
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message shown where there is no GPU")

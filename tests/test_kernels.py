@@ -176,7 +176,8 @@ def test_write_kv_rejects_bad_inputs(kernels):
 
 
 def test_split_heuristic_fills_the_gpu_but_keeps_work_per_split():
-    assert _auto_splits(programs=512, sms=132, iterations=32) == 2  # bench shape on an H200
+    assert _auto_splits(programs=512, sms=132, iterations=32) == 1  # bench shape on an H200
+    assert _auto_splits(programs=256, sms=132, iterations=32) == 2
     assert _auto_splits(programs=8, sms=132, iterations=32) == 8  # few sequences: split until 4 iters
     assert _auto_splits(programs=8, sms=132, iterations=3) == 1  # short contexts: no split
     assert _auto_splits(programs=8, sms=None, iterations=1000) == 1  # the CPU interpreter

@@ -177,7 +177,8 @@ def test_write_kv_rejects_bad_inputs(kernels):
 
 def test_split_heuristic_fills_the_gpu_but_keeps_work_per_split():
     assert _auto_splits(programs=512, sms=132, iterations=32) == 1  # bench shape on an H200
-    assert _auto_splits(programs=256, sms=132, iterations=32) == 2
+    assert _auto_splits(programs=256, sms=132, iterations=32) == 1
+    assert _auto_splits(programs=64, sms=132, iterations=32) == 4
     assert _auto_splits(programs=8, sms=132, iterations=32) == 8  # few sequences: split until 4 iters
     assert _auto_splits(programs=8, sms=132, iterations=3) == 1  # short contexts: no split
     assert _auto_splits(programs=8, sms=None, iterations=1000) == 1  # the CPU interpreter
@@ -224,7 +225,7 @@ def test_bench_record_and_plot_from_a_small_run(kernels, tmp_path):
     result = bench.measure(_small_bench_args(peak_gbps=100.0), DEVICE, "test device", run_once,
                            cases=CASES[-2:])
     assert result["all_correct"] and len(result["correctness"]) == 2
-    assert len(calls) == 4  # the default launch, the two SDPA baselines and the copy
+    assert len(calls) == 5  # the default launch (warm-up, then timed), two SDPA baselines, the copy
     assert result["copy_gbps"] == pytest.approx(2 * 2**20 / 0.5e-3 / 1e9)
     assert result["kv_bytes"] == 2 * 4 * 3 * 40 * 2 * 32
     assert result["triton_default_fraction"] == pytest.approx(result["kv_bytes"] / 0.5e-3 / 100e9)

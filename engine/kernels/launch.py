@@ -20,10 +20,12 @@ import torch
 
 MIN_ITERS_PER_SPLIT = 4
 MAX_SPLITS = 16
-# Programs per SM the split heuristic aims for: several resident programs hide load latency and
-# make the last partial wave small. 3, not 4: on an H200 (132 SMs) the bench's 512 programs ran
-# 0.140 ms unsplit against 0.155 ms split in two (scripts/gpu_check.sh --sweep wide).
-PROGRAMS_PER_SM = 3
+# The split heuristic doubles the splits while the grid has fewer than PROGRAMS_PER_SM programs
+# per SM. Measured on an H200 (132 SMs; `lengthwise bench attention --batch B`, 32/8 heads, d128,
+# context 2048): unsplit was as fast or faster from 256 programs up (batch 32: 77 vs 82 us; 48:
+# 108 vs 135; 64: 137 vs 150), and 4 splits beat none at 64 programs (batch 8: 58 vs 67-80 us).
+# So split only a grid that cannot give every SM one program.
+PROGRAMS_PER_SM = 1
 
 
 def next_power_of_2(n: int) -> int:

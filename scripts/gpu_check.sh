@@ -4,8 +4,9 @@
 #   2. `lengthwise bench attention`: correctness on CUDA, then decode attention at batch 64 x
 #      context 2048, 32/8 heads, head_dim 128, bf16: bandwidth vs peak and time vs torch SDPA.
 # Python: $PYTHON if set, else .venv/bin/python when the venv exists, else the machine's python3
-# (which must hold torch with CUDA, triton, pytest and pytest-timeout), the repo on PYTHONPATH. Without CUDA the tests run
-# under the interpreter and the bench says it needs a GPU. Results go to $OUT (or out/gpu_check).
+# (which must hold torch with CUDA, triton, pytest and pytest-timeout), the repo on PYTHONPATH.
+# Without CUDA the tests run under the interpreter and the bench says it needs a GPU. Results go
+# to $OUT (or out/gpu_check).
 # Arguments go to the bench, e.g. `scripts/gpu_check.sh --sweep wide`.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -152,8 +152,9 @@ def time_launches(batch, context: int, configs: list, timer) -> list[dict]:
         return lambda: triton_paged_attention(*batch.args(), launch=config, max_query_len=1,
                                               max_seq_len=context)
 
-    # The first launch timed in a process read 1.3-1.7x the same launch timed later on an H200
-    # (the GPU was idle a moment before): one untimed pass of the default launch first.
+    # On an H200 the first launch timed in a process read 1.3-1.7x the same launch timed later,
+    # so one untimed pass of the default launch goes first. That did not always suffice (1.17x
+    # once after it): the CUDA-graph replays timed in `measure` are the steadier figure.
     timer(launch(configs[0]))
     rows = []
     for index, config in enumerate(configs):

@@ -21,10 +21,12 @@ import torch
 MIN_ITERS_PER_SPLIT = 4
 MAX_SPLITS = 16
 # The split heuristic doubles the splits while the grid has fewer than PROGRAMS_PER_SM programs
-# per SM. Measured on an H200 (132 SMs; `lengthwise bench attention --batch B`, 32/8 heads, d128,
-# context 2048): unsplit was as fast or faster from 256 programs up (batch 32: 77 vs 82 us; 48:
-# 108 vs 135; 64: 137 vs 150), and 4 splits beat none at 64 programs (batch 8: 58 vs 67-80 us).
-# So split only a grid that cannot give every SM one program.
+# per SM. On an H200 (132 SMs; `lengthwise bench attention --batch B`, 32/8 heads, d128, context
+# 2048; data/gpu_check/h200) unsplit launches matched or beat split ones from 256 programs up:
+# best unsplit against best split in two, runs 2-4, batch 32: 77/79/84 vs 82/101/83 us; batch 48:
+# 108/110/110 vs 135/115/116 us; batch 64: 137 vs 150 us. At batch 8 (64 programs) the timings
+# are mostly the host's launch cost (0.063 ms, 0.036 from a CUDA graph) and do not rank splits;
+# there the flash-decoding rule stays: split a grid that leaves SMs without a program.
 PROGRAMS_PER_SM = 1
 
 

@@ -3,10 +3,10 @@
 The probe predictor (predictor/probe.py) reads one decoder layer's output at the prompt's last
 token through a ridge head. This script runs the model once per batch up to the deepest layer
 asked for and compares layers by 5-fold cross-validated Kendall's tau over the trace's pooled
-train and validation prompts (the folds of scripts/trace_head_cv.py), and by the test split's
-tau of a head fitted on all of them, with the default predictor's p50 as the baseline. The ridge
-head is the one `lengthwise train --model probe` fits, its penalty chosen on a tenth of its own
-training rows.
+train and validation prompts (the folds of `training.labels.trace_cv_folds`, as in
+scripts/trace_head_cv.py), and by the test split's tau of a head fitted on all of them, with the
+default predictor's p50 as the baseline. The ridge head is the one `lengthwise train --model
+probe` fits, its penalty chosen on a tenth of its own training rows.
 
     python scripts/probe_layer_sweep.py [--layers 4,8,12,16,20,24,29] [--max-tokens 64] [--json FILE]
 """
@@ -73,7 +73,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from scipy import stats
-    from sklearn.model_selection import KFold
 
     import predictor
     from predictor.probe import HiddenStateProbe, ProbeConfig
@@ -87,7 +86,7 @@ def main() -> None:
     prompts = [p for split in pooled for p in split.prompts]
     y = np.concatenate([split.lengths for split in pooled])
     states = layer_states(probe, prompts + test.prompts, args.layers)
-    folds = list(KFold(args.folds, shuffle=True, random_state=0).split(prompts))
+    folds = labels.trace_cv_folds(len(prompts), args.folds)
 
     def tau(score, truth) -> float:
         return float(stats.kendalltau(score, truth).statistic)

@@ -47,7 +47,6 @@ def main() -> None:
 
     from scipy import stats
     from sklearn.linear_model import RidgeCV
-    from sklearn.model_selection import KFold
 
     import predictor
     from training import labels
@@ -57,7 +56,7 @@ def main() -> None:
     model = predictor.load(args.predictor)
     parts = [features(model, labels.load_split(name, "trace")) for name in ("train", "validation")]
     x, outputs, y = (np.concatenate([part[i] for part in parts]) for i in range(3))
-    folds = list(KFold(args.folds, shuffle=True, random_state=0).split(x))
+    folds = labels.trace_cv_folds(len(x), args.folds)
 
     def tau(score: np.ndarray, rows: np.ndarray) -> float:
         return float(stats.kendalltau(score, y[rows]).statistic)

@@ -98,3 +98,12 @@ def trace_held_out() -> HeldOut:
 def trace_held_out_tag() -> str:
     """What a predictor trained without the trace's conversations records as `held_out`."""
     return f"trace:{trace_hash()}"
+
+
+def trace_cv_folds(num_rows: int, num_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train rows, held rows) folds over the trace's train and validation prompts pooled in that
+    order: the one definition the trace scripts share, so their cross-validated figures score the
+    same folds."""
+    from sklearn.model_selection import KFold
+
+    return list(KFold(num_folds, shuffle=True, random_state=0).split(np.arange(num_rows)))

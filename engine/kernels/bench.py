@@ -142,24 +142,26 @@ def launch_configs(sweep: str) -> list:
     return configs
 
 
-def time_launches(batch, context: int, configs: list, timer) -> list[dict]:
-    from triton.runtime.errors import OutOfResources
-
+def decode_call(batch, context: int, config=None):
+    """The decode attention call, with host-side lengths as the engine passes them: no device
+    sync inside the timing. `config` None: the default launch."""
     from engine.kernels.paged_attention import triton_paged_attention
 
-    def launch(config):
-        # Host-side lengths as the engine passes them: no device sync inside the timing.
-        return lambda: triton_paged_attention(*batch.args(), launch=config, max_query_len=1,
-                                              max_seq_len=context)
+    return lambda: triton_paged_attention(*batch.args(), launch=config, max_query_len=1,
+                                          max_seq_len=context)
+
+
+def time_launches(batch, context: int, configs: list, timer) -> list[dict]:
+    from triton.runtime.errors import OutOfResources
 
     # On an H200 the first launch timed in a process read 1.3-1.7x the same launch timed later,
     # so one untimed pass of the default launch goes first. That did not always suffice (1.17x
     # once after it): the CUDA-graph replays timed in `measure` are the steadier figure.
-    timer(launch(configs[0]))
+    timer(decode_call(batch, context, configs[0]))
     rows = []
     for index, config in enumerate(configs):
         try:
-            rows.append({"launch": asdict(config), "ms": timer(launch(config))})
+            rows.append({"launch": asdict(config), "ms": timer(decode_call(batch, context, config))})
         except OutOfResources as error:  # a swept tile too big for shared memory; not the default
             if index == 0:
                 raise
@@ -184,10 +186,7 @@ def cuda_graph_replay(fn):
 
 def graphed_times(batch, context: int, k: torch.Tensor, v: torch.Tensor, timer) -> dict:
     """Default launch and SDPA, each replayed from a CUDA graph (CUDA only)."""
-    from engine.kernels.paged_attention import triton_paged_attention
-
-    triton_ms = timer(cuda_graph_replay(lambda: triton_paged_attention(
-        *batch.args(), max_query_len=1, max_seq_len=context)))
+    triton_ms = timer(cuda_graph_replay(decode_call(batch, context)))
     sdpa_ms = timer(cuda_graph_replay(lambda: sdpa_decode(batch, k, v)))
     return {"triton_default_graph_ms": triton_ms, "sdpa_graph_ms": sdpa_ms}
 

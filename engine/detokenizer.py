@@ -34,6 +34,19 @@ class DetokenizerState:
         return cls(token_ids=context, prefix_offset=0, read_offset=len(context))
 
 
+def emitted_length(prefix: str, full: str) -> int:
+    """Characters of `full` that the window's read tokens already account for.
+
+    Normally all of `prefix`. A prompt given as token ids may end inside a character: its window
+    then decodes to a trailing U+FFFD that the first output tokens turn into a real character. That
+    character ends in the output, so it is the output's text (the prompt's bytes alone were never
+    shown), and it is counted from where the U+FFFD began."""
+    if full.startswith(prefix):
+        return len(prefix)
+    settled = prefix.rstrip("\ufffd")
+    return len(settled) if full.startswith(settled) else len(prefix)
+
+
 def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], final: bool = False) -> str:
     """Add tokens; returns the text they complete (possibly empty). With `final` (the request has
     ended) an unfinished character is taken as decoded, U+FFFD included, as a full decode shows it,
@@ -41,9 +54,10 @@ def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], 
     state.token_ids.extend(new_token_ids)
     prefix = tokenizer.decode(state.token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(state.token_ids[state.prefix_offset:], skip_special_tokens=True)
-    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+    start = emitted_length(prefix, full)
+    if len(full) <= start or (full.endswith("\ufffd") and not final):
         return ""
-    new_text = full[len(prefix):]
+    new_text = full[start:]
     state.prefix_offset, state.read_offset = state.read_offset, len(state.token_ids)
     state.text += new_text
     return new_text

@@ -31,6 +31,23 @@ def test_a_reply_ending_inside_a_character_keeps_its_text(tokenizer):
     assert incremental_text(tokenizer, tokenizer.encode("Say:", add_special_tokens=False), cut) == full
 
 
+def test_a_prompt_ending_inside_a_character_gives_the_reply_that_character(tokenizer):
+    # Token-id prompts may stop inside a character; the reply's first token completes it. That
+    # character ends in the reply, so the reply shows it, as a decode of prompt + reply does.
+    ids = tokenizer.encode("Say: ok 🎉 hi", add_special_tokens=False)
+    emoji_end = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("🎉"))
+    prompt, reply = ids[:emoji_end - 1], ids[emoji_end - 1:]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    assert incremental_text(tokenizer, prompt, reply) == "🎉 hi"
+
+
+def test_a_prompt_ending_in_a_stray_byte_keeps_it_out_of_the_reply(tokenizer):
+    stray = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+    prompt = tokenizer.encode("Say:", add_special_tokens=False) + [stray]
+    reply = tokenizer.encode(" hello there", add_special_tokens=False)
+    assert incremental_text(tokenizer, prompt, reply) == " hello there"
+
+
 def test_random_token_streams_decode_to_the_full_text(tokenizer):
     rng = random.Random(0)
     prompt = tokenizer.encode("Hello", add_special_tokens=False)

@@ -182,6 +182,19 @@ def test_bench_serve_checks_its_result_dir_before_the_load(capsys, taken, monkey
         capsys, ["bench", "serve", "--result-dir", str(taken[1] / "sub"), "--no-mlflow"], "bench serve")
 
 
+def test_bench_serve_checks_its_baseline_before_the_load(capsys, tmp_path, monkeypatch) -> None:
+    from training import bench_serve
+
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("load started first"))
+    out = ["--result-dir", str(tmp_path / "out"), "--no-mlflow"]
+    missing = tmp_path / "fcfs.json"
+    assert f"--baseline {missing}: not a readable bench serve JSON" in one_line_error(
+        capsys, ["bench", "serve", *out, "--baseline", str(missing)], "bench serve")
+    missing.write_text('{"completed": 3}')
+    assert "not a bench serve result (no config or requests)" in one_line_error(
+        capsys, ["bench", "serve", *out, "--baseline", str(missing)], "bench serve")
+
+
 def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken) -> None:
     none = ["--model", str(tmp_path / "no-model")]  # the model check would come second
     assert f"--json {taken[0]}: is a folder" in one_line_error(

@@ -136,3 +136,30 @@ def test_bench_serve_run_lands_in_the_sqlite_store_with_artifacts_under_it(tmp_p
     assert run.data.metrics == {"completed": 3.0, "mean_e2e_s": 1.5}
     assert run.info.artifact_uri.startswith((store / "artifacts").resolve().as_uri())
     assert (store / "mlflow.db").exists()
+
+
+def _run(rejected: int, answered: list[int], mean_e2e: float, tokens_per_s: float, **config) -> dict:
+    workload = {"model": "m", "num_prompts": 4, "request_rate": float("inf"), "seed": 0, **config}
+    return {"config": workload, "rejected_429": rejected, "failed": rejected, "mean_e2e_s": mean_e2e,
+            "output_tokens_per_s": tokens_per_s,
+            "requests": [{"index": i, "success": i in answered} for i in range(4)]}
+
+
+def test_a_run_compares_with_its_baseline_only_on_the_same_work_and_answers(tmp_path):
+    from training.bench_serve_compare import compare
+
+    fcfs = _run(0, [0, 1, 2, 3], mean_e2e=30.0, tokens_per_s=80.0, label="fcfs")
+    sjf = _run(0, [0, 1, 2, 3], mean_e2e=20.0, tokens_per_s=100.0)
+    result = compare(sjf, sjf["config"], sjf["requests"], fcfs, tmp_path / "fcfs.json")
+    assert result["comparable"] and result["not_comparable_reasons"] == [] and result["baseline_label"] == "fcfs"
+    assert result["ratios"]["mean_e2e_s_baseline_over_this"] == pytest.approx(1.5)
+    assert result["ratios"]["output_tokens_per_s_this_over_baseline"] == pytest.approx(1.25)
+    assert result["ratios"]["p99_e2e_s_baseline_over_this"] is None  # absent from both: no ratio
+
+    # Faster by turning requests away: ratios still given, but flagged with every reason.
+    shed = _run(1, [0, 1, 2], mean_e2e=10.0, tokens_per_s=100.0, seed=1)
+    result = compare(shed, shed["config"], shed["requests"], fcfs, tmp_path / "fcfs.json")
+    assert not result["comparable"] and result["ratios"]["mean_e2e_s_baseline_over_this"] == pytest.approx(3.0)
+    reasons = " | ".join(result["not_comparable_reasons"])
+    assert "seed: baseline 0, this run 1" in reasons and "rejected_429: baseline 0, this run 1" in reasons
+    assert "answered requests differ: 1 only in the baseline, 0 only in this run" in reasons

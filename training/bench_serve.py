@@ -30,6 +30,7 @@ import numpy as np
 from engine.arg_types import (checked_by, non_negative_float, non_negative_int, positive_float, positive_int,
                                positive_rate, prepare_output_dir)
 from engine.config import REPO_ROOT
+from training import bench_serve_compare
 from training import bench_serve_report as report
 from training import tracking
 
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default=None, help="run name (e.g. the server's policy)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="RUN.json",
+                        help="an earlier run's JSON (e.g. the fcfs server's): report ratios against it, "
+                             "and whether the two runs are comparable")
     parser.add_argument("--result-dir", default=str(REPO_ROOT / "out" / "bench_serve"))
     parser.add_argument("--no-mlflow", action="store_true")
 
@@ -241,6 +245,7 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 def run(args: argparse.Namespace) -> int:
     slos = report.parse_goodput(args.goodput)
     out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
+    baseline = bench_serve_compare.load_baseline(args.baseline) if args.baseline else None
     model = args.model or server_model(args)
     items = sample_workload(args)
     info, preemptions_before = server_state(args.base_url)
@@ -253,9 +258,13 @@ def run(args: argparse.Namespace) -> int:
     if preemptions_before is not None and preemptions_after is not None:
         summary["server_preemptions"] = preemptions_after - preemptions_before
     report.print_summary(summary, label)
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
-    config["model"] = model
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("api_key", "baseline")}
+    config.update(model=model, label=label, baseline=str(args.baseline) if args.baseline else None)
     config.update({f"server_{key}": value for key, value in info.items()})
+    if baseline is not None:
+        requests = [{"index": r.index, "success": r.success} for r in results]
+        summary["comparison"] = bench_serve_compare.compare(summary, config, requests, baseline, args.baseline)
+        bench_serve_compare.print_comparison(summary["comparison"])
     json_path, plot_path = out / f"{label}.json", out / f"{label}.png"
     report.write_json(json_path, summary, config, results)
     report.plot(plot_path, results, label)

@@ -166,6 +166,8 @@ def log_to_mlflow(summary: dict[str, Any], config: dict[str, Any], artifacts: li
     with tracking_session(experiment=EXPERIMENT), mlflow.start_run(run_name=label) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
         numbers = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
+        ratios = summary.get("comparison", {}).get("ratios", {})
+        numbers.update({f"vs_baseline_{k}": float(v) for k, v in ratios.items() if v is not None})
         mlflow.log_metrics(numbers)
         for path in artifacts:
             mlflow.log_artifact(str(path))

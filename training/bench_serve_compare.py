@@ -1,0 +1,82 @@
+"""A serving benchmark run against a baseline run (`lengthwise bench serve --baseline RUN.json`).
+
+The issue's figure compares one server build run with `--policy fcfs` and with `--policy sjf`; the
+server is external, so the two runs are two commands, and the second reads the first's JSON. Two
+runs compare only if they offered the same work (the workload flags below) and if the same
+requests got full answers: a policy that turns more requests away with 429, or loses some, would
+otherwise look faster by serving less. Such a pair still gets its ratios, marked not comparable,
+with every reason.
+
+Ratios read "how many times better than the baseline": baseline / this for latencies, this /
+baseline for throughputs, so above 1 means this run did better. FCFS as the baseline and sjf as
+this run gives the issue's FCFS / sjf.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# The flags that choose the prompts, their arrival times, their caps and how they are sampled.
+WORKLOAD_KEYS = ("model", "num_prompts", "request_rate", "burstiness", "seed", "split", "tier_mix",
+                 "ignore_eos", "max_output_tokens", "max_model_len", "temperature", "max_concurrency")
+LATENCY_KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "p99_ttft_s")
+THROUGHPUT_KEYS = ("output_tokens_per_s", "goodput_rps")
+
+
+def load_baseline(path: Path) -> dict[str, Any]:
+    """An earlier run's JSON; ValueError (a one-line reason) unless it is one."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--baseline {path}: not a readable bench serve JSON ({exc})") from None
+    if not isinstance(payload, dict) or not {"config", "requests"} <= payload.keys():
+        raise ValueError(f"--baseline {path}: not a bench serve result (no config or requests)")
+    return payload
+
+
+def answered(requests: list[dict]) -> set[int]:
+    return {request["index"] for request in requests if request.get("success")}
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[str, Any],
+               requests: list[dict]) -> list[str]:
+    """Why the two runs are not the same experiment; empty when they are."""
+    base_config = baseline["config"]
+    reasons = [f"{key}: baseline {base_config.get(key)!r}, this run {config.get(key)!r}"
+               for key in WORKLOAD_KEYS if base_config.get(key) != config.get(key)]
+    reasons += [f"{key}: baseline {baseline.get(key)}, this run {summary.get(key)}"
+                for key in ("rejected_429", "failed") if baseline.get(key) != summary.get(key)]
+    base_answered, this_answered = answered(baseline["requests"]), answered(requests)
+    if base_answered != this_answered:
+        reasons.append(f"answered requests differ: {len(base_answered - this_answered)} only in the baseline, "
+                       f"{len(this_answered - base_answered)} only in this run")
+    return reasons
+
+
+def compare(summary: dict[str, Any], config: dict[str, Any], requests: list[dict],
+            baseline: dict[str, Any], baseline_path: Path) -> dict[str, Any]:
+    """The `comparison` entry of this run's JSON."""
+    reasons = mismatches(baseline, summary, config, requests)
+    ratios = {f"{key}_baseline_over_this": _ratio(baseline.get(key), summary.get(key)) for key in LATENCY_KEYS}
+    ratios.update({f"{key}_this_over_baseline": _ratio(summary.get(key), baseline.get(key))
+                   for key in THROUGHPUT_KEYS})
+    return {"baseline": str(baseline_path), "baseline_label": baseline["config"].get("label"),
+            "comparable": not reasons, "not_comparable_reasons": reasons, "ratios": ratios}
+
+
+def print_comparison(comparison: dict[str, Any]) -> None:
+    print(f"==== against the baseline {comparison['baseline_label'] or comparison['baseline']} ====")
+    for key, value in comparison["ratios"].items():
+        print(f"{key:>40}: {value:.4g}" if value is not None else f"{key:>40}: -")
+    if comparison["comparable"]:
+        print(f"{'comparable':>40}: yes (same workload, same requests answered)")
+    for reason in comparison["not_comparable_reasons"]:
+        print(f"{'NOT COMPARABLE':>40}: {reason}")

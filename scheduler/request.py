@@ -130,9 +130,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    # Queueing again after a preemption: since when (None while it holds a seat), and how long in all.
+    # Queueing again after a preemption: since when (None while it holds a seat), and each such
+    # wait as (requeued, scheduled again).
     requeued_at: float | None = None
-    requeued_wait_s: float = 0.0
+    requeued_waits: list[tuple[float, float]] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
     predicted_p50: float | None = None  # median of the predicted output length (srpt's tail fit)
@@ -145,6 +146,10 @@ class Request:
             raise ValueError("prompt must not be empty")
         if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must lie in [-2**63, 2**63), got {self.priority!r}")
+
+    @property
+    def requeued_wait_s(self) -> float:
+        return sum(end - start for start, end in self.requeued_waits)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -107,7 +107,7 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    requeued_wait_s: float = 0.0  # queued again after preemptions
+    requeued_waits: tuple[tuple[float, float], ...] = ()  # (requeued, scheduled again) per preemption
 
     @property
     def e2e_s(self) -> float:
@@ -122,7 +122,13 @@ class RequestRecord:
     def wait_s(self) -> float:
         """All queueing delay: before the first scheduled chunk, and again after each preemption
         until the request is scheduled once more."""
-        return self.first_wait_s + self.requeued_wait_s
+        return self.first_wait_s + sum(end - start for start, end in self.requeued_waits)
+
+    @property
+    def admission_times(self) -> tuple[float, ...]:
+        """When it was given a seat: first, then again after each preemption."""
+        first = () if self.first_scheduled_time is None else (self.first_scheduled_time,)
+        return first + tuple(end for _, end in self.requeued_waits)
 
     @property
     def ttft_s(self) -> float:
@@ -150,7 +156,7 @@ def _record(request: Request, rejected: bool = False) -> RequestRecord:
         output_tokens=request.num_output_tokens, rejected=rejected,
         first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
         finish_time=request.finish_time, num_preemptions=request.num_preemptions,
-        requeued_wait_s=request.requeued_wait_s)
+        requeued_waits=tuple(request.requeued_waits))
 
 
 def _next_token(request: Request) -> int:

@@ -66,7 +66,7 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
         if request.requeued_at is not None:
-            request.requeued_wait_s += now - request.requeued_at
+            request.requeued_waits.append((request.requeued_at, now))
             request.requeued_at = None
     return SchedulerOutput(
         chunks=tuple(chunks), preempted_ids=tuple(plan.preempted_ids), finished_ids=finished_ids,

@@ -359,6 +359,27 @@ def test_goal_ratios_have_the_issue_s_direction_and_bounds() -> None:
     assert goal_checks({"fcfs": fcfs, "sjf": sjf}, 10.0)["meets_longest10pct_2x"] is False
 
 
+def test_an_overtake_while_queued_again_after_a_preemption_counts() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import overtaken_beyond_bound
+
+    # a: seated at 1, preempted at 20, seated again at 30; its bound is 5.
+    a = RequestRecord("a", Tier.STANDARD, 0.0, 10, False, first_scheduled_time=1.0, requeued_waits=((20.0, 30.0),))
+    assert a.admission_times == (1.0, 30.0) and a.wait_s == 11.0
+
+    def later(arrival, seated):
+        return RequestRecord("x", Tier.STANDARD, arrival, 10, False, first_scheduled_time=seated)
+
+    bounds = {"a": 5.0, "x": 5.0}
+    assert overtaken_beyond_bound([a, later(15.0, 25.0)], bounds) == 1  # seated while a waited again
+    assert overtaken_beyond_bound([a, later(15.0, 31.0)], bounds) == 0  # after a was back
+    assert overtaken_beyond_bound([a, later(4.0, 25.0)], bounds) == 0  # came within a's bound
+    # A later request's own return from a preemption is a seat too.
+    back = RequestRecord("x", Tier.STANDARD, 15.0, 10, False, first_scheduled_time=16.0,
+                         requeued_waits=((18.0, 22.0),))
+    assert overtaken_beyond_bound([a, back], bounds) == 1
+
+
 def test_a_less_urgent_request_overtaking_beyond_the_bound_counts() -> None:
     from scheduler.simulation import RequestRecord
     from training.sim_metrics import overtaken_beyond_bound

@@ -34,22 +34,21 @@ def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
 
 
 def overtaken_beyond_bound(records: Sequence[RequestRecord], bounds: Mapping[str, float]) -> int:
-    """How many served requests were first scheduled after some request of their tier (or a less
-    urgent one) that arrived more than the request's own aging bound after it: what aging promises
-    never happens (a more urgent tier overtakes by design)."""
+    """How many served requests, in some wait for a seat (before their first one, or again after
+    a preemption), saw a seat go to a request of their tier (or a less urgent one) that arrived
+    more than the request's own aging bound after it: what aging promises never happens (a more
+    urgent tier overtakes by design)."""
     served = [r for r in records if not r.rejected]
     violated = 0
     for tier in Tier:
-        # Requests of this tier and the less urgent ones, by arrival, with a suffix minimum of
-        # their first-scheduled times.
-        pool = sorted((r for r in served if r.tier >= tier), key=lambda r: r.arrival_time)
-        arrivals = [r.arrival_time for r in pool]
-        earliest = [math.inf] * (len(pool) + 1)
-        for i in range(len(pool) - 1, -1, -1):
-            earliest[i] = min(earliest[i + 1], pool[i].first_scheduled_time)
-        for request in (r for r in served if r.tier == tier):
-            later = bisect.bisect_right(arrivals, request.arrival_time + bounds[request.request_id])
-            violated += earliest[later] < request.first_scheduled_time
+        # Every seat given to this tier or a less urgent one, by time, with its holder's arrival.
+        seats = sorted((time, r.arrival_time) for r in served if r.tier >= tier for time in r.admission_times)
+        times, holders_arrival = [time for time, _ in seats], [arrival for _, arrival in seats]
+        for request in (r for r in served if r.tier == tier and r.first_scheduled_time is not None):
+            limit = request.arrival_time + bounds[request.request_id]
+            waits = ((request.arrival_time, request.first_scheduled_time), *request.requeued_waits)
+            violated += any(max(holders_arrival[bisect.bisect_left(times, start):bisect.bisect_left(times, end)],
+                                default=-math.inf) > limit for start, end in waits)
     return violated
 
 

@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# predictor.paths.SERVED_MODEL_REF, the folder the code loads by default (a test keeps them equal).
 MODEL_DIR := data/models/smollm2-135m-instruct
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

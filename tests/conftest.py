@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from predictor.paths import SERVED_MODEL_REF
+
 ROOT = Path(__file__).resolve().parent.parent
-REAL_MODEL_DIR = ROOT / "data" / "models" / "smollm2-135m-instruct"
+REAL_MODEL_DIR = ROOT / SERVED_MODEL_REF
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

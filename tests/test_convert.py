@@ -61,3 +61,13 @@ def test_a_symlinked_model_folder_is_replaced_where_it_points(tmp_path, monkeypa
     assert link.is_symlink() and (link / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["smollm2"]
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["smollm2"]
+
+
+def test_the_makefile_converts_into_the_folder_the_code_loads_by_default() -> None:
+    # make spells the folder itself (it must know its target before any Python is installed).
+    import re
+
+    from predictor.paths import SERVED_MODEL_REF, project_root
+
+    makefile = (project_root() / "Makefile").read_text()
+    assert re.search(r"^MODEL_DIR := (\S+)$", makefile, re.M).group(1) == SERVED_MODEL_REF

@@ -9,7 +9,8 @@ the same prompts measure that chance, and a latent-variable model turns it into 
 with F the pooled empirical quantile function of the samples (so the model keeps the observed
 marginal, including the ties at the max_tokens cap). rho is chosen so the model's two-sample tau
 matches the observed one; the ceiling is then tau(z, sample_1), what ranking by the latent length
-itself scores against one sample. It is an estimate under the model's assumptions (a Gaussian
+itself scores against one sample (and tau(z, (sample_1 + sample_2) / 2) against the two samples'
+mean, the label `eval-predictor --labels trace` also scores against). It is an estimate under the model's assumptions (a Gaussian
 copula, noise that does not depend on the prompt), not a bound.
 """
 
@@ -59,6 +60,7 @@ def ranking_ceiling(first: Sequence[float], second: Sequence[float], num_draws: 
         else:
             high = rho
     rho = (low + high) / 2
-    sample, _ = model.samples(rho)
+    sample, other = model.samples(rho)
     return {"kendall_tau_two_samples": observed, "latent_share_rho": rho,
-            "kendall_tau_ceiling_estimate": _tau(model.z, sample)}
+            "kendall_tau_ceiling_estimate": _tau(model.z, sample),
+            "kendall_tau_ceiling_estimate_two_sample_mean": _tau(model.z, (sample + other) / 2)}

@@ -332,6 +332,31 @@ def test_sample_agreement_pairs_prompts_by_key(tmp_path):
     assert agree["kendall_tau_ceiling_estimate"] > disagree["kendall_tau_ceiling_estimate"]
 
 
+def test_a_second_sample_scores_the_ranking_alone_and_in_the_mean_of_both(tmp_path):
+    from scipy import stats
+
+    from training import trace
+    from training.evaluate import second_sample_figures
+
+    prompts = [f"prompt {i}" for i in range(5)]
+    log = tmp_path / "again.jsonl"
+    # The second sample reverses the ranking of the first four prompts; the fifth was not resampled.
+    again = {0: 40, 1: 30, 2: 20, 3: 10}
+    log.write_text("".join(json.dumps({
+        "key": trace.prompt_key(prompts[i]), "conversation_id": f"c{i}", "turn_index": 0, "prompt": prompts[i],
+        "prompt_tokens": 5, "output_tokens": n, "finish_reason": "stop", "split": "test", "in_train": False}) + "\n"
+        for i, n in again.items()))
+    trace.write_trace_table(log, tmp_path / "again.parquet")
+    first = np.asarray([10, 20, 30, 100, 50])
+    ranked = [Prediction(point=n, p50=n, p90=n, score=n, rank_len=n) for n in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    figures = second_sample_figures(prompts, first, ranked, tmp_path / "again.parquet")
+    assert figures["num_examples_resampled"] == 4
+    assert figures["kendall_tau_second_sample"] == pytest.approx(-1.0)
+    # Means 25, 25, 25, 55: three ties, then the longest last.
+    expected = stats.kendalltau([1, 2, 3, 4], [25, 25, 25, 55]).statistic
+    assert figures["kendall_tau_two_sample_mean"] == pytest.approx(expected) and expected > 0
+
+
 def test_a_fresh_clone_extends_the_committed_trace_table_instead_of_replacing_it(tmp_path, monkeypatch):
     # The log is git-ignored, the table committed: a clone has the table and no log. Before, a run
     # there traced every prompt again and rewrote the table from its new log alone.

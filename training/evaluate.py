@@ -4,6 +4,11 @@ Reports Kendall's tau (primary), tau with the prompts that occur verbatim in the
 removed (and, stricter, with every prompt whose last user message is some train prompt's last user
 message removed), Spearman, pairwise order accuracy, MAE of log length, quantile coverage, and latency
 per prompt at batch 1 and 32 (median over repeated calls on test prompts, after one warm-up).
+
+With `--labels trace`, one sampled length per prompt is a noisy label (at temperature 1 two samples
+of a prompt agree at tau 0.28). When a second sample of the test prompts exists (`--resample`,
+by default the committed one), the report adds tau against that sample alone, an independent check
+of the first, and against the mean of the two, a label with less chance in it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ class EvaluationReport:
     kind: str
     predictor: str
     labels: str
+    # Trace labels with a second sample of the test prompts (None otherwise).
+    kendall_tau_second_sample: float | None = None
+    kendall_tau_two_sample_mean: float | None = None
+    num_examples_resampled: int | None = None
+    resample: str | None = None
 
 
 def latency_ms_per_prompt(model, prompts: Sequence[str], batch_size: int, calls: int) -> float:
@@ -70,8 +80,26 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
                          f"or pass --predictor PATH (e.g. data/predictors/default)") from None
 
 
+def second_sample_figures(prompts: Sequence[str], first: np.ndarray, predictions: list,
+                          resample: Path) -> dict:
+    """Tau of rank_len against a second sample of the same prompts and against the two samples'
+    mean, over the prompts the resample holds."""
+    from training.metrics import prediction_metrics
+    from training.trace import load_trace, prompt_key
+
+    second = {row["key"]: row["output_tokens"] for row in load_trace(path=resample).to_list()}
+    rows = [i for i, prompt in enumerate(prompts) if prompt_key(prompt) in second]
+    if len(rows) < 2:
+        return {}
+    again = np.asarray([second[prompt_key(prompts[i])] for i in rows], dtype=np.float64)
+    chosen = [predictions[i] for i in rows]
+    return {"kendall_tau_second_sample": prediction_metrics(again, chosen).kendall_tau,
+            "kendall_tau_two_sample_mean": prediction_metrics((first[rows] + again) / 2, chosen).kendall_tau,
+            "num_examples_resampled": len(rows), "resample": str(resample)}
+
+
 def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None = None,
-             measure_latency: bool = True) -> EvaluationReport:
+             measure_latency: bool = True, resample: Path | None = None) -> EvaluationReport:
     import predictor
     from predictor.batching import predict_in_batches
     from training import labels as label_data
@@ -87,6 +115,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     dedup_strict = prediction_metrics(test.lengths[strict], [p for p, k in zip(predictions, strict) if k])
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}
+    resampled = second_sample_figures(test.prompts, test.lengths, predictions, resample) if resample else {}
     return EvaluationReport(
         kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau,
         kendall_tau_dedup_last_message=dedup_strict.kendall_tau,
@@ -95,7 +124,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
         p90_coverage=whole.p90_coverage, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
         num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,
-        predictor=str(predictor_path), labels=labels,
+        predictor=str(predictor_path), labels=labels, **resampled,
     )
 
 
@@ -106,6 +135,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder for 'champion'")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--resample", default="default", metavar="PARQUET|none",
+                        help="with --labels trace: a second sample of the test prompts to score against too "
+                             "(default: the committed one)")
+
+
+def resample_path(args: argparse.Namespace) -> Path | None:
+    """The second sample to score against: only for trace labels; the committed one unless told."""
+    from training.trace import DEFAULT_RESAMPLE, check_trace_table
+
+    if args.labels != "trace" or args.resample == "none":
+        return None
+    if args.resample == "default":
+        return DEFAULT_RESAMPLE if DEFAULT_RESAMPLE.exists() else None
+    path = Path(args.resample)
+    if not path.exists():
+        raise ValueError(f"--resample: no trace table at {path}")
+    check_trace_table(path, "--resample")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:  # before minutes of evaluation, not after
         prepare_output_file(args.json, "--json")
     path = resolve_predictor(args.predictor, args.store)
-    report = evaluate(path, args.labels, args.limit, not args.no_latency)
+    report = evaluate(path, args.labels, args.limit, not args.no_latency, resample_path(args))
     text = json.dumps(asdict(report), indent=2)
     if args.json is not None:
         args.json.write_text(text + "\n")

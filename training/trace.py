@@ -30,6 +30,9 @@ from training import dataset
 
 DEFAULT_TRACE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.parquet"
 DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
+# A second sample of the trace's test prompts (`--resample-split test --seed 1`): how much of a
+# traced length is chance, and a second label for `eval-predictor --labels trace`.
+DEFAULT_RESAMPLE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt_test_resample.parquet"
 TRACE_COLUMNS = ("key", "conversation_id", "turn_index", "prompt", "prompt_tokens", "output_tokens",
                  "finish_reason", "split", "in_train")
 

@@ -1,7 +1,7 @@
 """The step scheduler: who runs, with how many tokens, and who gives way.
 
 One step (`schedule`) runs these parts in order, all under the seat limit (`max_num_seqs`) and
-the token budget (`max_num_batched_tokens`):
+the token budget (`max_num_batched_tokens`); the preemption they use is in preemption.py:
 
 1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
@@ -32,11 +32,12 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policies import make_policy
 from scheduler.policy import SchedulingPolicy
+from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
 from scheduler.step import SchedulerStats, StepPlan, build_chunks, stop_status
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy, config)
@@ -135,70 +136,11 @@ class Scheduler:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
-    def _make_room_for_urgent(self, plan: StepPlan, now: float) -> None:
-        free_seats = self.config.max_num_seqs - len(self.running)
-        free_blocks = self.block_manager.num_free_blocks
-        budget = self.config.max_num_batched_tokens - len(self.running)
-        limit = self._resume_limit(plan, now)
-        for request in list(self.waiting):
-            if budget <= 0 or not self.running:
-                return
-            if limit is not None and self.policy.sort_key(request, now) >= limit:
-                return  # a preempted request not back yet ranks first and keeps its place
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
-                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
-            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
-            # Not a request admitted earlier in this loop: its grant is already in the plan.
-            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids
-                          and self.policy.should_preempt_for(request, r, now)]
-            victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
-            if victims is None:
-                return
-            for victim in victims:
-                free_blocks += len(victim.block_ids)
-                self._preempt(victim, plan)
-            if candidates and not self._admit_now(request, num_new, plan):
-                return
-            # Nobody ranked after a victim just preempted is let in later in this loop either.
-            limit = self._resume_limit(plan, now)
-            free_seats += len(victims) - 1
-            free_blocks -= need
-            budget += len(victims) - num_new
-
-    def _admit_now(self, request: Request, num_new: int, plan: StepPlan) -> bool:
-        """Admit an urgent request before anything else takes the room made for it: the watermark
-        and the running requests' prefill chunks would otherwise leave it waiting while its victims
-        were already preempted."""
-        if self.block_manager.allocate_slots(request, num_new) is None:
-            return False  # not reached: the room was counted; but never admit without blocks
-        self.waiting.remove(request)
-        self._start_running(request, num_new, plan)
-        return True
-
     def _start_running(self, request: Request, num_new: int, plan: StepPlan) -> None:
         """A request that holds its blocks for this step's chunk joins the running batch."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add(request, num_new)
-
-    def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
-                     now: float) -> list[Request] | None:
-        """The fewest of `candidates`, in victim order, that give a request a seat and its `need`
-        blocks this step with the survivors' decodes still fed; [] when it fits already, None when
-        even every candidate would not do (then nobody is preempted for nothing)."""
-        candidates = list(candidates)
-        growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in self.running)
-        victims: list[Request] = []
-        while free_seats + len(victims) < 1 or free_blocks < need + growth:
-            if not candidates:
-                return None
-            victim = self.policy.choose_victim(candidates, now)
-            candidates.remove(victim)
-            victims.append(victim)
-            free_blocks += len(victim.block_ids)
-            growth -= self.block_manager.num_new_blocks_needed(victim, 1)
-        return victims
 
     def _schedule_running(self, plan: StepPlan, now: float) -> None:
         # By tier, then decodes (one token left to feed) before unfinished prefills, in policy
@@ -215,32 +157,6 @@ class Scheduler:
             if num_new > 0 and self._allocate_or_preempt(request, num_new, plan, now):
                 plan.add(request, num_new)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> bool:
-        """Allocate, preempting policy victims until it fits; False if the request itself gave way."""
-        while self.block_manager.allocate_slots(request, num_new) is None:
-            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
-            victim = self.policy.choose_victim(candidates, now)
-            self._preempt(victim, plan)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        self.running.remove(request)
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        plan.preempted_ids.append(request.request_id)
-        swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request)
-        if swap:
-            plan.swap_out.extend(self.block_manager.swap_out(request))
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-        else:
-            self.block_manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.append(request)
-
     def _schedule_swapped(self, plan: StepPlan, now: float) -> None:
         self.swapped.sort(key=lambda r: self.policy.sort_key(r, now))
         while self.swapped and len(self.running) < self.config.max_num_seqs and plan.budget > 0:
@@ -254,15 +170,6 @@ class Scheduler:
             self.block_manager.allocate_slots(request, num_new)  # fits: checked by can_swap_in
             self.swapped.pop(0)
             self._start_running(request, num_new, plan)
-
-    def _resume_limit(self, plan: StepPlan, now: float) -> tuple | None:
-        """The best key among preempted requests not back yet: those swapped out, and those preempted
-        by recompute in this step (appended after the sort, they wait for the next step). Nothing
-        ranked after one of them is admitted (here or as urgent) before it comes back, so a
-        preempted request keeps its place."""
-        preempted = set(plan.preempted_ids)
-        held = [r for r in self.waiting if r.request_id in preempted] + self.swapped
-        return min((self.policy.sort_key(r, now) for r in held), default=None)
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
         limit = self._resume_limit(plan, now)

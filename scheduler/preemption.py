@@ -1,0 +1,128 @@
+"""The scheduler's preemption: room for urgent requests, KV victims, and keeping a preempted
+request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it reads.
+
+- `_make_room_for_urgent` (step part 1): a waiting request the policy lets preempt (an interactive
+  request before batch work, or SRPT's limited preemption) takes seats and blocks from the
+  fewest running victims that let it in this step (`_victims_for`), and is admitted at once
+  (`_admit_now`).
+- `_allocate_or_preempt` (step part 2): when blocks run out for a running request, the policy's
+  victim among those not yet scheduled this step gives way (possibly the request itself).
+- `_preempt`: swap to host memory when the config asks for it and host blocks allow, else
+  recompute (free the blocks, keep the tokens).
+- `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.policy import SchedulingPolicy
+from scheduler.request import Request, RequestStatus
+from scheduler.step import StepPlan
+
+
+class Preemption:
+    """Preemption for `Scheduler`: the attributes below are the scheduler's, and so are the two
+    methods it calls, `_num_new_tokens` and `_start_running`."""
+
+    config: SchedulerConfig
+    policy: SchedulingPolicy
+    block_manager: BlockManager
+    waiting: list[Request]
+    running: list[Request]
+    swapped: list[Request]
+    _num_preemptions: int
+
+    def _make_room_for_urgent(self, plan: StepPlan, now: float) -> None:
+        free_seats = self.config.max_num_seqs - len(self.running)
+        free_blocks = self.block_manager.num_free_blocks
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        limit = self._resume_limit(plan, now)
+        for request in list(self.waiting):
+            if budget <= 0 or not self.running:
+                return
+            if limit is not None and self.policy.sort_key(request, now) >= limit:
+                return  # a preempted request not back yet ranks first and keeps its place
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
+            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
+            # Not a request admitted earlier in this loop: its grant is already in the plan.
+            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids
+                          and self.policy.should_preempt_for(request, r, now)]
+            victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
+            if victims is None:
+                return
+            for victim in victims:
+                free_blocks += len(victim.block_ids)
+                self._preempt(victim, plan)
+            if candidates and not self._admit_now(request, num_new, plan):
+                return
+            # Nobody ranked after a victim just preempted is let in later in this loop either.
+            limit = self._resume_limit(plan, now)
+            free_seats += len(victims) - 1
+            free_blocks -= need
+            budget += len(victims) - num_new
+
+    def _admit_now(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Admit an urgent request before anything else takes the room made for it: the watermark
+        and the running requests' prefill chunks would otherwise leave it waiting while its victims
+        were already preempted."""
+        if self.block_manager.allocate_slots(request, num_new) is None:
+            return False  # not reached: the room was counted; but never admit without blocks
+        self.waiting.remove(request)
+        self._start_running(request, num_new, plan)
+        return True
+
+    def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
+                     now: float) -> list[Request] | None:
+        """The fewest of `candidates`, in victim order, that give a request a seat and its `need`
+        blocks this step with the survivors' decodes still fed; [] when it fits already, None when
+        even every candidate would not do (then nobody is preempted for nothing)."""
+        candidates = list(candidates)
+        growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in self.running)
+        victims: list[Request] = []
+        while free_seats + len(victims) < 1 or free_blocks < need + growth:
+            if not candidates:
+                return None
+            victim = self.policy.choose_victim(candidates, now)
+            candidates.remove(victim)
+            victims.append(victim)
+            free_blocks += len(victim.block_ids)
+            growth -= self.block_manager.num_new_blocks_needed(victim, 1)
+        return victims
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> bool:
+        """Allocate, preempting policy victims until it fits; False if the request itself gave way."""
+        while self.block_manager.allocate_slots(request, num_new) is None:
+            candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
+            victim = self.policy.choose_victim(candidates, now)
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        plan.preempted_ids.append(request.request_id)
+        swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request)
+        if swap:
+            plan.swap_out.extend(self.block_manager.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+        else:
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.append(request)
+
+    def _resume_limit(self, plan: StepPlan, now: float) -> tuple | None:
+        """The best key among preempted requests not back yet: those swapped out, and those preempted
+        by recompute in this step (appended after the sort, they wait for the next step). Nothing
+        ranked after one of them is admitted (here or as urgent) before it comes back, so a
+        preempted request keeps its place."""
+        preempted = set(plan.preempted_ids)
+        held = [r for r in self.waiting if r.request_id in preempted] + self.swapped
+        return min((self.policy.sort_key(r, now) for r in held), default=None)

@@ -15,6 +15,7 @@ text, so a stream never shows the start of a stop string that later completes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 PROMPT_CONTEXT_TOKENS = 5
@@ -43,8 +44,8 @@ def emitted_length(prefix: str, full: str) -> int:
     shown), and it is counted from where the U+FFFD began."""
     if full.startswith(prefix):
         return len(prefix)
-    settled = prefix.rstrip("\ufffd")
-    return len(settled) if full.startswith(settled) else len(prefix)
+    common = len(os.path.commonprefix([prefix, full]))
+    return common if set(prefix[common:]) == {"\ufffd"} else len(prefix)
 
 
 def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], final: bool = False) -> str:

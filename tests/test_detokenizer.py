@@ -46,6 +46,12 @@ def test_a_prompt_ending_in_a_stray_byte_keeps_it_out_of_the_reply(tokenizer):
     prompt = tokenizer.encode("Say:", add_special_tokens=False) + [stray]
     reply = tokenizer.encode(" hello there", add_special_tokens=False)
     assert incremental_text(tokenizer, prompt, reply) == " hello there"
+    # A stray byte, then a character the reply completes: only that character is the reply's.
+    emoji = tokenizer.encode("🎉", add_special_tokens=False)
+    assert len(emoji) > 1 and tokenizer.decode(emoji[:-1]).endswith("\ufffd")
+    prompt = tokenizer.encode("Say:", add_special_tokens=False) + [stray] + emoji[:-1]
+    reply = emoji[-1:] + tokenizer.encode(" hi", add_special_tokens=False)
+    assert incremental_text(tokenizer, prompt, reply) == "🎉 hi"
 
 
 def test_random_token_streams_decode_to_the_full_text(tokenizer):

@@ -107,7 +107,7 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    requeued_waits: tuple[tuple[float, float], ...] = ()  # (requeued, scheduled again) per preemption
+    requeued_waits: tuple[tuple[float, float], ...] = ()  # (requeued, scheduled again) per requeue
 
     @property
     def e2e_s(self) -> float:

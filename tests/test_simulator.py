@@ -374,6 +374,8 @@ def test_an_overtake_while_queued_again_after_a_preemption_counts() -> None:
     assert overtaken_beyond_bound([a, later(15.0, 25.0)], bounds) == 1  # seated while a waited again
     assert overtaken_beyond_bound([a, later(15.0, 31.0)], bounds) == 0  # after a was back
     assert overtaken_beyond_bound([a, later(4.0, 25.0)], bounds) == 0  # came within a's bound
+    # Seated in the very step that preempted a (taking its place, say): a was losing its seat.
+    assert overtaken_beyond_bound([a, later(15.0, 20.0)], bounds) == 1
     # A later request's own return from a preemption is a seat too.
     back = RequestRecord("x", Tier.STANDARD, 15.0, 10, False, first_scheduled_time=16.0,
                          requeued_waits=((18.0, 22.0),))

@@ -33,6 +33,23 @@ def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     return [r for r in records if r.output_tokens >= threshold]
 
 
+class SeatLog:
+    """Every seat given to a set of requests (first admissions and returns after preemptions), by
+    time, with the arrival time of the request that got it."""
+
+    def __init__(self, records: Sequence[RequestRecord]) -> None:
+        seats = sorted((time, r.arrival_time) for r in records for time in r.admission_times)
+        self.times = [time for time, _ in seats]
+        self.arrivals = [arrival for _, arrival in seats]
+
+    def latest_arrival_seated(self, start: float, end: float) -> float:
+        """The latest arrival among requests seated in [start, end). A wait after a preemption
+        starts in the step that preempted: a seat given in that step (to the request that took
+        this one's place, say) was given while this one lost its own, so it counts."""
+        low, high = bisect.bisect_left(self.times, start), bisect.bisect_left(self.times, end)
+        return max(self.arrivals[low:high], default=-math.inf)
+
+
 def overtaken_beyond_bound(records: Sequence[RequestRecord], bounds: Mapping[str, float]) -> int:
     """How many served requests, in some wait for a seat (before their first one, or again after
     a preemption), saw a seat go to a request of their tier (or a less urgent one) that arrived
@@ -41,14 +58,11 @@ def overtaken_beyond_bound(records: Sequence[RequestRecord], bounds: Mapping[str
     served = [r for r in records if not r.rejected]
     violated = 0
     for tier in Tier:
-        # Every seat given to this tier or a less urgent one, by time, with its holder's arrival.
-        seats = sorted((time, r.arrival_time) for r in served if r.tier >= tier for time in r.admission_times)
-        times, holders_arrival = [time for time, _ in seats], [arrival for _, arrival in seats]
+        seats = SeatLog([r for r in served if r.tier >= tier])
         for request in (r for r in served if r.tier == tier and r.first_scheduled_time is not None):
             limit = request.arrival_time + bounds[request.request_id]
             waits = ((request.arrival_time, request.first_scheduled_time), *request.requeued_waits)
-            violated += any(max(holders_arrival[bisect.bisect_left(times, start):bisect.bisect_left(times, end)],
-                                default=-math.inf) > limit for start, end in waits)
+            violated += any(seats.latest_arrival_seated(start, end) > limit for start, end in waits)
     return violated
 
 

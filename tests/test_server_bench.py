@@ -163,3 +163,24 @@ def test_a_run_compares_with_its_baseline_only_on_the_same_work_and_answers(tmp_
     reasons = " | ".join(result["not_comparable_reasons"])
     assert "seed: baseline 0, this run 1" in reasons and "rejected_429: baseline 0, this run 1" in reasons
     assert "answered requests differ: 1 only in the baseline, 0 only in this run" in reasons
+
+
+def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rate(tmp_path):
+    # An `inf` request rate goes to JSON as Infinity: it must read back equal, or every
+    # all-at-once pair would be flagged not comparable.
+    from training.bench_serve_compare import compare, load_baseline
+    from training.bench_serve_report import write_json
+
+    results = [RequestResult(i, "standard", 5, 4, 0.0, success=True, status=200, output_tokens=4, ttft_s=0.1,
+                             e2e_s=1.0) for i in range(3)]
+    config = {"model": "m", "num_prompts": 3, "request_rate": float("inf"), "seed": 0, "tier_mix": None,
+              "goodput": ["e2el:30000"], "label": "fcfs"}
+    summary = {"completed": 3, "failed": 0, "rejected_429": 0, "mean_e2e_s": 1.0}
+    write_json(tmp_path / "fcfs.json", summary, config, results)
+    baseline = load_baseline(tmp_path / "fcfs.json")
+    requests = [{"index": r.index, "success": r.success} for r in results]
+    result = compare({**summary, "mean_e2e_s": 0.5}, dict(config), requests, baseline, tmp_path / "fcfs.json")
+    assert result["comparable"], result["not_comparable_reasons"]
+    assert result["ratios"]["mean_e2e_s_baseline_over_this"] == pytest.approx(2.0)
+    other_slo = compare(summary, {**config, "goodput": ["e2el:10000"]}, requests, baseline, tmp_path / "fcfs.json")
+    assert not other_slo["comparable"] and other_slo["not_comparable_reasons"][0].startswith("goodput:")

@@ -18,9 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The flags that choose the prompts, their arrival times, their caps and how they are sampled.
+# The flags that choose the prompts, their arrival times, their caps and how they are sampled,
+# and the SLOs that goodput counts against.
 WORKLOAD_KEYS = ("model", "num_prompts", "request_rate", "burstiness", "seed", "split", "tier_mix",
-                 "ignore_eos", "max_output_tokens", "max_model_len", "temperature", "max_concurrency")
+                 "ignore_eos", "max_output_tokens", "max_model_len", "temperature", "max_concurrency", "goodput")
 LATENCY_KEYS = ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "p99_ttft_s")
 THROUGHPUT_KEYS = ("output_tokens_per_s", "goodput_rps")
 

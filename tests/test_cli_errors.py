@@ -72,6 +72,9 @@ def test_files_that_are_not_what_a_flag_wants_are_one_line(capsys, tmp_path) -> 
     assert "--resample " + str(not_json) + ": not a parquet trace table" in one_line_error(
         capsys, ["eval-predictor", "--predictor", "data/predictors/lexical", "--labels", "trace", "--resample",
                  str(not_json)], "eval-predictor")
+    assert "needs --labels trace" in one_line_error(
+        capsys, ["eval-predictor", "--predictor", "data/predictors/lexical", "--resample", str(not_json)],
+        "eval-predictor")
     assert "is a file, not a folder" in one_line_error(
         capsys, ["eval-predictor", "--store", str(not_json)], "eval-predictor")
     unknown_kind = tmp_path / "predictor"

@@ -26,7 +26,7 @@ def test_ceiling_matches_the_latent_lengths_tau_against_one_sample(rho, cap):
     assert estimate["kendall_tau_ceiling_estimate"] == pytest.approx(truth, abs=0.04)
     truth_mean = stats.kendalltau(z, (first + second) / 2).statistic
     assert estimate["kendall_tau_ceiling_estimate_two_sample_mean"] == pytest.approx(truth_mean, abs=0.04)
-    assert truth_mean > truth  # the mean of two samples holds less chance than one
+    assert truth_mean > truth  # a check of the test's own data: the mean of two holds less chance
     assert estimate["latent_share_rho"] == pytest.approx(rho, abs=0.08)
 
 

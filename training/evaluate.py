@@ -144,13 +144,17 @@ def resample_path(args: argparse.Namespace) -> Path | None:
     """The second sample to score against: only for trace labels; the committed one unless told."""
     from training.trace import DEFAULT_RESAMPLE, check_trace_table
 
-    if args.labels != "trace" or args.resample == "none":
+    if args.resample == "none":
         return None
+    if args.labels != "trace":
+        if args.resample == "default":
+            return None
+        raise ValueError(f"--resample {args.resample}: a second sample of the trace needs --labels trace")
     if args.resample == "default":
         return DEFAULT_RESAMPLE if DEFAULT_RESAMPLE.exists() else None
     path = Path(args.resample)
     if not path.exists():
-        raise ValueError(f"--resample: no trace table at {path}")
+        raise ValueError(f"--resample {path}: no trace table there")
     check_trace_table(path, "--resample")
     return path
 

@@ -9,9 +9,10 @@ the same prompts measure that chance, and a latent-variable model turns it into 
 with F the pooled empirical quantile function of the samples (so the model keeps the observed
 marginal, including the ties at the max_tokens cap). rho is chosen so the model's two-sample tau
 matches the observed one; the ceiling is then tau(z, sample_1), what ranking by the latent length
-itself scores against one sample (and tau(z, (sample_1 + sample_2) / 2) against the two samples'
-mean, the label `eval-predictor --labels trace` also scores against). It is an estimate under the model's assumptions (a Gaussian
-copula, noise that does not depend on the prompt), not a bound.
+itself scores against one sample (and tau(z, (sample_1 + sample_2) / 2) against the two
+samples' mean, the label `eval-predictor --labels trace` also scores against). It is an
+estimate under the model's assumptions (a Gaussian copula, noise that does not depend on the
+prompt), not a bound.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class LatentModel:
 
 def ranking_ceiling(first: Sequence[float], second: Sequence[float], num_draws: int = 20_000,
                     seed: int = 0, iterations: int = 30) -> dict:
-    """The model's rho and the estimated tau of the latent length against one sample."""
+    """The model's rho and the estimated tau of the latent length against one sample, and against
+    the mean of two."""
     if len(first) != len(second) or len(first) < 3:
         raise ValueError("need two samples of the same (at least 3) prompts")
     observed = _tau(np.asarray(first), np.asarray(second))

@@ -235,7 +235,12 @@ class LLMEngine:
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
         stops = request.sampling_params.stop
-        if advance(self.tokenizer, state, new_ids, stops, final=request.is_finished):
+        # As in vLLM, a token that stopped the request (end of sequence, or one of stop_token_ids)
+        # counts in token_ids and usage but not in the text. Stop strings are found below, so
+        # FINISHED_STOPPED here means a stop token.
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids
+        text_ids = new_ids[:-1] if stopped_by_token else new_ids
+        if advance(self.tokenizer, state, text_ids, stops, final=request.is_finished):
             if request.status is RequestStatus.FINISHED_LENGTH:
                 # The stop string came with the last allowed token: the text was cut at it, so
                 # the reason is "stop", as when it comes earlier.

@@ -98,6 +98,9 @@ def test_stop_token_id_finishes_at_its_first_occurrence(llm):
     stopped = llm.generate(PROMPT, greedy(stop_token_ids=(tokens[first],)))[0]
     assert stopped.finish_reason == "stop"
     assert list(stopped.token_ids) == tokens[:first + 1]
+    # As in vLLM, the stop token is not in the text (it is in token_ids and usage).
+    assert stopped.text == llm.tokenizer.decode(tokens[:first], skip_special_tokens=True)
+    assert llm.tokenizer.decode([tokens[first]], skip_special_tokens=True).strip()  # a token with text
 
 
 def test_text_is_the_decoded_tokens(llm):

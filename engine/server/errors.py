@@ -79,6 +79,13 @@ def shutting_down() -> APIError:
                     type="service_unavailable", code="shutting_down")
 
 
+def aborted_at_shutdown() -> APIError:
+    # Not shutting_down(): this request was accepted and ran, but the server stopped before it
+    # finished (a stream gets its text so far and finish_reason "abort" instead).
+    return APIError(503, "The server shut down before this request finished; its output was discarded.",
+                    type="service_unavailable", code="aborted_at_shutdown")
+
+
 def engine_failed(message: str) -> APIError:
     return APIError(500, f"The engine failed: {message}", type="server_error", code="engine_error")
 

@@ -108,7 +108,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_priority(body)
-        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
         head = self._head("chatcmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
@@ -224,7 +224,7 @@ class OpenAIServing:
         final = consume.result()
         if isinstance(final, StreamEnd):
             if final.reason == "abort":
-                raise errors.shutting_down()
+                raise errors.aborted_at_shutdown()
             raise errors.engine_failed(final.message)
         return final
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestAborted, StreamEnd
+from engine.async_stream import NullListener
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
@@ -92,9 +93,17 @@ def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, 
     # With overlap the submission waits with the predictor while the abort goes straight to the
     # engine thread, where it finds nothing; the submission arriving after must be refused.
     recorder = BatchRecorder(chars_predictor())
+    reports = []
+
+    class Recording(NullListener):
+        def on_rejected(self, tier, error):
+            reports.append(("rejected", type(error)))
+
+        def on_aborted(self, request_id, tier, reason="abort"):
+            reports.append(("aborted", request_id))
 
     async def scenario():
-        async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=True)
+        async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=True, listener=Recording())
         await async_engine.start()
         text = "Tell a story"
         waiting = asyncio.ensure_future(async_engine.submit(
@@ -118,6 +127,8 @@ def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, 
     assert asyncio.run(scenario()) is False
     free, total = free_and_total(engine)
     assert free == total
+    if how == "drain":  # never admitted: counted once, as refused, not also as an abort
+        assert reports == [("rejected", EngineShuttingDown)]
 
 
 def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):
@@ -199,15 +210,27 @@ def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(e
         time.sleep(0.02)
     body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 900, "ignore_eos": True, "stream": True}
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    answers = {}
+    plain = threading.Thread(target=lambda: answers.update(
+        plain=httpx.post(url, json={**body, "stream": False}, timeout=60)))
+    plain.start()
     with httpx.stream("POST", url, json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 30
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < 2:  # both admitted
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         server.handle_exit(signal.SIGINT, None)
         rest = [line for line in lines if line]
     thread.join(timeout=60)
+    plain.join(timeout=60)
     sock.close()
     assert not thread.is_alive()
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in rest[-2]
+    # Without a stream, the cut-off request is told that it ran and was cut, not that it was refused.
+    assert answers["plain"].status_code == 503
+    assert answers["plain"].json()["error"]["code"] == "aborted_at_shutdown"
     free, total = free_and_total(engine)
     assert free == total
 

@@ -124,6 +124,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 
 
+def test_stream_options_take_null_as_unset_and_refuse_continuous_usage(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True}
+    unset = post(served[0], "/v1/completions", {**body, "stream_options": {"include_usage": None}})
+    assert unset.status_code == 200 and '"usage":{' not in unset.text  # no usage chunk asked for
+    refused = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert error_of(refused, 400)["param"].startswith("stream_options")
+
+
 def test_null_means_unset_and_developer_is_system(served, client):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
             "stream": None, "top_k": None, "priority": None, "ignore_eos": True}
@@ -319,3 +327,13 @@ def test_without_allowed_origins_a_preflight_is_405_not_401_and_grants_no_origin
         "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
     assert error_of(response, 405)["type"] == "invalid_request_error"  # not refused for the key it never sends
     assert "access-control-allow-origin" not in response.headers
+
+
+def test_a_message_name_and_tool_call_id_reach_the_chat_template():
+    from engine.server.protocol import ChatMessage
+
+    named = ChatMessage(role="user", content="hi", name="ann")
+    assert named.for_template() == {"role": "user", "content": "hi", "name": "ann"}
+    result = ChatMessage(role="tool", content="42", tool_call_id="call_1")
+    assert result.for_template() == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    assert ChatMessage(role="developer", content="be brief").for_template() == {"role": "system", "content": "be brief"}

@@ -27,6 +27,13 @@ ServiceTier = Literal["auto", "default", "flex", "priority"]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's usage on every chunk: not implemented, so only its neutral value is accepted.
+    continuous_usage_stats: Literal[False] = False
+
+    @field_validator("include_usage", "continuous_usage_stats", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class _Request(CompletionUnsupportedFields):
@@ -130,6 +137,9 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] = Field(default=None, validate_default=True)
     # A turn's tool calls would be dropped, leaving the model a tool result with no call before it.
     tool_calls: list[Any] | None = None
+    # Passed to the chat template, as vLLM passes them (a template that knows them uses them).
+    name: str | None = None
+    tool_call_id: str | None = None
 
     @field_validator("tool_calls")
     @classmethod
@@ -157,6 +167,12 @@ class ChatMessage(BaseModel):
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {index} has no text string")
         return content
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        message = {"role": self.template_role(), "content": self.text()}
+        message.update({key: value for key in ("name", "tool_call_id") if (value := getattr(self, key))})
+        return message
 
     def template_role(self) -> str:
         """The role the chat template sees: OpenAI treats `developer` as `system` for models that

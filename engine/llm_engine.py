@@ -208,11 +208,13 @@ class LLMEngine:
         output: SchedulerOutput = self.scheduler.schedule(start)
         try:
             runner_output = self.runner.execute(output, self._sampling_params_of)
+            done = self.now()
+            # Inside the guard too: an interrupt while tokens are appended leaves some requests
+            # with every token computed and none sampled, which no later step would schedule.
+            progressed = self.scheduler.update_from_output(output, runner_output, done)
         except BaseException:
             self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
-        done = self.now()
-        progressed = self.scheduler.update_from_output(output, runner_output, done)
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)
         outputs = [self._report(request, done) for request in progressed]
         step_time = self.now() - start

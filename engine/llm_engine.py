@@ -136,6 +136,8 @@ class LLMEngine:
         if num_gpu_blocks <= 0:
             raise ValueError(f"kv_cache_memory_gib {config.kv_cache_memory_gib} holds no KV block")
         num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if config.preemption_mode == "swap" else 0
+        if config.preemption_mode == "swap" and num_cpu_blocks <= 0:
+            raise ValueError(f"swap_space_gib {config.swap_space_gib} holds no KV block")
         cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, self.device)
         cache.log_capacity(config.max_model_len)
         return cache

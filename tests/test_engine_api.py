@@ -366,3 +366,8 @@ def test_each_seeded_token_is_the_draw_at_its_own_position(llm, monkeypatch):
     assert redrawn == list(out.token_ids)
     # Drawn at one position for all, the tokens would differ (the check has teeth).
     assert [Sampler(seed=99).sample(logits, [0], [params])[0] for logits in seen] != redrawn
+
+
+def test_a_swap_space_smaller_than_a_block_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="swap_space_gib 1e-09 holds no KV block"):
+        LLM(model=str(tiny_model_dir), preemption_mode="swap", swap_space_gib=1e-9)

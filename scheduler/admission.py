@@ -14,17 +14,22 @@ alongside it divided by the throughput.
   conservative: it assumes the work ahead is served before the request's own decode starts.
 
 The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
-single step in the window when that is higher: at light load the served rate measures demand, not
-capacity (a lone decode feeds one token a step), and would refuse an idle server's first request.
+step's rate when that is higher: at light load the served rate measures demand, not capacity (a
+lone decode feeds one token a step), and would refuse an idle server's first request. The best
+step's rate halves every `capacity_half_life_s` (600 s) unless a step matches it again, so a
+lone decode that outlasts any window does not make the server look slow, while a machine that
+really slowed down is believed within minutes.
 - batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
   queued work stays below `batch_shed_share` of `max_queued_tokens`.
 
-Admission sheds load, so only work ahead of a request can get it rejected: with nothing ahead of it
-(no such work in the system, an empty queue) a request is admitted even when its own work alone
-misses its SLO or exceeds the bound, since refusing it would help no other request and no retry
-could ever succeed. Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer
-turns them into a 429 with Retry-After: the time for enough of the work ahead to drain (at most
-all of it), between 1 s and an hour.
+Admission sheds load, so only work ahead of a request can get it rejected, and only when that work
+is what makes it miss: a request admitted even when its own work alone misses its SLO, or with
+nothing ahead of it, since refusing it would help no other request and no retry could ever
+succeed while the server has traffic. The queue bound, likewise, counts only queued work of the
+request's tier or a more urgent one (a full batch queue never refuses an interactive request).
+Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer turns them into a 429
+with Retry-After: the time for enough of the work ahead to drain (at most all of it), between
+1 s and an hour.
 
 The stability margin is offered load over capacity in a sliding window, the largest of three
 utilizations: tokens, lambda * (m_prefill + m_decode) against the step budget B over the time of a
@@ -33,8 +38,9 @@ max_num_seqs over the mean step time (a request holds a seat for each decode ste
 prefill chunk); and KV, lambda * t_step * mean(d * (p + d / 2)) against the KV cache's tokens
 (Little's law: a request holds p + d / 2 KV slots on average over its d decode steps), from the
 arrivals that came with a prediction. The window holds the last `stability_window_s` seconds, and
-at least the last MIN_ARRIVALS_IN_WINDOW arrivals however long ago they came: two arrivals in ten
-seconds say little about a rate. Above 1 the queue cannot drain; it is logged when it crosses 1.
+at least the last MIN_ARRIVALS_IN_WINDOW arrivals, back to MAX_ARRIVAL_AGE_WINDOWS windows: two
+arrivals in ten seconds say little about a rate, but one from before an idle hour says nothing
+about a burst now. Above 1 the queue cannot drain; it is logged when it crosses 1.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ logger = logging.getLogger(__name__)
 
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a day's wait
-# The stability margin's arrival rate is taken over at least this many arrivals.
+# The stability margin's arrival rate is taken over at least this many arrivals, none older than
+# this many windows.
 MIN_ARRIVALS_IN_WINDOW = 32
+MAX_ARRIVAL_AGE_WINDOWS = 30
 
 
 class AdmissionRejected(Exception):
@@ -84,6 +92,8 @@ class AdmissionController:
         self._ewma_tokens: float | None = None  # tokens per step
         self._ewma_time: float | None = None  # seconds per step
         self._steps: deque[tuple[float, float, int]] = deque()  # (time, step seconds, tokens)
+        self._best_step: tuple[float, float] | None = None  # (time, tokens per second), decaying
+        self._last_step_at = 0.0
         # (time, prompt, predicted output, predicted KV token-steps or None without a prediction)
         self._arrivals: deque[tuple[float, int, float, float | None]] = deque()
         self._overloaded = False
@@ -100,7 +110,17 @@ class AdmissionController:
             self._ewma_tokens += alpha * (num_tokens - self._ewma_tokens)
             self._ewma_time += alpha * (step_time_s - self._ewma_time)
         self._steps.append((now, step_time_s, num_tokens))
+        self._last_step_at = now
+        rate = num_tokens / step_time_s
+        if self._best_step is None or rate >= self._best_rate_at(now):
+            self._best_step = (now, rate)
         self._prune(now)
+
+    def _best_rate_at(self, now: float) -> float:
+        if self._best_step is None:
+            return 0.0
+        measured_at, rate = self._best_step
+        return rate * 0.5 ** (max(0.0, now - measured_at) / self.config.capacity_half_life_s)
 
     def record_arrival(self, now: float, request: Request) -> None:
         prompt, decode = request.num_prompt_tokens, predicted_output_tokens(request)
@@ -116,6 +136,9 @@ class AdmissionController:
             self._steps.popleft()
         while len(self._arrivals) > MIN_ARRIVALS_IN_WINDOW and self._arrivals[0][0] < horizon:
             self._arrivals.popleft()
+        oldest = now - MAX_ARRIVAL_AGE_WINDOWS * self.config.stability_window_s
+        while self._arrivals and self._arrivals[0][0] < oldest:
+            self._arrivals.popleft()
 
     @property
     def throughput_tokens_per_s(self) -> float | None:
@@ -125,11 +148,12 @@ class AdmissionController:
 
     @property
     def capacity_tokens_per_s(self) -> float | None:
-        """The token rate delays are estimated with: the served rate, or the window's best step."""
+        """The token rate delays are estimated with: the served rate, or the best step's (decayed
+        to the latest step)."""
         served = self.throughput_tokens_per_s
         if served is None:
             return None
-        return max([served] + [tokens / seconds for _, seconds, tokens in self._steps])
+        return max(served, self._best_rate_at(self._last_step_at))
 
     @property
     def mean_step_time_s(self) -> float | None:
@@ -208,7 +232,7 @@ class AdmissionController:
         if bound is None:
             return
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
-        queued = token_work(waiting)
+        queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
         if queued > 0 and queued + own_work > bound * share:  # an empty queue is never full
             excess = queued + own_work - bound * share
             retry = min(excess, queued) / throughput if throughput else MIN_RETRY_AFTER_S
@@ -217,7 +241,7 @@ class AdmissionController:
 
     def _check_slo(self, ahead_s: float, own_s: float, slo: float, what: str, request: Request) -> None:
         estimate = ahead_s + own_s
-        if ahead_s > 0 and estimate > slo:
+        if ahead_s > 0 and own_s <= slo < estimate:  # the work ahead, not its own, makes it miss
             self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
                          f"SLO of {slo:.2f}s", min(estimate - slo, ahead_s))
 

@@ -63,6 +63,9 @@ class SchedulerConfig:
     batch_shed_share: float = 0.5  # batch work is admitted only below this share of the bound
     throughput_ewma_alpha: float = 0.1
     stability_window_s: float = 10.0
+    # The best step's token rate stands for capacity, halving every this many seconds: a lone
+    # decode running past the window must not make the server look as slow as its demand.
+    capacity_half_life_s: float = 600.0
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -106,6 +109,8 @@ class SchedulerConfig:
             raise ValueError(f"throughput_ewma_alpha must be in (0, 1], got {self.throughput_ewma_alpha}")
         if self.stability_window_s <= 0:
             raise ValueError(f"stability_window_s must be > 0, got {self.stability_window_s}")
+        if self.capacity_half_life_s <= 0:
+            raise ValueError(f"capacity_half_life_s must be > 0, got {self.capacity_half_life_s}")
         if self.max_queued_tokens is not None and self.max_queued_tokens <= 0:
             raise ValueError(f"max_queued_tokens must be positive or None, got {self.max_queued_tokens}")
 

@@ -44,12 +44,15 @@ def test_standard_rejected_when_predicted_e2e_exceeds_slo() -> None:
 
 def test_own_decode_takes_a_step_per_token_however_fast_the_server() -> None:
     ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, but one request gains 10 tokens/s
-    ahead = [req("w", 50, 50)]  # 0.1 s of work
-    ctl.check(req("short", 100, 90), ahead, [])  # 0.1 s + 0.1 s + 9 s
-    with pytest.raises(AdmissionRejected, match="end-to-end latency 20.20s") as info:
-        ctl.check(req("long", 100, 200), ahead, [])  # (100 + 200) / 1000 = 0.3 s by tokens alone
-    # It misses the SLO on its own, so only an empty system admits it: retry once the 0.1 s drains.
-    assert info.value.retry_after_s == pytest.approx(1.0)  # the floor
+    ahead = [req("w", 500, 500)]  # 1 s of work
+    ctl.check(req("short", 100, 80), ahead, [])  # 1 s + 0.1 s + 8 s
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 10.10s") as info:
+        ctl.check(req("tight", 100, 90), ahead, [])  # (100 + 90) / 1000 = 0.19 s by tokens alone
+    assert info.value.retry_after_s == pytest.approx(1.0)  # 0.1 s of the work ahead: the 1 s floor
+    # One that misses on its own decode alone (20.1 s) is admitted: the work ahead is not why it
+    # misses, so refusing it would help no one, and no retry could succeed while there is traffic.
+    ctl.check(req("long", 100, 200), ahead, [])
+    assert ctl.num_rejected == 1
 
 
 def test_with_nothing_ahead_a_request_is_admitted_whatever_its_own_size() -> None:
@@ -62,10 +65,10 @@ def test_with_nothing_ahead_a_request_is_admitted_whatever_its_own_size() -> Non
 
 
 def test_retry_after_is_finite_and_capped_when_throughput_collapses() -> None:
-    ctl = controller(slo_e2e_standard_s=10.0)
+    ctl = controller(max_queued_tokens=300)
     ctl.record_step(now=1e9, num_tokens=1, step_time_s=1e9)  # a stalled step: the rate all but vanishes
     assert ctl.capacity_tokens_per_s < 1e-3
-    with pytest.raises(AdmissionRejected) as info:
+    with pytest.raises(AdmissionRejected, match="queue full") as info:
         ctl.check(req("s", 100, 100), [req("w", 100, 100)], [])
     assert info.value.retry_after_s == 3600.0  # not the 1 s floor: the server really is stalled
 
@@ -76,9 +79,32 @@ def test_an_idle_server_is_judged_by_its_best_step_not_its_served_rate() -> None
     ctl.record_step(now=0.0, num_tokens=200, step_time_s=0.03)  # one request's prefill
     for k in range(1, 50):
         ctl.record_step(now=k * 0.015, num_tokens=1, step_time_s=0.015)  # then its lone decode
-    assert 300 / ctl.throughput_tokens_per_s > 0.5  # by the served rate (demand) it would be refused
-    assert ctl.capacity_tokens_per_s == pytest.approx(200 / 0.03)
-    ctl.check(req("i", 300, 50, Tier.INTERACTIVE), [], [])  # 45 ms at the best step's rate
+    ahead = [req("w", 200, 10, Tier.INTERACTIVE)]
+    assert 500 / ctl.throughput_tokens_per_s > 0.5  # by the served rate (demand) it would be refused
+    assert ctl.capacity_tokens_per_s == pytest.approx(200 / 0.03, rel=1e-3)  # decayed for 0.7 s
+    ctl.check(req("i", 300, 50, Tier.INTERACTIVE), ahead, [])  # 75 ms at the best step's rate
+    assert ctl.num_rejected == 0
+
+
+def test_a_lone_decode_past_the_window_does_not_hide_the_capacity() -> None:
+    # The best step is remembered beyond the 10 s window, halving every 600 s: after 60 s of a
+    # lone decode a second request is still judged by the batch rate, not the demand.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True))
+    ctl.record_step(now=0.0, num_tokens=200, step_time_s=0.03)
+    for k in range(1, 2001):
+        ctl.record_step(now=k * 0.03, num_tokens=1, step_time_s=0.03)
+    assert ctl.capacity_tokens_per_s == pytest.approx(200 / 0.03 * 0.5 ** (60 / 600))
+    ctl.check(req("s", 100, 50), [], [req("r", 200, 100)])  # 9 s ahead at the demand rate, 0.06 s at this
+    assert ctl.num_rejected == 0
+
+
+def test_the_queue_bound_counts_only_work_a_request_would_queue_behind() -> None:
+    ctl = controller(max_queued_tokens=10_000, slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
+    backlog = [req(f"b{i}", 4000, 2000, Tier.BATCH) for i in range(2)]  # 12,000 tokens of batch work
+    ctl.check(req("i", 100, 10, Tier.INTERACTIVE), backlog, [])  # nothing of its tier queued
+    ctl.check(req("s", 100, 10), backlog, [])
+    with pytest.raises(AdmissionRejected, match="queue full"):
+        ctl.check(req("b", 100, 10, Tier.BATCH), backlog, [])
 
 
 def test_interactive_ttft_counts_only_interactive_prompts_ahead() -> None:
@@ -106,7 +132,7 @@ def test_batch_has_no_latency_slo_and_its_work_does_not_delay_standard_requests(
     running = [req("r", 10**5, 10**5)]  # 200 s of work
     ctl.check(req("b", 500, 500, Tier.BATCH), [], running)  # batch: admitted
     with pytest.raises(AdmissionRejected, match="end-to-end"):
-        ctl.check(req("s", 500, 500), [], running)  # standard: the same work ahead rejects it
+        ctl.check(req("s", 500, 50), [], running)  # standard (5.5 s of its own): the same work rejects it
     # 12 s of batch work waiting is not ahead of a standard request; the same as standard work is.
     backlog = [req(f"w{i}", 2000, 1000, Tier.BATCH) for i in range(4)]
     ctl.check(req("s1", 100, 5), backlog, [])
@@ -181,6 +207,18 @@ def test_stability_margin_takes_the_rate_over_at_least_32_arrivals() -> None:
         ctl.record_arrival(3.0 * i, req(f"r{i}", 300, 200))
     now = 3.0 * 39
     assert ctl.stability_margin(now) == pytest.approx(32 / (now - 3.0 * 8) * 500 * 0.25 / 500)
+
+
+def test_a_burst_after_an_idle_hour_is_not_diluted_by_the_arrivals_before_it() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=256,
+                                              stability_window_s=10.0))
+    ctl.record_arrival(0.0, req("old", 300, 200))
+    for i in range(31):  # 31 arrivals in the last second of an hour
+        ctl.record_arrival(3599.0 + i / 31, req(f"r{i}", 300, 200))
+    ctl.record_step(now=3600.0, num_tokens=500, step_time_s=0.25)
+    # The one from an hour ago is older than 30 windows: the rate is 31 over the 10 s window
+    # (it read 32 per hour before).
+    assert ctl.stability_margin(3600.0) == pytest.approx(31 / 10 * 500 * 0.25 / 500)
 
 
 def test_stability_margin_counts_kv_which_binds_when_the_cache_fills() -> None:

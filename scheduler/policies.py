@@ -26,7 +26,9 @@ within a tier.
   preempts it.
 - goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
   predicted remaining cost, between 0 and `goodput_urgent_slack_s`) go first by slack; requests
-  that can wait follow in sjf order; requests already past saving come last.
+  that can wait follow in sjf order; requests already past saving come last, until their aged
+  score reaches 0 (they have waited their aging bound): then they join those that can wait,
+  ahead of any not aged as far, so a late request is not starved by savable arrivals.
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ class GoodputPolicy(SJFPolicy):
         if 0.0 <= slack <= self.config.goodput_urgent_slack_s:
             group, value = 0, slack
         else:
-            group, value = (1 if slack > 0 else 2), self.score(request, now)
+            value = self.score(request, now)
+            group = 1 if slack > 0 or value <= 0.0 else 2
         return (int(request.tier), group, value, request.arrival_time, request.request_id)
 
     def _steps_to_first_token(self, request: Request) -> float:

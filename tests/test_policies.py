@@ -41,6 +41,14 @@ def test_fcfs_orders_by_tier_then_arrival() -> None:
     assert order("fcfs", requests) == ["c", "d", "b", "a"]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "srpt", "oracle", "goodput"])
+def test_every_policy_orders_by_tier_before_length(policy) -> None:
+    requests = [req("batch", 0.0, predicted=1, true_len=1, tier=Tier.BATCH),
+                req("standard", 0.0, predicted=5, true_len=5),
+                req("interactive", 1.0, predicted=190, true_len=190, tier=Tier.INTERACTIVE, priority=1)]
+    assert order(policy, requests, now=1.0) == ["interactive", "standard", "batch"]
+
+
 def test_priority_lower_first_ties_by_arrival() -> None:
     requests = [req("a", 0.0, priority=2), req("b", 1.0, priority=0), req("c", 0.5, priority=0)]
     assert order("priority", requests) == ["c", "b", "a"]
@@ -180,6 +188,21 @@ def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> No
     ranked = sorted([relaxed, hopeless, urgent], key=lambda r: policy.sort_key(r, 6.0))
     assert [r.request_id for r in ranked] == ["urgent", "relaxed", "hopeless"]
     assert order("sjf", [relaxed, urgent], now=6.0, aging_tokens_per_s=0.0) == ["relaxed", "urgent"]
+
+
+def test_goodput_lets_a_late_request_past_savable_ones_once_it_has_waited_its_aging_bound() -> None:
+    # Past saving, it yields to requests that can still make their SLO, but only for as long as
+    # aging allows: after length / rate seconds (50 tokens at 10 tokens/s) it goes before them.
+    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05,
+                             goodput_urgent_slack_s=2.0, aging_tokens_per_s=10.0)
+    policy = GoodputPolicy(config)
+    late = req("late", arrival=0.0, predicted=50)  # deadline 10 s
+    fresh = req("fresh", arrival=20.0, predicted=10)  # slack 10 - 0.5 = 9.5 s: can wait
+    ranked = sorted([fresh, late], key=lambda r: policy.sort_key(r, 20.0))
+    assert [r.request_id for r in ranked] == ["late", "fresh"]  # waited 20 s > its 5 s bound
+    early = sorted([req("fresh", arrival=4.0, predicted=10), req("late2", arrival=-8.0, predicted=150)],
+                   key=lambda r: policy.sort_key(r, 4.0))
+    assert [r.request_id for r in early] == ["fresh", "late2"]  # 12 s of its 15 s bound: still last
 
 
 def test_goodput_costs_an_interactive_request_its_prefill_steps() -> None:

@@ -120,6 +120,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     assert different[0].token_ids != alone
 
 
+def step_through_failures(engine, failure: type[BaseException]) -> dict[str, tuple[int, ...]]:
+    """Step until nothing is left, going on past failed steps; the finished token ids by request.
+    Bounded: a request stranded by a failed step fails the test instead of hanging it."""
+    finished = {}
+    for _ in range(200):
+        try:
+            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        except failure:
+            continue
+        if not engine.has_unfinished_requests():
+            break
+    return finished
+
+
 def test_a_failed_step_that_had_sampled_leaves_seeded_tokens_unchanged(llm, monkeypatch):
     seeded = [SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True) for seed in (1, 2)]
     expected = [o.token_ids for o in llm.generate([PROMPT, "Count to ten"], seeded)]
@@ -135,14 +149,7 @@ def test_a_failed_step_that_had_sampled_leaves_seeded_tokens_unchanged(llm, monk
     monkeypatch.setattr(engine.runner, "execute", fails_after_sampling_on_the_fourth_step)
     for request_id, prompt, params in zip("xy", [PROMPT, "Count to ten"], seeded):
         engine.add_request(request_id, prompt, params)
-    finished = {}
-    for _ in range(200):  # bounded: a request stranded by the failed step fails the test, not hangs it
-        try:
-            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        except RuntimeError:
-            continue
-        if not engine.has_unfinished_requests():
-            break
+    finished = step_through_failures(engine, RuntimeError)
     assert not engine.has_unfinished_requests()
     assert len(calls) > 4 and [finished["x"], finished["y"]] == expected
 
@@ -166,14 +173,7 @@ def test_a_step_that_fails_while_taking_its_tokens_strands_no_request(llm, monke
     engine = llm.engine
     for request_id, prompt in zip("xy", [PROMPT, "Count to ten"]):
         engine.add_request(request_id, prompt, greedy(12))
-    finished = {}
-    for _ in range(200):  # bounded: a stranded request fails the test instead of hanging it
-        try:
-            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        except KeyboardInterrupt:
-            continue
-        if not engine.has_unfinished_requests():
-            break
+    finished = step_through_failures(engine, KeyboardInterrupt)
     assert len(calls) > 4 and [finished.get("x"), finished.get("y")] == expected
     stats = engine.stats().scheduler
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -176,6 +176,19 @@ def test_champion_follows_best_validation_tau(tmp_path):
     assert loaded.params.intercept == 2.0
 
 
+def test_champion_is_chosen_among_runs_on_the_same_turn_table(tmp_path):
+    # A run on a rebuilt (e.g. smaller) table scored its tau on other selection rows: a higher
+    # tau there must not take the alias from the runs on the table being trained on.
+    with tracking.tracking_session(tmp_path / "mlruns"):
+        runs = {}
+        for name, tau, table in (("current", 0.3, "aaa"), ("other table", 0.9, "bbb")):
+            folder = _saved_length_predictor(tmp_path / name, 1.0)
+            runs[name] = tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: tau}, folder, [],
+                                          {"data_hash": table, **tracking.comparison_tags("sharegpt", "")})
+        assert tracking.update_champion("aaa") == runs["current"]
+        assert tracking.update_champion() == runs["other table"]  # without a table: every run competes
+
+
 def test_download_champion_without_registry_raises(tmp_path):
     with pytest.raises(LookupError):
         tracking.download_champion(store=tmp_path / "empty")

@@ -106,25 +106,30 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
         return run.info.run_id
 
 
-def best_run_id() -> str | None:
+def best_run_id(data_hash: str | None = None) -> str | None:
+    """The best comparable run; with `data_hash`, only among runs trained on that turn table (the
+    selection rows are drawn from it, so a tau on another table's rows is not comparable)."""
     import mlflow
 
     loadable = (f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
                 f" AND tags.tau_of = '{TAU_OF}' AND tags.labels = 'sharegpt' AND tags.held_out = 'none'"
                 f" AND tags.candidate = 'true' AND metrics.{SELECTION_METRIC} >= -1")
+    if data_hash is not None:
+        loadable += f" AND tags.data_hash = '{data_hash}'"
     runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
                               order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
                               output_format="list")
     return runs[0].info.run_id if runs else None
 
 
-def update_champion() -> str | None:
-    """Alias `champion` to a version made from the best run; returns that run id."""
+def update_champion(data_hash: str | None = None) -> str | None:
+    """Alias `champion` to a version made from the best run (on `data_hash`'s table when given);
+    returns that run id."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
-    best = best_run_id()
+    best = best_run_id(data_hash)
     if best is None:
         return None
     try:

@@ -179,7 +179,7 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
                                        **tracking.comparison_tags(args.labels, data.held_out,
                                                                   candidate=not args.no_register)})
             if not args.no_register:
-                tracking.update_champion()
+                tracking.update_champion(data.data_hash)
     return run_id, metrics
 
 

@@ -75,5 +75,9 @@ class EmbedLgbmPredictor:
     def load(cls, folder: Path, spec: PredictorSpec) -> "EmbedLgbmPredictor":
         check_lexical_spec(spec.feature_spec)
         encoder = MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"]))
-        prior = LgbmHeads.load(folder / PRIOR_FOLDER) if (folder / PRIOR_FOLDER).is_dir() else None
+        stacked, has_prior = "prior" in spec.feature_spec, (folder / PRIOR_FOLDER).is_dir()
+        if stacked != has_prior:  # else every prediction would fail on the heads' feature count
+            raise ValueError(f"{folder}: the spec {'names' if stacked else 'has no'} prior, but "
+                             f"{PRIOR_FOLDER}/ is {'missing' if stacked else 'there'}")
+        prior = LgbmHeads.load(folder / PRIOR_FOLDER) if stacked else None
         return cls(encoder, LgbmHeads.load(folder), spec, prior)

@@ -82,7 +82,11 @@ def load(path: str | Path) -> Predictor:
     """Load a saved predictor folder (any kind)."""
     folder = Path(path)
     spec = read_spec(folder)
-    return predictor_class(spec.kind).load(folder, spec)
+    try:
+        return predictor_class(spec.kind).load(folder, spec)
+    except (KeyError, TypeError) as exc:  # a feature spec lacking a field its kind needs, or with a stray one
+        raise ValueError(f"{folder}: its {spec.kind} feature spec does not load "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def save(predictor, path: str | Path) -> Path:

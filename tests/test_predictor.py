@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from predictor.batching import predict_in_batches
 from predictor.features import FEATURE_NAMES, lexical_features, lexical_matrix, lexical_spec, parse_prompt
 from predictor.heads import HeadOutputs, to_predictions
 from predictor.length import LengthParams, LengthPredictor
+from predictor.paths import project_root
 from predictor.saved import PredictorSpec, read_spec, save
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -299,8 +301,9 @@ def test_embed_lgbm_stacked_on_a_prior_serves_what_it_trained_on(tmp_path, encod
     stacked_features = with_prior(base, prior)
     assert stacked_features.shape == (60, base.shape[1] + 4)
     heads = _tiny_heads(stacked_features, lengths // 2 + 1)  # "another model": half as long
+    prior_named = {"labels": "sharegpt", "data_hash": "p", "held_out": "trace:0"}
     spec = PredictorSpec(kind="embed_lgbm", data_hash="h", labels="trace",
-                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
+                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict(), "prior": prior_named})
     folder = save(EmbedLgbmPredictor(encoder, heads, spec, prior), tmp_path / "stacked")
     assert (folder / PRIOR_FOLDER / "point.lgb.txt").exists()
     loaded = predictor.load(folder)
@@ -308,6 +311,21 @@ def test_embed_lgbm_stacked_on_a_prior_serves_what_it_trained_on(tmp_path, encod
     served = np.asarray([p.point for p in loaded.predict(prompts)])
     trained = np.expm1(np.maximum(heads.predict(stacked_features).log_point, 0.0))
     np.testing.assert_allclose(served, trained, rtol=1e-3)
+    # A folder whose spec and prior/ disagree fails at load, not at every prediction.
+    shutil.copytree(folder, tmp_path / "copied")
+    shutil.rmtree(tmp_path / "copied" / PRIOR_FOLDER)
+    with pytest.raises(ValueError, match="the spec names prior, but prior/ is missing"):
+        predictor.load(tmp_path / "copied")
+
+
+def test_a_feature_spec_its_kind_cannot_read_is_a_value_error(tmp_path):
+    folder = tmp_path / "probe"
+    shutil.copytree(project_root() / "data" / "predictors" / "probe_trace", folder)
+    fields = json.loads((folder / "predictor.json").read_text())
+    fields["feature_spec"].pop("probe")
+    (folder / "predictor.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="its probe feature spec does not load"):
+        predictor.load(folder)
 
 
 @pytest.mark.integration

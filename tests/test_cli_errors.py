@@ -3,6 +3,8 @@ and never after the work it would spoil (a model load, a simulation, a load test
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from training.cli import main
@@ -279,3 +281,27 @@ def test_serving_one_model_with_a_probe_of_another_is_said(caplog, tmp_path) -> 
         assert not caplog.records
         warn_if_probing_another_model(probe, str(tmp_path / "other"))
     assert len(caplog.records) == 1 and "not the served model" in caplog.records[0].getMessage()
+
+
+def test_every_command_runs_offline_unless_told_otherwise(capsys, monkeypatch, tmp_path) -> None:
+    # The Makefile sets these, but `lengthwise` run by hand must not reach the hub either.
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        main(["trace", "--agreement", str(tmp_path / "missing.parquet")])
+    import os
+
+    assert all(os.environ[name] == "1" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def test_eval_predictor_writes_null_not_nan_for_a_metric_a_tiny_subset_leaves_undefined(capsys, tmp_path) -> None:
+    out = tmp_path / "eval.json"
+    assert main(["eval-predictor", "--predictor", "data/predictors/lexical", "--limit", "2", "--no-latency",
+                 "--json", str(out)]) == 0
+    capsys.readouterr()
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    assert report["num_examples"] == 2 and None in report.values()

@@ -68,6 +68,10 @@ def _check_store(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Nothing may come from the hub at run time (weights and data are local): set before any
+    # Hugging Face library is imported, unless the caller chose otherwise.
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(name, "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -167,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
         prepare_output_file(args.json, "--json")
     path = resolve_predictor(args.predictor, args.store)
     report = evaluate(path, args.labels, args.limit, not args.no_latency, resample_path(args))
-    text = json.dumps(asdict(report), indent=2)
+    # A metric undefined on a tiny subset (a constant ranking) is NaN, which JSON has no word for.
+    fields = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(report).items()}
+    text = json.dumps(fields, indent=2, allow_nan=False)
     if args.json is not None:
         args.json.write_text(text + "\n")
     print(text)

@@ -69,6 +69,9 @@ def main(argv: list[str]) -> None:
     bench_parser = argparse.ArgumentParser()
     bench_serve.add_arguments(bench_parser)
     bench_args = bench_parser.parse_args(argv[split + 1:])
+    if not bench_args.ignore_eos:
+        raise ValueError("the replay takes each reply's length to be its max_tokens, which holds only "
+                         "for a bench run with --ignore-eos: pass it after --")
     items = bench_serve.sample_workload(bench_args)
     real = {p.stem: json.loads(p.read_text()) for p in args.result_dir.glob("*.json")}
     starts = ({r["index"]: r["start_s"] for r in real["fcfs"]["requests"]} if "fcfs" in real else
@@ -77,7 +80,7 @@ def main(argv: list[str]) -> None:
     # The true length is max_tokens: the bench runs with --ignore-eos, and sends it as the cap.
     turns = [Turn(item.prompt, item.prompt_tokens, item.max_tokens) for item in items]
     workload = build_workload(turns, predictor_predictions(turns, args.predictor),
-                              [starts[item.index] for item in items], [Tier.STANDARD] * len(items),
+                              [starts[item.index] for item in items], [Tier[item.tier.upper()] for item in items],
                               max_tokens=None)
     config = replace(sim.scheduler_config(sim_args, calibration), max_model_len=bench_args.max_model_len)
     print(f"{len(items)} requests, {sum(item.max_tokens for item in items)} output tokens")

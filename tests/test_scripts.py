@@ -31,6 +31,16 @@ def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypat
     assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)
 
 
+def test_replay_in_sim_needs_ignore_eos_before_loading(monkeypatch) -> None:
+    # Without it a reply may stop early, so max_tokens is no longer the length to replay.
+    from training import bench_serve
+
+    replay = load_script("replay_bench_in_sim")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    with pytest.raises(ValueError, match="--ignore-eos"):
+        replay.main(["--", "--num-prompts", "2"])
+
+
 def test_replay_engine_checks_its_policies_before_loading(capsys, monkeypatch) -> None:
     import predictor
     from training import bench_serve

@@ -3,6 +3,7 @@ its clock follows the step-cost model, and its metrics match hand computations."
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -165,7 +166,13 @@ def test_metrics_match_hand_computation() -> None:
     assert checks["sjf_share_of_oracle_gain"] == pytest.approx(0.5)  # log 3 / log 9
     assert checks["meets_longest10pct_2x"] and checks["meets_throughput_5pct"]
     assert checks["meets_wait_within_aging_bound"] and not checks["meets_oracle_share_60pct"]
-    assert "not_comparable" not in checks
+    assert "not_comparable" not in checks and "oracle_share_note" not in checks
+    # An oracle that gains 1% leaves the share unjudged, whatever its value.
+    tiny_gain = {**policies, "oracle": {"mean_e2e_s": 9.0 / 1.01, "num_rejected": 0},
+                 "sjf": {**policies["sjf"], "mean_e2e_s": 9.0 / 1.008}}
+    unjudged = goal_checks(tiny_gain, aging_bound_s=10.0)
+    assert unjudged["sjf_share_of_oracle_gain"] == pytest.approx(math.log(1.008) / math.log(1.01))
+    assert unjudged["meets_oracle_share_60pct"] is None and "under 2%" in unjudged["oracle_share_note"]
     # A policy outside the goals shedding requests changes nothing.
     assert goal_checks({**policies, "srpt": {"num_rejected": 7}}, aging_bound_s=10.0) == checks
     # Shedding different requests per policy: the ratios compare different sets; no goal claimed.

@@ -294,6 +294,7 @@ def test_every_command_runs_offline_unless_told_otherwise(capsys, monkeypatch, t
     assert all(os.environ[name] == "1" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+@pytest.mark.filterwarnings("ignore:One or more sample arguments is too small")  # the point of the test
 def test_eval_predictor_writes_null_not_nan_for_a_metric_a_tiny_subset_leaves_undefined(capsys, tmp_path) -> None:
     out = tmp_path / "eval.json"
     assert main(["eval-predictor", "--predictor", "data/predictors/lexical", "--limit", "2", "--no-latency",

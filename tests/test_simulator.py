@@ -49,6 +49,8 @@ def test_small_run_completes_every_request_without_leaks(policy: str, mode: str)
     # A preempted request queues again; its wait counts that too, not only the first queueing.
     preempted = [r for r in result.records if r.num_preemptions]
     assert len(preempted) > 0 and all(r.wait_s > r.first_wait_s for r in preempted)
+    # The same run again gives the same records: a figure is a command's, not a run's.
+    assert simulate(config, workload, COST).records == result.records
 
 
 def test_each_policy_is_measured_saturated_on_its_own_order() -> None:
@@ -410,3 +412,10 @@ def test_standard_slo_attainment_is_end_to_end_over_every_request_offered() -> N
     records = [standard("a", 5.0), standard("b", 12.0), standard("c", 0.0, rejected=True)]
     figures = tier_figures(records, slo_ttft_s=0.5, slo_e2e_s=10.0)["standard"]
     assert figures["slo_attainment"] == pytest.approx(1 / 3) and figures["rejected"] == 1
+
+
+def test_the_simulated_swap_pool_is_the_engines_default_share_of_the_kv_cache() -> None:
+    # 1,456 device blocks (1 GiB) beside a 0.5 GiB host pool: the engine has 728 host blocks.
+    from training.simulate import engine_host_blocks
+
+    assert engine_host_blocks(1456) == 728

@@ -11,6 +11,7 @@ model, optional load sweep) and plots next to it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
                               policy_list, power_of_two, prepare_output_file, tier_weights)
-from engine.config import REPO_ROOT
+from engine.config import REPO_ROOT, EngineConfig
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -98,13 +99,20 @@ def load_cost_model(path: Path | None) -> tuple[StepCostModel, str, dict]:
         raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
 
 
+def engine_host_blocks(kv_blocks: int) -> int:
+    """The swap pool the engine would have beside `kv_blocks` device blocks with its default
+    memory settings (0.5 GiB of host memory to 1 GiB of KV cache: half as many blocks)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    return max(1, round(kv_blocks * defaults["swap_space_gib"] / defaults["kv_cache_memory_gib"]))
+
+
 def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
     kv_blocks = args.kv_blocks or int((calibration or {}).get("num_gpu_blocks", DEFAULT_KV_BLOCKS))
     return SchedulerConfig(
         num_gpu_blocks=kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
-        num_cpu_blocks=4 * kv_blocks if args.preemption_mode == "swap" else 0,
+        num_cpu_blocks=engine_host_blocks(kv_blocks) if args.preemption_mode == "swap" else 0,
         aging_tokens_per_s=args.aging_tokens_per_s, aging_tokens_per_step=args.aging_tokens_per_step,
         enable_admission=args.admission)
 

@@ -23,8 +23,8 @@ really slowed down is believed within minutes.
   queued work stays below `batch_shed_share` of `max_queued_tokens`.
 
 Admission sheds load, so only work ahead of a request can get it rejected, and only when that work
-is what makes it miss: a request admitted even when its own work alone misses its SLO, or with
-nothing ahead of it, since refusing it would help no other request and no retry could ever
+is what makes it miss: a request is admitted when nothing is ahead of it, or when its own work
+alone misses its SLO, since refusing it would help no other request and no retry could ever
 succeed while the server has traffic. The queue bound, likewise, counts only queued work of the
 request's tier or a more urgent one (a full batch queue never refuses an interactive request).
 Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer turns them into a 429

@@ -49,6 +49,18 @@ def test_step_cost_fit_recovers_known_coefficients():
     assert fit["r2"] == pytest.approx(1.0)
 
 
+def test_step_cost_fit_keeps_every_coefficient_non_negative():
+    # Steps whose time falls as the batch grows (noise, a warm-up at the start): a free fit gives
+    # a negative per-token cost; the fit instead holds it at 0 and fits the rest without it.
+    steps = [StepRecord(tokens, 1, context, 0.05 - 1e-5 * tokens, 0.0)
+             for tokens, context in ((1, 100), (64, 2000), (256, 500), (512, 8000))]
+    free = np.linalg.lstsq(np.array([[1.0, s.num_batched_tokens, s.sum_context_tokens] for s in steps]),
+                           np.array([s.step_time_s for s in steps]), rcond=None)[0]
+    assert free[1] == pytest.approx(-1e-5)  # what an unconstrained fit says
+    fit = fit_step_cost(steps)
+    assert fit["b"] == 0.0 and fit["a"] > 0 and fit["c"] >= 0
+
+
 def test_hf_baseline_gets_the_engines_kv_capacity(tiny_model_dir):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -78,10 +78,15 @@ def load_workload(tokenizer, split: str, num_prompts: int, max_prompt_tokens: in
 
 
 def fit_step_cost(steps: list[StepRecord]) -> dict[str, float]:
-    """Least squares of step time on [1, batched tokens, summed context]; also its R^2."""
+    """Least squares of step time on [1, batched tokens, summed context], every coefficient at
+    least 0 (a cost cannot fall with more work; clamping a negative one after an unconstrained
+    fit would leave the others fitted for it); also its R^2."""
+    from scipy.optimize import nnls
+
     times = np.array([s.step_time_s for s in steps])
     design = np.array([[1.0, s.num_batched_tokens, s.sum_context_tokens] for s in steps])
-    coef, *_ = np.linalg.lstsq(design, times, rcond=None)
+    scale = np.maximum(np.abs(design).max(axis=0), 1e-12)  # columns of one size for the solver
+    coef = nnls(design / scale, times)[0] / scale
     residual = times - design @ coef
     total = float(((times - times.mean()) ** 2).sum())
     r2 = 1.0 - float((residual ** 2).sum()) / total if total > 0 else 1.0

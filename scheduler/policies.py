@@ -33,6 +33,7 @@ within a tier.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable, Sequence
 
@@ -107,6 +108,10 @@ class SJFPolicy(TieredPolicy):
         super().__init__(config)
         self.aging_rate = config.aging_tokens_per_s or 0.0  # tokens per second waited
         self.slowest_rate_while_waiting: float | None = None  # what the aging bound holds at
+        # (time, rate) of every step that ordered a waiting request: a request's own bound holds
+        # at the slowest rate of the steps it waited through.
+        self._rate_times: list[float] = []
+        self._rates: list[float] = []
 
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
                 step_time_s: float | None) -> None:
@@ -115,6 +120,8 @@ class SJFPolicy(TieredPolicy):
         if waiting and self.aging_rate > 0:
             slowest = self.slowest_rate_while_waiting
             self.slowest_rate_while_waiting = self.aging_rate if slowest is None else min(slowest, self.aging_rate)
+            self._rate_times.append(now)
+            self._rates.append(self.aging_rate)
 
     def length(self, request: Request) -> float:
         return ranking_length(request)
@@ -123,13 +130,18 @@ class SJFPolicy(TieredPolicy):
         waited = max(0.0, now - request.arrival_time)
         return self.length(request) - self.aging_rate * waited
 
-    def aging_bound_s(self, request: Request) -> float:
+    def aging_bound_s(self, request: Request, waited_until: float | None = None) -> float:
         """No request arriving more than this long after `request` is ordered before it.
 
         A later arrival B overtakes A at time t only while length_A - length_B > rate(t) * (arrival_B
-        - arrival_A), so the bound is length_A over the slowest rate in force while requests waited
-        (the current rate before any did)."""
+        - arrival_A), so the bound is length_A over the slowest rate in force while A waited: the
+        steps from its arrival to `waited_until` (its last seat), or while anyone waited when not
+        given (the current rate before any did)."""
         rate = self.slowest_rate_while_waiting or self.aging_rate
+        if waited_until is not None:
+            low = bisect.bisect_left(self._rate_times, request.arrival_time)
+            high = bisect.bisect_right(self._rate_times, waited_until)
+            rate = min(self._rates[low:high], default=self.aging_rate)
         return self.length(request) / rate if rate > 0 else math.inf
 
 
@@ -148,7 +160,7 @@ class OraclePolicy(SJFPolicy):
     def score(self, request: Request, now: float) -> float:
         return self.length(request)
 
-    def aging_bound_s(self, request: Request) -> float:
+    def aging_bound_s(self, request: Request, waited_until: float | None = None) -> float:
         return math.inf
 
 

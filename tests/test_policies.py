@@ -274,6 +274,11 @@ def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:
     policy.on_step([waiting], [], 1.0, step_time_s=1.0)
     policy.on_step([waiting], [], 2.0, step_time_s=0.1)
     assert policy.aging_rate == pytest.approx(10.0) and policy.aging_bound_s(waiting) == pytest.approx(100.0)
+    # Its own bound reads only the steps it waited through: seated at 1.5 s it saw only the 1 s
+    # steps' rate (1 token/s); one that arrived at 1.5 s saw only the 10 tokens/s of the next.
+    assert policy.aging_bound_s(waiting, waited_until=1.5) == pytest.approx(100.0)
+    later = req("y", arrival=1.5, predicted=100, predicted_p50=100)
+    assert policy.aging_bound_s(later, waited_until=2.5) == pytest.approx(10.0)
 
 
 def test_sjf_ranks_by_the_ranking_length_not_point_or_median() -> None:

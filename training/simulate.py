@@ -142,7 +142,8 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
             # the slowest rate in force while requests waited (measured from step times by default)
             summaries[name]["aging_tokens_per_s"] = policy.slowest_rate_while_waiting or policy.aging_rate
-            bounds = {r.request_id: policy.aging_bound_s(r.to_request()) for r in workload}
+            seated = {r.request_id: max(r.admission_times, default=None) for r in result.records}
+            bounds = {r.request_id: policy.aging_bound_s(r.to_request(), seated[r.request_id]) for r in workload}
             summaries[name]["aging_bound_s"] = max(bounds.values())
             summaries[name]["overtaken_beyond_aging_bound"] = overtaken_beyond_bound(result.records, bounds)
         latencies[name] = [r.e2e_s for r in result.records if not r.rejected]

@@ -100,7 +100,8 @@ class AsyncLLMEngine:
             logger.warning("aborting %d requests still running after %.1f s", len(self._streams), grace_s)
         for request_id, stream in list(self._streams.items()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
-            admitted = self._was_admitted(request_id)
+            pending = self._pending.get(request_id)
+            admitted = pending is None or pending.was_admitted()
             self._abandon_and_abort(request_id, EngineShuttingDown())
             if admitted:  # one never admitted is refused by its submit, and counted there
                 self._drop_aborted(request_id)
@@ -190,14 +191,6 @@ class AsyncLLMEngine:
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(Call(fn, result))
         return result
-
-    def _was_admitted(self, request_id: str) -> bool:
-        """Whether the engine took the request, though its submit may not have resumed yet."""
-        pending = self._pending.get(request_id)
-        if pending is None:
-            return True
-        taken = pending.admitted
-        return taken.done() and not taken.cancelled() and taken.exception() is None
 
     def _drop_aborted(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -29,6 +29,11 @@ class Submission:
     # predictor, behind the abort): the error the engine thread then answers it with.
     abandoned: Exception | None = None
 
+    def was_admitted(self) -> bool:
+        """Whether the engine took it, though the loop may not have seen the answer yet."""
+        taken = self.admitted
+        return taken.done() and not taken.cancelled() and taken.exception() is None
+
 
 @dataclass(frozen=True)
 class Abort:

@@ -52,6 +52,7 @@ class AsyncLLMEngine:
         # slow both. With overlap (a GPU engine) a predictor thread scores them during steps.
         self.overlap_prediction = overlap_prediction and predictor is not None
         self.state = EngineState.STOPPED
+        self._state_lock = threading.Lock()
         self.failure: str | None = None
         self.stats: Any = None  # latest engine.stats(), replaced (never mutated) after each step
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,8 +82,9 @@ class AsyncLLMEngine:
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on; in-flight ones continue. Safe from any thread."""
-        if self.state is EngineState.RUNNING:
-            self.state = EngineState.DRAINING
+        with self._state_lock:  # never over a FAILED the engine thread writes at the same moment
+            if self.state is EngineState.RUNNING:
+                self.state = EngineState.DRAINING
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; let in-flight ones finish for up to `grace_s`, then end the rest.
@@ -237,7 +239,8 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - every failure must end the streams
             logger.exception("engine loop failed")
             self.failure = f"{type(exc).__name__}: {exc}"
-            self.state = EngineState.FAILED
+            with self._state_lock:
+                self.state = EngineState.FAILED
             self._loop.call_soon_threadsafe(self._fail_all, self.failure)
             refuse_until_stopped(self._commands, EngineDead(self.failure))
             return

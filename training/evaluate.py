@@ -86,13 +86,14 @@ def second_sample_figures(prompts: Sequence[str], first: np.ndarray, predictions
     """Tau of rank_len against a second sample of the same prompts and against the two samples'
     mean, over the prompts the resample holds."""
     from training.metrics import prediction_metrics
-    from training.trace import load_trace, prompt_key
+    from training.trace import lengths_by_key, prompt_key
 
-    second = {row["key"]: row["output_tokens"] for row in load_trace(path=resample).to_list()}
-    rows = [i for i, prompt in enumerate(prompts) if prompt_key(prompt) in second]
+    second = lengths_by_key(resample)
+    keys = [prompt_key(prompt) for prompt in prompts]
+    rows = [i for i, key in enumerate(keys) if key in second]
     if len(rows) < 2:
         return {}
-    again = np.asarray([second[prompt_key(prompts[i])] for i in rows], dtype=np.float64)
+    again = np.asarray([second[keys[i]] for i in rows], dtype=np.float64)
     chosen = [predictions[i] for i in rows]
     return {"kendall_tau_second_sample": prediction_metrics(again, chosen).kendall_tau,
             "kendall_tau_two_sample_mean": prediction_metrics((first[rows] + again) / 2, chosen).kendall_tau,

@@ -161,6 +161,11 @@ def load_trace(split: str | None = None, path: Path = DEFAULT_TRACE):
     return table if split is None else table.filter(lambda s: s == split, input_columns="split")
 
 
+def lengths_by_key(path: Path) -> dict[str, int]:
+    """A trace table's output length of each prompt, by prompt key."""
+    return {row["key"]: row["output_tokens"] for row in load_trace(path=path).to_list()}
+
+
 def check_trace_table(path: Path, flag: str) -> None:
     """ValueError unless `path` is a parquet table with a trace's key and output lengths."""
     import pyarrow as pa
@@ -215,8 +220,7 @@ def sample_agreement(first: Path, second: Path) -> dict:
 
     from training.label_noise import ranking_ceiling
 
-    a = {row["key"]: row["output_tokens"] for row in load_trace(path=first).to_list()}
-    b = {row["key"]: row["output_tokens"] for row in load_trace(path=second).to_list()}
+    a, b = lengths_by_key(first), lengths_by_key(second)
     keys = sorted(set(a) & set(b))
     first_sample, second_sample = [a[k] for k in keys], [b[k] for k in keys]
     if len(keys) < 3:  # too few for the ceiling's model

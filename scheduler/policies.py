@@ -103,13 +103,16 @@ def ranking_length(request: Request) -> float:
 
 class SJFPolicy(TieredPolicy):
     name = "sjf"
+    # Whether to keep every step's aging rate, for per-request bounds after a run. The simulator
+    # turns it on; a server, which runs without end and never asks, would only grow the lists.
+    record_rate_history = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self.aging_rate = config.aging_tokens_per_s or 0.0  # tokens per second waited
         self.slowest_rate_while_waiting: float | None = None  # what the aging bound holds at
-        # (time, rate) of every step that ordered a waiting request: a request's own bound holds
-        # at the slowest rate of the steps it waited through.
+        # (time, rate) of every step that ordered a waiting request, when recorded: a request's
+        # own bound holds at the slowest rate of the steps it waited through.
         self._rate_times: list[float] = []
         self._rates: list[float] = []
 
@@ -120,8 +123,9 @@ class SJFPolicy(TieredPolicy):
         if waiting and self.aging_rate > 0:
             slowest = self.slowest_rate_while_waiting
             self.slowest_rate_while_waiting = self.aging_rate if slowest is None else min(slowest, self.aging_rate)
-            self._rate_times.append(now)
-            self._rates.append(self.aging_rate)
+            if self.record_rate_history:
+                self._rate_times.append(now)
+                self._rates.append(self.aging_rate)
 
     def length(self, request: Request) -> float:
         return ranking_length(request)
@@ -135,10 +139,10 @@ class SJFPolicy(TieredPolicy):
 
         A later arrival B overtakes A at time t only while length_A - length_B > rate(t) * (arrival_B
         - arrival_A), so the bound is length_A over the slowest rate in force while A waited: the
-        steps from its arrival to `waited_until` (its last seat), or while anyone waited when not
-        given (the current rate before any did)."""
+        steps from its arrival to `waited_until` (its last seat, read from the recorded rates), or
+        while anyone waited when not given or not recorded (the current rate before any did)."""
         rate = self.slowest_rate_while_waiting or self.aging_rate
-        if waited_until is not None:
+        if waited_until is not None and self.record_rate_history:
             low = bisect.bisect_left(self._rate_times, request.arrival_time)
             high = bisect.bisect_right(self._rate_times, waited_until)
             rate = min(self._rates[low:high], default=self.aging_rate)

@@ -267,6 +267,7 @@ def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:
     started = starved_request_start(aging=None, measure_steps=True)
     assert started is not None and 40.0 <= started <= 50.0 + 2.0
     policy = make_policy("sjf", SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_step=1.0))
+    policy.record_rate_history = True
     policy.on_step([], [], 0.0, step_time_s=0.25)
     waiting = req("x", predicted=100, predicted_p50=100)
     assert policy.aging_bound_s(waiting) == pytest.approx(25.0)
@@ -279,6 +280,10 @@ def test_measured_aging_rate_is_tokens_per_step_over_step_time() -> None:
     assert policy.aging_bound_s(waiting, waited_until=1.5) == pytest.approx(100.0)
     later = req("y", arrival=1.5, predicted=100, predicted_p50=100)
     assert policy.aging_bound_s(later, waited_until=2.5) == pytest.approx(10.0)
+    # A server keeps no history (it would grow without end): the whole run's slowest rate.
+    policy.record_rate_history = False
+    policy.on_step([later], [], 3.0, step_time_s=0.1)
+    assert len(policy._rates) == 2 and policy.aging_bound_s(later, waited_until=2.5) == pytest.approx(100.0)
 
 
 def test_sjf_ranks_by_the_ranking_length_not_point_or_median() -> None:

@@ -137,6 +137,7 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         started = time.perf_counter()
         policy_config = replace(config, policy=name)
         policy = make_policy(name, policy_config)
+        policy.record_rate_history = True  # for each request's own aging bound below
         result = simulate(policy_config, workload, cost, policy)
         summaries[name] = summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from predictor.paths import SERVED_MODEL_REF, project_root
+from scheduler.config import PreemptionMode, SchedulerConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
-PreemptionMode = Literal["recompute", "swap"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
@@ -49,12 +49,6 @@ class EngineConfig:
     scheduler_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
         if not self.swap_space_gib >= 0:
@@ -63,13 +57,10 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be positive or None, got {self.num_gpu_blocks!r}")
         if self.preemption_mode == "swap" and self.swap_space_gib == 0:
             raise ValueError("swap preemption needs swap_space_gib > 0")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
         choices = {
             "dtype": ("float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": ("auto", "torch", "triton"),
-            "preemption_mode": ("recompute", "swap"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -78,5 +69,17 @@ class EngineConfig:
                     "max_model_len", "enable_chunked_prefill", "preemption_mode", "policy"}
         if reserved & set(self.scheduler_options):
             raise ValueError(f"set {sorted(reserved & set(self.scheduler_options))} through EngineConfig fields")
+        self.scheduler_config(num_gpu_blocks=1, num_cpu_blocks=1)  # its own checks, before any weights load
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive or None, got {self.num_threads!r}")
+
+    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> SchedulerConfig:
+        """The scheduler's configuration for a KV cache of this many device and host blocks."""
+        try:
+            return SchedulerConfig(
+                num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
+                max_model_len=self.max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                preemption_mode=self.preemption_mode, policy=self.policy, **self.scheduler_options)
+        except TypeError as exc:  # a key SchedulerConfig has no field for
+            raise ValueError(f"scheduler_options: {exc}") from None

@@ -29,7 +29,6 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
-from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
@@ -108,12 +107,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, config.dtype, self.device, config.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(config.seed), self.device)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_gpu_blocks=self.kv_cache.num_gpu_blocks, num_cpu_blocks=self.kv_cache.num_cpu_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, max_model_len=config.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            policy=config.policy, **config.scheduler_options))
+        self.scheduler = Scheduler(config.scheduler_config(self.kv_cache.num_gpu_blocks, self.kv_cache.num_cpu_blocks))
         self.eos_token_id = self.tokenizer.eos_token_id
         # A checkpoint may end a reply with several ids (config.json and generation_config.json, as in
         # Llama 3); the tokenizer names one. The others stop a request like it, unless ignore_eos.
@@ -244,20 +238,20 @@ class LLMEngine:
         # FINISHED_STOPPED here means a stop token.
         stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids
         text_ids = new_ids[:-1] if stopped_by_token else new_ids
-        if advance(self.tokenizer, state, text_ids, stops, final=request.is_finished):
-            if request.status is RequestStatus.FINISHED_LENGTH:
-                # The stop string came with the last allowed token: the text was cut at it, so
-                # the reason is "stop", as when it comes earlier.
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif not request.is_finished:
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        stop_string_found = advance(self.tokenizer, state, text_ids, stops, final=request.is_finished)
+        if stop_string_found and not request.is_finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        # A stop string that came with the last allowed token cut the text as one found earlier
+        # does, so the reason is "stop" there too (the scheduler, which owns the request, had
+        # already finished it by length).
+        finish_reason = "stop" if stop_string_found else request.status.finish_reason
         new_text = release(state, stops, request.is_finished)
         if request.is_finished:
             self._release(request_id)
         return RequestOutput(
             request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids),
             token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text[:state.released],
-            new_text=new_text, finished=request.is_finished, finish_reason=request.status.finish_reason,
+            new_text=new_text, finished=request.is_finished, finish_reason=finish_reason,
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now)

@@ -85,6 +85,10 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("swap preemption needs num_cpu_blocks > 0")
+        from scheduler.policies import POLICIES  # the registry imports this module
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         self._validate_policy_knobs()
 
     def _validate_policy_knobs(self) -> None:

@@ -44,6 +44,18 @@ def test_engine_config_rejects_bad_values(fields):
         EngineConfig(**fields)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"policy": "shortest"}, "unknown policy 'shortest'"),
+    ({"scheduler_options": {"aging_per_step": 1.0}}, "scheduler_options: .*'aging_per_step'"),
+    ({"scheduler_options": {"kv_watermark": 1.5}}, "kv_watermark must be in"),
+])
+def test_engine_config_refuses_what_the_scheduler_would_refuse_before_any_weights_load(fields, message):
+    # Checked on construction: before, these failed only after the weights loaded, a misspelt
+    # option with a TypeError that the CLI reported as a traceback.
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
+
+
 def test_build_batch_lays_out_tokens_slots_and_sampled_rows():
     chunks = (ScheduledChunk("a", (5, 6, 7), start_position=0, block_ids=(3,), sample=True),
               ScheduledChunk("b", (9,), start_position=5, block_ids=(0, 2), sample=True),

@@ -257,6 +257,7 @@ def test_a_request_whose_fed_tokens_fill_the_cache_exactly_is_served() -> None:
     {"num_gpu_blocks": 0}, {"num_gpu_blocks": 4, "block_size": 12},
     {"num_gpu_blocks": 4, "enable_chunked_prefill": False, "max_num_batched_tokens": 100},
     {"num_gpu_blocks": 4, "preemption_mode": "swap"}, {"num_gpu_blocks": 4, "preemption_mode": "drop"},
+    {"num_gpu_blocks": 4, "policy": "shortest"},
 ])
 def test_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):

@@ -157,6 +157,7 @@ class OraclePolicy(SJFPolicy):
     """
 
     name = "oracle"
+    needs_true_length = True
 
     def length(self, request: Request) -> float:
         return float(request.true_len) if request.true_len is not None else ranking_length(request)

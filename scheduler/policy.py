@@ -20,6 +20,9 @@ class SchedulingPolicy:
     # Whether the order reads the request's integer priority (the HTTP layer refuses a nonzero one
     # otherwise, as vLLM does).
     orders_by_priority = False
+    # Whether it needs each request's true output length, which only a benchmark knows (so a
+    # server does not offer it).
+    needs_true_length = False
 
     def sort_key(self, request: Request, now: float) -> tuple:
         """Smaller keys are admitted first. Recomputed every step."""

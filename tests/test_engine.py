@@ -78,6 +78,7 @@ def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tin
               for i in range(len(prompts))]
     ample = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
     reference = [o.token_ids for o in ample.generate(prompts, params)]
+    assert ample.engine.stats().scheduler.num_preemptions == 0  # a reference that was never preempted
     tight = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, preemption_mode=mode,
                 max_num_batched_tokens=64)
     swapped = count_swapped_blocks(tight)
@@ -89,3 +90,34 @@ def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tin
 def test_seats_limit_gives_hf_tokens(tiny_model_dir, prompts, expected):
     tokens, _ = run(tiny_model_dir, prompts, max_num_seqs=2, max_num_batched_tokens=64)
     assert tokens == expected
+
+
+def test_swapped_in_kv_is_read_back_not_recomputed(tiny_model_dir, prompts, expected):
+    # Matching tokens alone would also pass if a swap-in re-prefilled its request, which would hide
+    # a broken copy (and make swap a slow recompute): scrambling what comes back must show.
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, preemption_mode="swap",
+              max_num_batched_tokens=64)
+    cache = llm.engine.kv_cache
+    copy_in = cache.swap_in
+
+    def scrambled_swap_in(pairs):
+        copy_in(pairs)
+        for _, device_block in pairs:
+            cache.device_cache[:, :, device_block].normal_()
+
+    cache.swap_in = scrambled_swap_in
+    tokens = [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
+    assert llm.engine.stats().scheduler.num_preemptions > 0
+    assert tokens != expected
+
+
+@pytest.mark.parametrize("policy", ["priority", "sjf", "srpt", "goodput"])
+def test_every_servable_policy_gives_hf_tokens_under_preemption(tiny_model_dir, prompts, expected, policy):
+    # The order and the victims change with the policy; the tokens of each request must not.
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, num_gpu_blocks=10, policy=policy,
+              max_num_batched_tokens=64)
+    tokens = [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
+    stats = llm.engine.stats().scheduler
+    assert stats.num_preemptions > 0
+    assert tokens == expected
+    assert stats.num_free_blocks == stats.num_total_blocks

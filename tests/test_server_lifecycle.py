@@ -324,6 +324,20 @@ def test_serve_arguments_build_the_engine_config():
     assert args.host == "127.0.0.1" and args.port == 8000
 
 
+def test_serve_offers_every_policy_but_the_oracle_which_needs_true_lengths(capsys):
+    import argparse
+
+    from scheduler.policies import POLICIES
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    for name in sorted(set(POLICIES) - {"oracle"}):  # goodput was missing from a fixed list
+        assert serve_cli.build_engine_config(parser.parse_args(["--policy", name])).policy == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--policy", "oracle"])
+    assert "invalid choice: 'oracle'" in capsys.readouterr().err
+
+
 def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path, monkeypatch):
     # Registered by training's own code, resolved by serve's from the same store: the two
     # sides name the store, the model and the alias separately (serve never imports training).

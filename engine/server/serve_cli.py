@@ -25,17 +25,19 @@ REGISTERED_PREDICTOR = "lengthwise-predictor"
 DEFAULT_PREDICTOR = str(REPO_ROOT / "data" / "predictors" / "default")
 # After the engine has drained, what uvicorn waits for handlers to send their last events.
 FLUSH_AFTER_DRAIN_S = 5
-POLICIES = ("fcfs", "priority", "sjf", "srpt")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.config import DEFAULT_MODEL
+    from scheduler.policies import POLICIES
+
+    servable = [name for name, policy in POLICIES.items() if not policy.needs_true_length]
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--policy", choices=POLICIES, default="fcfs", help="waiting-queue order")
+    parser.add_argument("--policy", choices=servable, default="fcfs", help="waiting-queue order")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GIB",

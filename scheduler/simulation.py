@@ -144,6 +144,7 @@ class SimulationResult:
     peak_kv_usage: float
     stability_margins: tuple[tuple[float, float], ...]  # (time, margin) every 64 steps
     leaked_blocks: int  # device and host blocks still held when everything finished; must be 0
+    num_swapped_out_blocks: int = 0  # KV blocks copied to the host pool by swap preemption
 
     @property
     def max_stability_margin(self) -> float | None:
@@ -170,7 +171,7 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
     scheduler = Scheduler(config, policy)
     pending = sorted(workload, key=lambda r: (r.arrival_time, r.request_id))
     records: list[RequestRecord] = []
-    now, next_arrival, steps, peak_usage = 0.0, 0, 0, 0.0
+    now, next_arrival, steps, peak_usage, swapped_out = 0.0, 0, 0, 0.0, 0
     margins: list[tuple[float, float]] = []
     while next_arrival < len(pending) or scheduler.has_unfinished_requests():
         if not scheduler.has_unfinished_requests():
@@ -191,6 +192,7 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
             continue
         step_time = cost.step_time(output)
         now += step_time
+        swapped_out += len(output.swap_out)
         sampled = {chunk.request_id: _next_token(scheduler.get_request(chunk.request_id))
                    for chunk in output.chunks if chunk.sample}
         peak_usage = max(peak_usage, scheduler.block_manager.usage)
@@ -211,5 +213,5 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
     return SimulationResult(
         records=tuple(sorted(records, key=lambda r: r.arrival_time)), makespan_s=end - start,
         num_steps=steps, num_preemptions=stats.num_preemptions, peak_kv_usage=peak_usage,
-        stability_margins=tuple(margins),
+        stability_margins=tuple(margins), num_swapped_out_blocks=swapped_out,
         leaked_blocks=stats.num_total_blocks - stats.num_free_blocks + host.num_blocks - host.num_free)

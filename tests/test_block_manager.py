@@ -112,9 +112,12 @@ def test_scheduler_never_leaks_blocks(events: list[tuple[str, int, int]], mode: 
     live: list[str] = []
     done: dict[str, list[int]] = {}
     now = 0.0
+    swapped_out = 0
 
     def step() -> None:
+        nonlocal swapped_out
         output = scheduler.schedule(now)
+        swapped_out += len(output.swap_out)
         for req in scheduler.update_from_output(output, runner.execute(output), now):
             if req.status is RequestStatus.FINISHED_LENGTH:
                 done[req.request_id] = list(req.output_token_ids)
@@ -138,6 +141,7 @@ def test_scheduler_never_leaks_blocks(events: list[tuple[str, int, int]], mode: 
     target(float(scheduler.stats().num_preemptions))  # steer the search toward crowded caches
     if events == CROWDED:
         assert scheduler.stats().num_preemptions > 0
+        assert (swapped_out > 0) == (mode == "swap")  # no quiet fallback to recompute
     manager = scheduler.block_manager
     assert manager.num_free_blocks == 10 and manager.host.num_free == config.num_cpu_blocks
     for request_id, tokens in done.items():  # every completed output equals the reference

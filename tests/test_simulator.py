@@ -46,6 +46,7 @@ def test_small_run_completes_every_request_without_leaks(policy: str, mode: str)
                for r in result.records)
     assert result.leaked_blocks == 0
     assert result.peak_kv_usage > 0.5  # the budget binds
+    assert (result.num_swapped_out_blocks > 0) == (mode == "swap")  # swap mode really swaps
     # A preempted request queues again; its wait counts that too, not only the first queueing.
     preempted = [r for r in result.records if r.num_preemptions]
     assert len(preempted) > 0 and all(r.wait_s > r.first_wait_s for r in preempted)
@@ -277,6 +278,11 @@ def test_slo_attainment_counts_a_rejected_request_as_a_miss() -> None:
     assert figures["slo_attainment"] == pytest.approx(0.1)
 
 
+def last_line_names(stderr: str, flag: str) -> bool:
+    """Whether argparse's error line (after the usage, which lists every flag) blames `flag`."""
+    return f"argument {flag}:" in stderr.strip().splitlines()[-1]
+
+
 def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, capsys) -> None:
     from training.cli import main
 
@@ -286,7 +292,7 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
                                                                   "--aging-tokens-per-s")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
-        assert exited.value.code == 2 and flag in capsys.readouterr().err
+        assert exited.value.code == 2 and last_line_names(capsys.readouterr().err, flag), argv
     # The other commands' numbers: before, each of these ran until the number broke something.
     for argv, flag in ((["train", "--model", "lexical", "--max-eval", "-1"], "--max-eval"),
                        (["train", "--model", "lexical", "--seed", "-1"], "--seed"),
@@ -300,7 +306,7 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
                        (["generate", "hi", "--seed", str(2**64)], "--seed"), (["generate", "hi", "--top-k", "-2"], "--top-k")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
-        assert exited.value.code == 2 and flag in capsys.readouterr().err, argv
+        assert exited.value.code == 2 and last_line_names(capsys.readouterr().err, flag), argv
     assert main(["eval-predictor", "--predictor", str(tmp_path / "none"), "--no-latency"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "not a saved predictor folder" in error

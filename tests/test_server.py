@@ -461,8 +461,21 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(served, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served):
+def slow_steps(monkeypatch, engine, seconds: float) -> None:
+    """Make every engine step take at least `seconds`, so a request's duration does not hang on
+    the machine's speed (the engine thread looks `step` up anew each time)."""
+    real_step = engine.step
+
+    def slowed():
+        time.sleep(seconds)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slowed)
+
+
+def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served, monkeypatch):
     base_url, async_engine = served
+    slow_steps(monkeypatch, async_engine.engine, 0.005)  # 900 steps outlast the 0.5 s read anywhere
     aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up

@@ -84,15 +84,16 @@ def test_a_broken_stream_fails_its_request_not_the_run():
     async def completions(payload: dict):
         return StreamingResponse(iter(streams[payload["prompt"]]), media_type="text/event-stream")
 
-    async def send_all():
+    async def send_all(base_url: str):
         results = {}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        async with httpx.AsyncClient() as client:
             for name in streams:
                 results[name] = RequestResult(0, "standard", 1, 4, 0.0)
-                await bench_serve.send_one(client, "http://t/v1/completions", {"prompt": name}, results[name])
+                await bench_serve.send_one(client, f"{base_url}/v1/completions", {"prompt": name}, results[name])
         return results
 
-    results = asyncio.run(send_all())
+    with running_server(app) as (base_url, _):  # a real socket, as a server streams
+        results = asyncio.run(send_all(base_url))
     assert not any(r.success for r in results.values())
     assert all(r.error for r in results.values()), {name: r.error for name, r in results.items()}
     assert results["error field"].error == "stream error: boom"

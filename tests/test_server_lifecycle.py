@@ -19,7 +19,7 @@ from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
 from scheduler.request import SamplingParams
-from test_server import MODEL, chars_predictor, running_server, tiny_engine
+from test_server import MODEL, chars_predictor, running_server, slow_steps, tiny_engine
 
 
 class BatchRecorder:
@@ -189,7 +189,7 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     assert free == total
 
 
-def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(engine):
+def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(engine, monkeypatch):
     """Through the serve CLI's server: SIGINT, then a request that cannot finish within the grace
     period gets its last chunk (finish_reason "abort") and [DONE], not a cut connection."""
     import signal
@@ -197,6 +197,7 @@ def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(e
 
     import uvicorn
 
+    slow_steps(monkeypatch, engine, 0.005)  # 900 steps outlast the 0.3 s grace on any machine
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
     sock = socket.socket()
@@ -281,7 +282,8 @@ def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(ti
         async_engine.call_in_engine(lambda _: gate.wait(30))  # holds the engine thread between steps
         async_engine.abort("a")  # the abort that raises, and after it in the same batch ...
         waiting = asyncio.ensure_future(async_engine.submit("b", ids, "Hello there", params))
-        await asyncio.sleep(0.1)  # ... the submission of b, queued behind it
+        while "b" not in async_engine._pending:  # ... the submission of b, queued behind it
+            await asyncio.sleep(0)
         gate.set()
         with pytest.raises(EngineDead, match="abort bookkeeping broke"):
             await asyncio.wait_for(waiting, 60)  # refused, not left waiting forever

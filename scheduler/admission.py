@@ -72,10 +72,7 @@ class AdmissionRejected(Exception):
 
 def predicted_output_tokens(request: Request) -> float:
     """Predicted output tokens still to come, never above what max_tokens allows."""
-    limit = request.sampling_params.max_tokens
-    predicted = request.predicted_len if request.predicted_len is not None else limit
-    total = min(float(limit), max(1.0, predicted))
-    return max(0.0, total - request.num_output_tokens)
+    return max(0.0, request.predicted_total - request.num_output_tokens)
 
 
 def prompt_tokens_left(request: Request) -> int:

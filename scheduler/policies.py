@@ -86,19 +86,12 @@ class PriorityPolicy(TieredPolicy):
         return waiting.priority < running.priority
 
 
-def predicted_total(request: Request) -> float:
-    """The first point estimate of output length; max_tokens when nothing was predicted."""
-    if request.predicted_len is not None:
-        return max(1.0, min(request.predicted_len, request.sampling_params.max_tokens))
-    return float(request.sampling_params.max_tokens)
-
-
 def ranking_length(request: Request) -> float:
     """The length to order by: the predictor's ranking length when known (its best-ranking head in
     tokens; unlike a lambdarank score, aging can be added to it), else the point."""
     if request.predicted_rank_len is not None:
         return max(1.0, min(request.predicted_rank_len, request.sampling_params.max_tokens))
-    return predicted_total(request)
+    return request.predicted_total
 
 
 class SJFPolicy(TieredPolicy):
@@ -211,7 +204,7 @@ class SRPTPolicy(SJFPolicy):
         # by every newer short arrival, losing its prefill each time, for as long as they came.
         if self.score(waiting, now) >= self.score(running, now):
             return False
-        if running.num_output_tokens >= self.config.srpt_max_preempt_share * predicted_total(running):
+        if running.num_output_tokens >= self.config.srpt_max_preempt_share * running.predicted_total:
             return False
         return refined_remaining(waiting) * self.config.srpt_preempt_ratio < refined_remaining(running)
 

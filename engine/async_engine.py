@@ -2,8 +2,9 @@
 
 - The event loop (HTTP handlers) calls `submit`, which registers the request's `RequestStream`
   and returns it once the engine has admitted the request (or raises its rejection).
-- The engine thread drains a command queue between steps (add, abort, call, stop), runs
-  `LLMEngine.step()`, and hands each step's outputs to the loop with one `call_soon_threadsafe`.
+- The engine thread (`EngineWorker`, engine/engine_worker.py) drains a command queue between
+  steps (add, abort, call, stop), runs `LLMEngine.step()`, and hands each step's outputs to the
+  loop with one `call_soon_threadsafe`.
 - Length prediction happens once per request, at admission, off the event loop, for every
   arrival waiting at that moment in one batch (engine/arrival_predictor.py): on the engine thread
   between steps (default), or with `overlap_prediction` on a predictor thread.
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
                                  NullListener, RequestAborted, RequestStream, StreamEnd)
 from engine.arrival_predictor import ArrivalPredictor
-from engine.engine_commands import Abort, Call, Stop, Submission, refuse_until_stopped
+from engine.engine_commands import Abort, Call, Stop, Submission
+from engine.engine_worker import EngineWorker
 from predictor.base import Predictor
 from scheduler.request import SamplingParams, Tier
 
@@ -54,7 +56,6 @@ class AsyncLLMEngine:
         self.state = EngineState.STOPPED
         self._state_lock = threading.Lock()
         self.failure: str | None = None
-        self.stats: Any = None  # latest engine.stats(), replaced (never mutated) after each step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._to_predict: queue.SimpleQueue = queue.SimpleQueue()
@@ -62,7 +63,8 @@ class AsyncLLMEngine:
         # Submitted, not yet answered: written by the loop, looked up by `abort` from any thread.
         self._pending: dict[str, Submission] = {}
         self._no_streams = asyncio.Event()
-        self._live: set[str] = set()  # request ids inside the LLMEngine (engine thread only)
+        self._worker = EngineWorker(engine, self._commands, None if self.overlap_prediction else self.predictor,
+                                    self._outputs_ready, self._engine_failed)
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -70,9 +72,8 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._no_streams = asyncio.Event()
         self._no_streams.set()
-        self.stats = self.engine.stats()
         self.state = EngineState.RUNNING
-        workers = [("lengthwise-engine", self._engine_loop)]
+        workers = [("lengthwise-engine", self._worker.run)]
         if self.overlap_prediction:
             workers.append(("lengthwise-predictor",
                             lambda: self.predictor.run(self._to_predict, self._commands)))
@@ -126,6 +127,11 @@ class AsyncLLMEngine:
     def _join_threads(threads: list[threading.Thread]) -> None:
         for thread in threads:
             thread.join()
+
+    @property
+    def stats(self) -> Any:
+        """The engine's latest stats, as of the last step or command batch."""
+        return self._worker.stats
 
     @property
     def healthy(self) -> bool:
@@ -223,88 +229,12 @@ class AsyncLLMEngine:
         self._streams.clear()
         self._no_streams.set()
 
-    # ---- engine thread -------------------------------------------------------------------------
-    def _engine_loop(self) -> None:
-        try:
-            while self._run_commands(block=not self.engine.has_unfinished_requests()):
-                if not self.engine.has_unfinished_requests():
-                    continue
-                outputs = self.engine.step()
-                for output in outputs:
-                    if output.finished:
-                        self._live.discard(output.request_id)
-                self.stats = self.engine.stats()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as exc:  # noqa: BLE001 - every failure must end the streams
-            logger.exception("engine loop failed")
-            self.failure = f"{type(exc).__name__}: {exc}"
-            with self._state_lock:
-                self.state = EngineState.FAILED
-            self._loop.call_soon_threadsafe(self._fail_all, self.failure)
-            refuse_until_stopped(self._commands, EngineDead(self.failure))
-            return
-        refuse_until_stopped(self._commands, EngineShuttingDown(), block=False)
+    # ---- engine thread callbacks (called on it) ------------------------------------------------
+    def _outputs_ready(self, outputs: Sequence[RequestOutput]) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _run_commands(self, block: bool) -> bool:
-        """Apply every queued command; wait for one first when `block`. False once told to stop."""
-        commands = [self._commands.get()] if block else []
-        while not self._commands.empty():
-            commands.append(self._commands.get_nowait())
-        applied, stopped = 0, False
-        try:
-            if self.predictor is not None and not self.overlap_prediction:
-                arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
-                if arrivals:
-                    self.predictor.predict_batch(arrivals)
-            for command in commands:
-                if isinstance(command, Stop):
-                    stopped = True
-                    break
-                applied += 1  # counted first: a command that raised is not tried again
-                self._apply(command)
-        finally:
-            # What was not applied goes back on the queue, to be refused once the loop ends (after a
-            # Stop, or when applying a command raised and the loop fails), so no caller waits
-            # forever. A Stop that was obeyed is not put back; one not reached is.
-            for later in commands[applied + 1:] if stopped else commands[applied:]:
-                self._commands.put(later)
-        if stopped:
-            for request_id in list(self._live):
-                self.engine.abort_request(request_id)
-            self._live.clear()
-            self.stats = self.engine.stats()
-            return False
-        if commands:
-            self.stats = self.engine.stats()
-        return True
-
-    def _apply(self, command: Submission | Abort | Call) -> None:
-        if isinstance(command, Submission):
-            self._add(command)
-        elif isinstance(command, Abort):
-            if command.request_id in self._live:
-                self._live.discard(command.request_id)
-                self.engine.abort_request(command.request_id)
-        elif command.result.set_running_or_notify_cancel():
-            try:
-                command.result.set_result(command.fn(self.engine))
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                command.result.set_exception(exc)
-
-    def _add(self, submission: Submission) -> None:
-        if not submission.admitted.set_running_or_notify_cancel():
-            return  # the client left before the engine got to it
-        if submission.abandoned is not None:
-            submission.admitted.set_exception(submission.abandoned)
-            return
-        try:
-            self.engine.add_request(
-                submission.request_id, submission.prompt_token_ids, submission.params,
-                tier=submission.tier, priority=submission.priority,
-                arrival_time=submission.arrival_time, prediction=submission.prediction)
-        except Exception as exc:  # noqa: BLE001 - ValueError, AdmissionRejected: the caller's answer
-            submission.admitted.set_exception(exc)
-            return
-        self._live.add(submission.request_id)
-        submission.admitted.set_result(None)
+    def _engine_failed(self, message: str) -> None:
+        self.failure = message
+        with self._state_lock:
+            self.state = EngineState.FAILED
+        self._loop.call_soon_threadsafe(self._fail_all, message)

@@ -396,7 +396,7 @@ def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engin
     async_engine = AsyncLLMEngine(engine)
     async_engine._commands.put(Stop())
     late = async_engine.call_in_engine(lambda e: "ran")  # in the same batch as the stop
-    assert async_engine._run_commands(block=False) is False
+    assert async_engine._worker.run_commands(block=False) is False
     refuse_until_stopped(async_engine._commands, EngineShuttingDown(), block=False)
     with pytest.raises(EngineShuttingDown):
         late.result(timeout=1)

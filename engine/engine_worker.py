@@ -1,0 +1,114 @@
+"""The engine thread of `AsyncLLMEngine`: the one thread that touches the LLMEngine once started.
+
+Between steps it applies every queued command in order (add, abort, call, stop): an arrival group
+is scored by the predictor first when prediction runs inline. A step's outputs go to the event
+loop through `on_outputs`; an exception anywhere ends the thread through `on_failure`, and every
+command still queued, or queued later, is refused, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import Any, Callable, Sequence
+
+from engine.arrival_predictor import ArrivalPredictor
+from engine.async_stream import EngineDead, EngineShuttingDown
+from engine.engine_commands import Abort, Call, Stop, Submission, refuse_until_stopped
+
+logger = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, commands: queue.SimpleQueue, inline_predictor: ArrivalPredictor | None,
+                 on_outputs: Callable[[Sequence[Any]], None], on_failure: Callable[[str], None]) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.inline_predictor = inline_predictor  # None: no predictor, or a predictor thread scores
+        self._on_outputs = on_outputs
+        self._on_failure = on_failure
+        self.stats: Any = engine.stats()  # replaced (never mutated) after each step
+        self._live: set[str] = set()  # request ids inside the LLMEngine
+
+    def run(self) -> None:
+        try:
+            while self.run_commands(block=not self.engine.has_unfinished_requests()):
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    if output.finished:
+                        self._live.discard(output.request_id)
+                self.stats = self.engine.stats()
+                if outputs:
+                    self._on_outputs(outputs)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end the streams
+            logger.exception("engine loop failed")
+            message = f"{type(exc).__name__}: {exc}"
+            self._on_failure(message)
+            refuse_until_stopped(self.commands, EngineDead(message))
+            return
+        refuse_until_stopped(self.commands, EngineShuttingDown(), block=False)
+
+    def run_commands(self, block: bool) -> bool:
+        """Apply every queued command; wait for one first when `block`. False once told to stop."""
+        commands = [self.commands.get()] if block else []
+        while not self.commands.empty():
+            commands.append(self.commands.get_nowait())
+        applied, stopped = 0, False
+        try:
+            if self.inline_predictor is not None:
+                arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
+                if arrivals:
+                    self.inline_predictor.predict_batch(arrivals)
+            for command in commands:
+                if isinstance(command, Stop):
+                    stopped = True
+                    break
+                applied += 1  # counted first: a command that raised is not tried again
+                self._apply(command)
+        finally:
+            # What was not applied goes back on the queue, to be refused once the loop ends (after a
+            # Stop, or when applying a command raised and the loop fails), so no caller waits
+            # forever. A Stop that was obeyed is not put back; one not reached is.
+            for later in commands[applied + 1:] if stopped else commands[applied:]:
+                self.commands.put(later)
+        if stopped:
+            for request_id in list(self._live):
+                self.engine.abort_request(request_id)
+            self._live.clear()
+            self.stats = self.engine.stats()
+            return False
+        if commands:
+            self.stats = self.engine.stats()
+        return True
+
+    def _apply(self, command: Submission | Abort | Call) -> None:
+        if isinstance(command, Submission):
+            self._add(command)
+        elif isinstance(command, Abort):
+            if command.request_id in self._live:
+                self._live.discard(command.request_id)
+                self.engine.abort_request(command.request_id)
+        elif command.result.set_running_or_notify_cancel():
+            try:
+                command.result.set_result(command.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                command.result.set_exception(exc)
+
+    def _add(self, submission: Submission) -> None:
+        if not submission.admitted.set_running_or_notify_cancel():
+            return  # the client left before the engine got to it
+        if submission.abandoned is not None:
+            submission.admitted.set_exception(submission.abandoned)
+            return
+        try:
+            self.engine.add_request(
+                submission.request_id, submission.prompt_token_ids, submission.params,
+                tier=submission.tier, priority=submission.priority,
+                arrival_time=submission.arrival_time, prediction=submission.prediction)
+        except Exception as exc:  # noqa: BLE001 - ValueError, AdmissionRejected: the caller's answer
+            submission.admitted.set_exception(exc)
+            return
+        self._live.add(submission.request_id)
+        submission.admitted.set_result(None)

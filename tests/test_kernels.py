@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from engine.attention import reference
-from engine.kernels import bench
+from training import bench_attention as bench
 from engine.kernels.cases import CASES, MIXED_SEQS, TOLERANCE, AttentionCase, make_batch
 from engine.kernels.launch import LaunchConfig, _auto_splits, resolve
 

@@ -24,7 +24,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("generate",): ("engine.generate_cli", "generate completions offline for a few prompts"),
     ("bench", "engine"): ("training.bench_engine", "engine vs HF static and continuous batching"),
     ("bench", "serve"): ("training.bench_serve", "load-test a running server"),
-    ("bench", "attention"): ("engine.kernels.bench", "paged attention kernel vs SDPA (GPU)"),
+    ("bench", "attention"): ("training.bench_attention", "paged attention kernel vs SDPA (GPU)"),
     ("data", "prepare"): ("training.data_prepare", "build the ShareGPT turn table and data card"),
     ("train",): ("training.train", "train a length predictor, tracked in MLflow"),
     ("eval-predictor",): ("training.evaluate", "evaluate a predictor on the test split"),

@@ -2,7 +2,8 @@
 
 `LLMEngine` owns the tokenizer, the model runner (model, KV cache, attention backend, sampler) and
 the scheduler. One `step()`:
-1. `scheduler.schedule(now)` picks the chunks of this step (decodes first, prefill chunks after);
+1. `scheduler.schedule(now)` picks the chunks of this step (any urgent admission first, then the
+   running requests by tier, decodes before prefill chunks, then new prefill chunks);
 2. `runner.execute(...)` runs them as one flat batch and samples where a chunk reaches the end;
 3. `scheduler.update_from_output(...)` appends tokens and finishes on eos / stop ids / length;
 4. the engine detokenizes the new tokens and finishes requests whose text hit a stop string.

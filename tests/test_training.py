@@ -283,6 +283,10 @@ def test_trace_records_lengths_and_resumes(tmp_path):
         cut.write('{"key": "0123456789abcdef", "output_tok')
     assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 1
     assert trace.record_trace(llm, rows, log, max_tokens=6, temperature=1.0, window=2, seed=0) == 0
+    for other in ({"max_tokens": 8}, {"temperature": 0.5}, {"seed": 1}):  # not mixed into one trace
+        settings = {"max_tokens": 6, "temperature": 1.0, "seed": 0, **other}
+        with pytest.raises(ValueError, match=f"sampled with {next(iter(other))}"):
+            trace.record_trace(llm, rows, log, window=2, **settings)
     assert trace.write_trace_table(log, tmp_path / "trace.parquet") == 2
     assert len(log.read_text().splitlines()) == 2
     table = trace.load_trace(path=tmp_path / "trace.parquet")
@@ -290,6 +294,18 @@ def test_trace_records_lengths_and_resumes(tmp_path):
     assert all(1 <= n <= 6 for n in table["output_tokens"])
     assert set(table["finish_reason"]) <= {"stop", "length"}
     assert trace.load_trace("test", path=tmp_path / "trace.parquet")["conversation_id"] == ["c1"]
+
+
+def test_a_log_without_settings_shows_its_cap_through_rows_cut_at_it():
+    # Rows copied from a committed table carry no settings; one that stopped at the cap names it.
+    from training.trace import check_resume_settings
+
+    rows = [{"key": "a", "output_tokens": 256, "finish_reason": "length"},
+            {"key": "b", "output_tokens": 40, "finish_reason": "stop"}]
+    check_resume_settings(rows, max_tokens=256, temperature=1.0, seed=0)
+    with pytest.raises(ValueError, match="cut at 256 tokens, this run asks --max-tokens 512"):
+        check_resume_settings(rows, max_tokens=512, temperature=1.0, seed=0)
+    check_resume_settings(rows[1:], max_tokens=512, temperature=1.0, seed=0)  # nothing says otherwise
 
 
 def test_each_prompt_draws_with_a_seed_of_its_key_and_the_run_seed(tmp_path):

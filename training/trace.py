@@ -7,7 +7,8 @@ offline engine (`engine.llm.LLM`), fed continuously, with the served defaults (t
 1.0) and a per-prompt seed, so a rerun reproduces a length. (Rows logged before session 6 drew
 from per-request generator streams, which the stateless sampler replaced: a rerun of those
 prompts now gives another sample from the same distribution.) Each finished prompt is appended
-to a JSONL log at once: an interrupted run resumes by skipping the keys already logged. The
+to a JSONL log at once, with its sampling settings: an interrupted run resumes by skipping the
+keys already logged, and refuses a log sampled with other settings. The
 log is then written as a parquet table that `lengthwise train --labels trace` learns from. The
 `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
 costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
@@ -97,6 +98,22 @@ def seed_of(key: str, seed: int) -> int:
     return (int(key, 16) + seed) % (2**31 - 1)
 
 
+def check_resume_settings(records: list[dict], max_tokens: int, temperature: float, seed: int) -> None:
+    """ValueError unless a log's records were sampled as this run would: one trace mixing caps or
+    temperatures would rank lengths of different distributions. Records carry their settings
+    since session 12; an older record (or one copied from a table) shows its cap only when it
+    stopped at it."""
+    wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    for record in records:
+        for name, value in wanted.items():
+            if name in record and record[name] != value:
+                raise ValueError(f"the log holds prompts sampled with {name} {record[name]}, this run asks "
+                                 f"{value}: pass the log's settings, or another --log and --out")
+        if "max_tokens" not in record and record["finish_reason"] == "length" and record["output_tokens"] != max_tokens:
+            raise ValueError(f"the log holds prompts cut at {record['output_tokens']} tokens, this run asks "
+                             f"--max-tokens {max_tokens}: pass the log's cap, or another --log and --out")
+
+
 def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, temperature: float,
                  window: int, seed: int) -> int:
     """Generate for `rows` not yet in the log, appending one JSON line per prompt; returns the count.
@@ -109,7 +126,9 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
 
     from scheduler.request import SamplingParams
 
-    done = {record["key"] for record in read_log(log_path)}
+    logged = read_log(log_path)
+    check_resume_settings(logged, max_tokens, temperature, seed)
+    done = {record["key"] for record in logged}
     todo = [row for row in rows if row["key"] not in done]
     pending = iter(todo)
     in_flight: dict[str, dict] = {}
@@ -131,7 +150,8 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
             for output in engine.step():
                 if output.finished:
                     row = in_flight.pop(output.request_id)
-                    record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
+                    record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
+                              "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
                     log.write(json.dumps(record) + "\n")
                     log.flush()
                     bar.update(1)

@@ -150,6 +150,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            # The exact model input: offline callers (generate's chat, trace) pass chat-templated
+            # text, whose special tokens a second BOS would duplicate. The HTTP server's plain
+            # completions add them, as vLLM's do.
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)

@@ -69,11 +69,13 @@ def running_server(app):
 
 
 class ThreadRecordingTokenizer:
-    """The real tokenizer, noting which thread each encode or chat template ran on."""
+    """The real tokenizer, noting which thread each encode or chat template ran on, and whether
+    each encode asked for special tokens."""
 
-    def __init__(self, tokenizer, threads: set[str]) -> None:
+    def __init__(self, tokenizer, threads: set[str], special_tokens: list | None = None) -> None:
         self._tokenizer = tokenizer
         self.threads = threads
+        self.special_tokens = [] if special_tokens is None else special_tokens
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
@@ -83,6 +85,7 @@ class ThreadRecordingTokenizer:
 
     def encode(self, *args, **kwargs):
         self.threads.add(threading.current_thread().name)
+        self.special_tokens.append(kwargs.get("add_special_tokens"))
         return self._tokenizer.encode(*args, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
@@ -96,13 +99,19 @@ def tokenize_threads() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tokenize_threads):
+def special_tokens_asked() -> list:
+    return []
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tokenize_threads, special_tokens_asked):
     engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
     async_engine = AsyncLLMEngine(engine, chars_predictor())
     settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
                               info=(("policy", "fcfs"),), allowed_origins=(BROWSER_ORIGIN,))
-    app = create_app(async_engine, ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads), settings)
+    app = create_app(async_engine, ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads, special_tokens_asked),
+                     settings)
     with running_server(app) as (base_url, _):
         yield base_url, async_engine
 
@@ -492,6 +501,17 @@ def test_prompts_are_tokenized_off_the_event_loop(client, tokenize_threads):
     assert tokenize_threads and all(name.startswith("lengthwise-tokenize") for name in tokenize_threads)
 
 
+def test_a_plain_prompt_gets_special_tokens_and_a_templated_chat_none(client, special_tokens_asked):
+    # As vLLM: the tokenizer's BOS (for a model that adds one) starts a completion's prompt, while
+    # a chat's template already wrote its special tokens (a second BOS would change the input).
+    special_tokens_asked.clear()
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+    assert special_tokens_asked == [True]
+    special_tokens_asked.clear()
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert special_tokens_asked == [False]
+
+
 def test_metrics_parse_with_vllm_like_names(served, client):
     for length in (2, 4):  # finished requests of different lengths, with predictions, give tau a value
         client.completions.create(model=MODEL, prompt="A short one" * length, max_tokens=length,
@@ -547,7 +567,7 @@ def test_the_tokenizer_thread_comes_back_after_close(tokenizer):
     from engine.server.serving import OpenAIServing
 
     serving = OpenAIServing(None, tokenizer, MODEL, MAX_MODEL_LEN)  # no engine: tokenizing only
-    first = asyncio.run(serving._off_loop(serving._encode, "Hello there"))
+    first = asyncio.run(serving._off_loop(serving._encode, "Hello there", True))
     serving.close()  # the app's lifespan ended; a second lifespan serves again
-    assert asyncio.run(serving._off_loop(serving._encode, "Hello there")) == first
+    assert asyncio.run(serving._off_loop(serving._encode, "Hello there", True)) == first
     serving.close()

@@ -85,7 +85,10 @@ class OpenAIServing:
         self._check_priority(body)
         if isinstance(body.prompt, str):
             check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_bytes)
-            prompt_ids, prompt_text = await self._off_loop(self._encode, body.prompt), body.prompt
+            # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
+            # add one); a chat's come from its template.
+            prompt_ids = await self._off_loop(self._encode, body.prompt, True)
+            prompt_text = body.prompt
         else:
             self._check_token_ids(body.prompt)
             self._check_context(len(body.prompt), None, "prompt", "max_tokens")  # before decoding them
@@ -149,12 +152,10 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc
         check_text_length(prompt_text, "messages", self.max_model_len, self.max_token_bytes)
-        return prompt_text, self._encode(prompt_text)
+        return prompt_text, self._encode(prompt_text, False)
 
-    def _encode(self, text: str) -> list[int]:
-        # The chat template already carries any special tokens; plain prompts get none added
-        # either, so the ids are exactly the text's tokens.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _check_priority(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         # As vLLM answers: under any other policy the priority would be silently ignored.

@@ -236,6 +236,44 @@ def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(e
     assert free == total
 
 
+def test_a_second_stop_signal_ends_running_requests_at_once_not_at_the_grace(tiny_model_dir, monkeypatch):
+    """As uvicorn's force exit: a second Ctrl-C must not leave the server waiting out the grace."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    from engine.engine_commands import Stop
+
+    engine = tiny_engine(tiny_model_dir)
+    slow_steps(monkeypatch, engine, 0.2)  # 900 steps: three minutes, past the join below
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = serve_cli.DrainingServer(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=5),
+                                      async_engine, grace_s=3600)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", json=body,
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.handle_exit(signal.SIGINT, None)
+        server.handle_exit(signal.SIGINT, None)
+        thread.join(timeout=60)
+    sock.close()
+    assert not thread.is_alive()
+    async_engine._commands.put(Stop())  # force exit skips the app's shutdown; end the engine thread here
+    async_engine._threads[0].join(timeout=60)
+    free, total = free_and_total(engine)
+    assert free == total
+
+
 def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model_dir, monkeypatch):
     broken = tiny_engine(tiny_model_dir)
     steps = {"n": 0}

@@ -268,6 +268,12 @@ def test_responses_name_the_model_asked_for_and_chunks_carry_the_service_tier(se
         assert post(served[0], path, {**sent, "stream_options": None}).json()["service_tier"] == named
         chunks = stream_payloads(served[0], path, sent)  # the usage chunk among them
         assert chunks and [chunk.get("service_tier") for chunk in chunks] == [named] * len(chunks)
+    # OpenAI's keys, in its order, on the whole response and on every chunk (vLLM sends a null
+    # system_fingerprint too; a client may read it without a default).
+    objects = [post(served[0], path, body).json(), *stream_payloads(served[0], path, body)]
+    for payload in objects:
+        assert list(payload)[:5] == ["id", "object", "created", "model", "choices"]
+        assert "system_fingerprint" in payload and payload["system_fingerprint"] is None
 
 
 # ---- scheduling inputs -----------------------------------------------------------------------

@@ -215,6 +215,21 @@ def now_s() -> int:
     return int(time.time())
 
 
+class _ResponseHead(BaseModel):
+    """What every response object and stream chunk carries, in OpenAI's key order (a subclass's
+    override keeps its place). `created` is taken once per request, shared by every chunk of a
+    stream (serving.py)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+    service_tier: str | None = None
+    system_fingerprint: None = None  # as vLLM: no fingerprint of the backend configuration
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -222,14 +237,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int  # one time per request, shared by every chunk of a stream (serving.py)
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    service_tier: str | None = None
 
 
 class ChatMessageOut(BaseModel):
@@ -244,14 +254,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int  # one time per request, shared by every chunk of a stream (serving.py)
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    service_tier: str | None = None
 
 
 class ChatDelta(BaseModel):
@@ -266,14 +271,9 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int  # one time per request, shared by every chunk of a stream (serving.py)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    service_tier: str | None = None
 
 
 class ModelCard(BaseModel):

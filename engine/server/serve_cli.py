@@ -9,6 +9,7 @@ back to data/predictors/default when the registry has none. On SIGINT/SIGTERM th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from pathlib import Path
 
@@ -25,6 +26,7 @@ REGISTERED_PREDICTOR = "lengthwise-predictor"
 DEFAULT_PREDICTOR = str(REPO_ROOT / "data" / "predictors" / "default")
 # After the engine has drained, what uvicorn waits for handlers to send their last events.
 FLUSH_AFTER_DRAIN_S = 5
+FORCE_EXIT_POLL_S = 0.1  # how soon a second stop signal cuts the grace period short
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,5 +227,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        await self._async_engine.drain(self._grace_s)
+        drain = asyncio.ensure_future(self._async_engine.drain(self._grace_s))
+        while not drain.done():
+            await asyncio.wait({drain}, timeout=FORCE_EXIT_POLL_S)
+            if self.force_exit and not drain.done():
+                # A second Ctrl-C (uvicorn's force exit): end what still runs now, not at the grace.
+                drain.cancel()
+                await self._async_engine.drain(0)
         await super().shutdown(sockets=sockets)

@@ -85,6 +85,7 @@ def test_invalid_field_is_a_400_naming_it(served, field, value):
     error = error_of(post(served[0], "/v1/chat/completions", body), 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == field
+    assert error["message"].startswith(f"{field}: ") and "Value error," not in error["message"]
 
 
 @pytest.mark.parametrize("path, field, value", [

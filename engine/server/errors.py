@@ -116,7 +116,8 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     errors = exc.errors()
     first = errors[0] if errors else {}
     param = _validation_param(first)
-    message = first.get("msg", "invalid request")
+    # A validator's own ValueError reads "Value error, <its message>": the message is enough.
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value").response()

@@ -33,7 +33,7 @@ def check_text_length(text: str, param: str, max_model_len: int, max_token_bytes
     limit = max_model_len * max_token_bytes
     if len(text) > limit:
         raise errors.context_exceeded(param, f"This model's maximum context length is {max_model_len} "
-                                      f"tokens; the {param} has {len(text)} characters, more than "
+                                      f"tokens; the {param} came to {len(text)} characters, more than "
                                       f"{max_model_len} tokens can hold ({limit}).")
 
 

@@ -174,7 +174,7 @@ class OpenAIServing:
         limit = self.max_model_len
         if num_prompt >= limit:
             raise errors.context_exceeded(prompt_param, f"This model's maximum context length is {limit} "
-                                          f"tokens; the {prompt_param} has {num_prompt} tokens.")
+                                          f"tokens; the {prompt_param} came to {num_prompt} tokens.")
         if max_tokens is None:
             return limit - num_prompt
         if num_prompt + max_tokens > limit:

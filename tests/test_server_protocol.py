@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -86,6 +87,14 @@ def test_invalid_field_is_a_400_naming_it(served, field, value):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: ") and "Value error," not in error["message"]
+
+
+def test_a_nan_number_is_refused_as_not_finite(served):
+    body = '{"model": "%s", "prompt": "Hi", "max_tokens": 2, "temperature": NaN}' % MODEL
+    response = httpx.post(served[0] + "/v1/completions", content=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    error = error_of(response, 400)
+    assert error["param"] == "temperature" and "finite number" in error["message"]
 
 
 @pytest.mark.parametrize("path, field, value", [
@@ -246,7 +255,6 @@ def test_every_chunk_of_a_stream_carries_the_one_created_time(client, monkeypatc
 
 def stream_payloads(base_url: str, path: str, body: dict) -> list[dict]:
     """Every JSON event of a streamed response, before [DONE]."""
-    import httpx
 
     with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
@@ -312,7 +320,6 @@ def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
 
 
 def test_a_body_over_the_size_limit_is_413(served, client):
-    import httpx
 
     body = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * (2 << 20) + b'"}'
     headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
@@ -328,7 +335,6 @@ def test_a_body_over_the_size_limit_is_413(served, client):
 
 
 def test_without_allowed_origins_a_preflight_is_405_not_401_and_grants_no_origin(served):
-    import httpx
 
     response = httpx.options(served[0] + "/v1/completions", headers={
         "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})

@@ -37,7 +37,7 @@ class StreamOptions(BaseModel):
 
 
 class _Request(CompletionUnsupportedFields):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN: "not finite", not a bound's message
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context (chat)

@@ -32,7 +32,7 @@ class ArrivalPredictor:
         try:
             predictions = self.predictor.predict([s.prompt_text for s in batch])
             self.on_prediction(time.perf_counter() - started, len(batch))
-        except Exception:
+        except BaseException:  # noqa: BLE001 - on a worker thread, a SystemExit too must not strand the batch
             # Serving goes on without a prediction; the policy treats the length as unknown.
             logger.exception("predictor failed on a batch of %d prompts", len(batch))
             return

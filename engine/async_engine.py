@@ -54,7 +54,9 @@ class AsyncLLMEngine:
         # slow both. With overlap (a GPU engine) a predictor thread scores them during steps.
         self.overlap_prediction = overlap_prediction and predictor is not None
         self.state = EngineState.STOPPED
-        self._state_lock = threading.Lock()
+        # Reentrant: a stop signal's handler (begin_drain, on the main thread) may interrupt the
+        # main thread while it holds the lock.
+        self._state_lock = threading.RLock()
         self.failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -166,6 +168,11 @@ class AsyncLLMEngine:
         (self._to_predict if self.overlap_prediction else self._commands).put(submission)
         try:
             await asyncio.wrap_future(submission.admitted)
+            if submission.abandoned is not None:
+                # Aborted (or drained) while the engine thread was adding it: the Abort queued
+                # behind frees its blocks, and the caller gets the answer it would have had a
+                # moment sooner, not a stream that nothing will ever end.
+                raise submission.abandoned
         except BaseException as exc:
             # Rejected, or the client left while waiting: forget the stream; the engine thread skips
             # a cancelled submission, and the abort covers one it had already added.

@@ -29,6 +29,7 @@ class EngineWorker:
         self._on_failure = on_failure
         self.stats: Any = engine.stats()  # replaced (never mutated) after each step
         self._live: set[str] = set()  # request ids inside the LLMEngine
+        self._stop_taken = False  # a failure after it must not wait for another Stop
 
     def run(self) -> None:
         try:
@@ -46,7 +47,7 @@ class EngineWorker:
             logger.exception("engine loop failed")
             message = f"{type(exc).__name__}: {exc}"
             self._on_failure(message)
-            refuse_until_stopped(self.commands, EngineDead(message))
+            refuse_until_stopped(self.commands, EngineDead(message), block=not self._stop_taken)
             return
         refuse_until_stopped(self.commands, EngineShuttingDown(), block=False)
 
@@ -63,7 +64,7 @@ class EngineWorker:
                     self.inline_predictor.predict_batch(arrivals)
             for command in commands:
                 if isinstance(command, Stop):
-                    stopped = True
+                    stopped = self._stop_taken = True
                     break
                 applied += 1  # counted first: a command that raised is not tried again
                 self._apply(command)

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestAborted, StreamEnd
-from engine.async_stream import NullListener
+from engine.async_stream import EngineState, NullListener
+from engine.engine_commands import Stop
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
@@ -243,8 +244,6 @@ def test_a_second_stop_signal_ends_running_requests_at_once_not_at_the_grace(tin
 
     import uvicorn
 
-    from engine.engine_commands import Stop
-
     engine = tiny_engine(tiny_model_dir)
     slow_steps(monkeypatch, engine, 0.2)  # 900 steps: three minutes, past the join below
     async_engine = AsyncLLMEngine(engine)
@@ -268,8 +267,8 @@ def test_a_second_stop_signal_ends_running_requests_at_once_not_at_the_grace(tin
         thread.join(timeout=60)
     sock.close()
     assert not thread.is_alive()
-    async_engine._commands.put(Stop())  # force exit skips the app's shutdown; end the engine thread here
-    async_engine._threads[0].join(timeout=60)
+    # uvicorn's force exit skips the app's lifespan shutdown: the server stopped the engine itself.
+    assert not async_engine._threads[0].is_alive()
     free, total = free_and_total(engine)
     assert free == total
 
@@ -300,6 +299,60 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
     assert health.status_code == 500
     # The failed request is counted, and the metrics keep nothing of it.
     assert 'finished_reason="error"' in failed and not app.state.metrics._last_token_time
+
+
+def test_a_request_aborted_while_the_engine_adds_it_is_refused_not_left_streaming(tiny_model_dir, monkeypatch):
+    # The abort lands after the engine thread checked for one and before it answered: the request
+    # is admitted, then freed by the abort queued behind it; submit must not hand back a stream
+    # that nothing will end.
+    engine = tiny_engine(tiny_model_dir)
+    async_engine = AsyncLLMEngine(engine)
+    entered, release = threading.Event(), threading.Event()
+    real_add = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", slow_add)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await async_engine.start()
+        submitted = asyncio.ensure_future(async_engine.submit("r", prompt_ids(engine, "Hello"), "Hello", params))
+        assert await asyncio.to_thread(entered.wait, 30)
+        async_engine.abort("r")
+        release.set()
+        with pytest.raises(RequestAborted):
+            await asyncio.wait_for(submitted, 60)
+        while await asyncio.wrap_future(async_engine.call_in_engine(lambda e: e.has_unfinished_requests())):
+            await asyncio.sleep(0.01)
+        await async_engine.shutdown(grace_s=0)
+
+    asyncio.run(scenario())
+    free, total = free_and_total(engine)
+    assert free == total and not async_engine._streams
+
+
+def test_a_failure_after_the_stop_is_taken_still_ends_the_engine_thread(tiny_model_dir, monkeypatch):
+    engine = tiny_engine(tiny_model_dir)
+    async_engine = AsyncLLMEngine(engine)
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    def broken_abort(request_id):
+        raise RuntimeError("abort bookkeeping broke")
+
+    async def scenario():
+        await async_engine.start()
+        await async_engine.submit("a", prompt_ids(engine, "Hello"), "Hello", params)
+        monkeypatch.setattr(engine, "abort_request", broken_abort)
+        async_engine._commands.put(Stop())  # the stop aborts the live request, which raises
+        await asyncio.to_thread(async_engine._threads[0].join, 60)
+
+    asyncio.run(scenario())
+    assert not async_engine._threads[0].is_alive()  # it waited for a second Stop before
+    assert async_engine.state is EngineState.FAILED
 
 
 def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(tiny_model_dir, monkeypatch):
@@ -429,7 +482,7 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
 
 
 def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):
-    from engine.engine_commands import Stop, refuse_until_stopped
+    from engine.engine_commands import refuse_until_stopped
 
     async_engine = AsyncLLMEngine(engine)
     async_engine._commands.put(Stop())

@@ -235,3 +235,5 @@ class DrainingServer(uvicorn.Server):
                 drain.cancel()
                 await self._async_engine.drain(0)
         await super().shutdown(sockets=sockets)
+        if self.force_exit:  # uvicorn then skips the app's lifespan shutdown, which stops the engine
+            await self._async_engine.shutdown(0)

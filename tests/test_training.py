@@ -104,6 +104,22 @@ def test_the_primary_tau_is_of_the_ranking_length_the_order_the_scheduler_uses()
     assert result.kendall_tau_score == pytest.approx(-1.0)
 
 
+def test_the_tau_interval_brackets_the_tau_and_narrows_with_more_prompts():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    widths = []
+    for n in (100, 2000):
+        true = rng.normal(size=n)
+        score = true + rng.normal(size=n)  # tau about 0.5
+        low, high = metrics.tau_interval(true, score)
+        assert low < stats.kendalltau(score, true).statistic < high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2  # about 1/sqrt(20) as wide
+    assert metrics.tau_interval([1, 2, 3, 4], [1, 2, 3, 4]) == [1.0, 1.0]
+    assert metrics.tau_interval([1, 2], [2, 1]) is None  # too few prompts: JSON null, not NaN
+
+
 def test_tau_by_bucket_covers_every_row():
     rng = np.random.default_rng(0)
     true = rng.integers(1, 1000, 500)

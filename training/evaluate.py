@@ -53,6 +53,9 @@ class EvaluationReport:
     kendall_tau_two_sample_mean: float | None = None
     num_examples_resampled: int | None = None
     resample: str | None = None
+    # 95% bootstrap intervals over the test prompts (training/metrics.py tau_interval).
+    kendall_tau_ci95: list[float] | None = None
+    kendall_tau_dedup_ci95: list[float] | None = None
 
 
 def latency_ms_per_prompt(model, prompts: Sequence[str], batch_size: int, calls: int) -> float:
@@ -105,7 +108,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     import predictor
     from predictor.batching import predict_in_batches
     from training import labels as label_data
-    from training.metrics import prediction_metrics
+    from training.metrics import prediction_metrics, tau_interval
 
     model = predictor.load(predictor_path)  # first: a wrong path fails before the data loads
     test = label_data.subsample(label_data.load_split("test", labels), limit, seed=2)
@@ -127,6 +130,8 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
         num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,
         predictor=str(predictor_path), labels=labels, **resampled,
+        kendall_tau_ci95=tau_interval(test.lengths, [p.rank_len for p in predictions]),
+        kendall_tau_dedup_ci95=tau_interval(test.lengths[keep], [p.rank_len for p, k in zip(predictions, keep) if k]),
     )
 
 

@@ -46,6 +46,23 @@ def pairwise_accuracy(true: np.ndarray, score: np.ndarray, seed: int = 0) -> flo
     return float(agree.mean()) if keep.any() else float("nan")
 
 
+def tau_interval(true: Sequence[float], score: Sequence[float], num_resamples: int = 1000,
+                 seed: int = 0) -> list[float] | None:
+    """95% percentile bootstrap interval of Kendall's tau over the prompts (resampled with
+    replacement): how far another test split of this size would move the figure. None for fewer
+    than 3 prompts."""
+    true, score = np.asarray(true, dtype=np.float64), np.asarray(score, dtype=np.float64)
+    if len(true) < 3:
+        return None
+    rng = np.random.default_rng(seed)
+    draws = [stats.kendalltau(score[rows], true[rows]).statistic
+             for rows in (rng.integers(0, len(true), len(true)) for _ in range(num_resamples))]
+    if np.isnan(draws).all():  # every resample constant: tau is undefined (JSON null, not NaN)
+        return None
+    low, high = np.nanpercentile(draws, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
 def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Prediction]) -> PredictionMetrics:
     true = np.asarray(true_lengths, dtype=np.float64)
     score = np.asarray([p.score for p in predictions], dtype=np.float64)

@@ -12,6 +12,7 @@ installed package's folder, so a saved predictor stays small.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -43,8 +44,10 @@ class EncoderConfig:
         return asdict(self)
 
     def cache_identity(self) -> dict:
-        # batch_size changes nothing in the vectors.
-        return {k: v for k, v in self.as_dict().items() if k != "batch_size"}
+        # batch_size changes nothing in the vectors; the weights and tokenizer behind model_ref do,
+        # and another release of the package could change them under the same reference.
+        identity = {k: v for k, v in self.as_dict().items() if k != "batch_size"}
+        return {**identity, "weights": files_fingerprint(resolve_model_dir(self.model_ref))}
 
     def key_text(self, prompt: str) -> str:
         return encoder_text(prompt)  # the text embedded: prompts sharing it share a vector
@@ -56,6 +59,18 @@ def resolve_model_dir(model_ref: str) -> Path:
         return Path(model_ref)
     package, _, sub = model_ref[len(PACKAGE_PREFIX):].partition("/")
     return package_dir(package, "the encoder's weights") / sub
+
+
+def files_fingerprint(model_dir: Path) -> str:
+    """A digest of the folder's weight and tokenizer files (MiniLM's 90 MB: a fraction of a second)."""
+    digest = hashlib.blake2b(digest_size=8)
+    files = [*model_dir.glob("*.safetensors"), *model_dir.glob("tokenizer.json"), *model_dir.glob("vocab.txt")]
+    for path in sorted(files):
+        digest.update(path.name.encode())
+        with path.open("rb") as data:
+            while chunk := data.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def encoder_text(prompt: str) -> str:

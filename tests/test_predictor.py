@@ -273,6 +273,20 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch
 
     assert embedding_cache.cache_dir(replace(encoder.config, tail_tokens=encoder.config.tail_tokens + 1)) != \
         embedding_cache.cache_dir(encoder.config)
+    # And so do the encoder's files: the same folder with one tokenizer file changed keys another.
+    from predictor.encoder import resolve_model_dir
+
+    folder = tmp_path / "encoder"
+    folder.mkdir()
+    for path in resolve_model_dir(encoder.config.model_ref).iterdir():
+        (folder / path.name).symlink_to(path)
+    at_folder = replace(encoder.config, model_ref=str(folder))
+    before = embedding_cache.cache_dir(at_folder)
+    assert embedding_cache.cache_dir(at_folder) == before
+    vocabulary = (folder / "vocab.txt").read_text()
+    (folder / "vocab.txt").unlink()
+    (folder / "vocab.txt").write_text(vocabulary + "extra\n")
+    assert embedding_cache.cache_dir(at_folder) != before
     # A chunk cut off by a killed run (before chunks were renamed into place) is skipped, not fatal.
     (directory / "chunk_99999.npz").write_bytes(b"PK\x03\x04cut off")
     cached, found = embedding_cache.cached_embeddings(prompts, encoder.config, root=tmp_path / "cache")

@@ -86,7 +86,7 @@ def main() -> None:
     prompts = [p for split in pooled for p in split.prompts]
     y = np.concatenate([split.lengths for split in pooled])
     states = layer_states(probe, prompts + test.prompts, args.layers)
-    folds = labels.trace_cv_folds(len(prompts), args.folds)
+    folds = labels.trace_cv_folds(prompts, args.folds)
 
     def tau(score, truth) -> float:
         return float(stats.kendalltau(score, truth).statistic)

@@ -54,9 +54,10 @@ def main() -> None:
 
     limit_torch_threads()
     model = predictor.load(args.predictor)
-    parts = [features(model, labels.load_split(name, "trace")) for name in ("train", "validation")]
+    splits = [labels.load_split(name, "trace") for name in ("train", "validation")]
+    parts = [features(model, split) for split in splits]
     x, outputs, y = (np.concatenate([part[i] for part in parts]) for i in range(3))
-    folds = labels.trace_cv_folds(len(x), args.folds)
+    folds = labels.trace_cv_folds([p for split in splits for p in split.prompts], args.folds)
 
     def tau(score: np.ndarray, rows: np.ndarray) -> float:
         return float(stats.kendalltau(score, y[rows]).statistic)

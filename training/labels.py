@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -100,10 +100,16 @@ def trace_held_out_tag() -> str:
     return f"trace:{trace_hash()}"
 
 
-def trace_cv_folds(num_rows: int, num_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(train rows, held rows) folds over the trace's train and validation prompts pooled in that
-    order: the one definition the trace scripts share, so their cross-validated figures score the
-    same folds."""
-    from sklearn.model_selection import KFold
+def trace_cv_folds(prompts: Sequence[str], num_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train rows, held rows) folds over trace prompts (the scripts pool train and validation), the
+    one definition the trace scripts share. Whole conversations go to one fold: a later turn's
+    prompt holds the earlier turns word for word, so row folds let a model recognise a
+    conversation it trained on (rows folds had scored 1,531 of 4,201 pooled prompts that way)."""
+    from sklearn.model_selection import GroupKFold
 
-    return list(KFold(num_folds, shuffle=True, random_state=0).split(np.arange(num_rows)))
+    from training import trace
+
+    table = trace.load_trace()
+    conversation_of = dict(zip(table["key"], table["conversation_id"]))
+    groups = [conversation_of[trace.prompt_key(prompt)] for prompt in prompts]
+    return list(GroupKFold(num_folds).split(np.arange(len(prompts)), groups=groups))

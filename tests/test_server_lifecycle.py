@@ -190,26 +190,34 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     assert free == total
 
 
-def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(engine, monkeypatch):
-    """Through the serve CLI's server: SIGINT, then a request that cannot finish within the grace
-    period gets its last chunk (finish_reason "abort") and [DONE], not a cut connection."""
-    import signal
+def start_draining_server(engine, grace_s: float):
+    """The serve CLI's server over `engine` on a free loopback port, started in a thread; returns
+    (async engine, server, thread, socket)."""
     import socket
 
     import uvicorn
 
-    slow_steps(monkeypatch, engine, 0.005)  # 900 steps outlast the 0.3 s grace on any machine
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = serve_cli.DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5),
-                                      async_engine, grace_s=0.3)
+    server = serve_cli.DrainingServer(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=5),
+                                      async_engine, grace_s=grace_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive()
         time.sleep(0.02)
+    return async_engine, server, thread, sock
+
+
+def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(engine, monkeypatch):
+    """Through the serve CLI's server: SIGINT, then a request that cannot finish within the grace
+    period gets its last chunk (finish_reason "abort") and [DONE], not a cut connection."""
+    import signal
+
+    slow_steps(monkeypatch, engine, 0.005)  # 900 steps outlast the 0.3 s grace on any machine
+    async_engine, server, thread, sock = start_draining_server(engine, grace_s=0.3)
     body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 900, "ignore_eos": True, "stream": True}
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     answers = {}
@@ -240,23 +248,10 @@ def test_a_stop_signal_ends_a_stream_past_the_grace_period_with_abort_and_done(e
 def test_a_second_stop_signal_ends_running_requests_at_once_not_at_the_grace(tiny_model_dir, monkeypatch):
     """As uvicorn's force exit: a second Ctrl-C must not leave the server waiting out the grace."""
     import signal
-    import socket
-
-    import uvicorn
 
     engine = tiny_engine(tiny_model_dir)
     slow_steps(monkeypatch, engine, 0.2)  # 900 steps: three minutes, past the join below
-    async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = serve_cli.DrainingServer(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=5),
-                                      async_engine, grace_s=3600)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
+    async_engine, server, thread, sock = start_draining_server(engine, grace_s=3600)
     body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", json=body,
                       timeout=60) as response:

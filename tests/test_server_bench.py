@@ -33,6 +33,11 @@ def test_poisson_arrivals_have_the_asked_rate_and_inf_sends_at_once():
     bursty = np.diff(bench_serve.arrival_offsets(4000, rate=8.0, burstiness=0.25, seed=1))
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.15)  # gamma: CV 1/sqrt(shape)
     assert bench_serve.arrival_offsets(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    # What a schedule really offers: close to the rate over many requests, off by seed over few
+    # (the README's issue-6 workload: 200 requests at rate 1, seed 0).
+    assert bench_serve.offered_rate(offsets) == pytest.approx(8.0, rel=0.05)
+    assert bench_serve.offered_rate(bench_serve.arrival_offsets(200, 1.0, 1.0, 0)) == pytest.approx(0.884, abs=0.001)
+    assert bench_serve.offered_rate([0.0, 0.0, 0.0]) is None
 
 
 def test_a_reply_cap_shortens_the_same_requests_instead_of_choosing_others():
@@ -77,7 +82,11 @@ def test_a_broken_stream_fails_its_request_not_the_run():
 
     streams = {"malformed": ["data: {not json\n\n"], "no text": ["data: [DONE]\n\n"],
                "no usage": ['data: {"choices": [{"text": "hi"}]}\n\n', "data: [DONE]\n\n"],
-               "error field": ['data: {"error": "boom"}\n\n', "data: [DONE]\n\n"]}
+               "error field": ['data: {"error": "boom"}\n\n', "data: [DONE]\n\n"],
+               # Not a failure: a reply that is only its end-of-sequence token (empty text), as
+               # vLLM's benchmark counts it.
+               "eos only": ['data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n',
+                            'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n', "data: [DONE]\n\n"]}
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -94,6 +103,8 @@ def test_a_broken_stream_fails_its_request_not_the_run():
 
     with running_server(app) as (base_url, _):  # a real socket, as a server streams
         results = asyncio.run(send_all(base_url))
+    eos_only = results.pop("eos only")
+    assert eos_only.success and eos_only.ttft_s is not None and eos_only.output_tokens == 1, eos_only.error
     assert not any(r.success for r in results.values())
     assert all(r.error for r in results.values()), {name: r.error for name, r in results.items()}
     assert results["error field"].error == "stream error: boom"

@@ -126,6 +126,15 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     return list(np.cumsum(gaps))
 
 
+def offered_rate(offsets: list[float]) -> float | None:
+    """Requests per second the schedule actually offers: the gaps are drawn, not rescaled (as in
+    vLLM's older benchmark_serving.py), so one seed's schedule runs faster or slower than
+    --request-rate (seed 0 at rate 1 for 200 requests: 0.88). None when all are sent at once."""
+    if len(offsets) < 2 or offsets[-1] <= 0:
+        return None
+    return (len(offsets) - 1) / offsets[-1]
+
+
 async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: report.RequestResult) -> None:
     """Stream one completion, filling `result` with its timings or its error."""
     sent = time.perf_counter()
@@ -142,7 +151,9 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
                     continue
                 data = line[len("data: "):]
                 if data == "[DONE]":
-                    result.e2e_s = time.perf_counter() - sent
+                    # As vLLM's benchmark: the request ends with its last chunk of choices (the
+                    # usage chunk and [DONE] follow at once, carrying no token).
+                    result.e2e_s = (last_chunk if last_chunk is not None else time.perf_counter()) - sent
                     result.success = _completed(result)
                     return
                 if _on_chunk(json.loads(data), result, sent):
@@ -168,21 +179,20 @@ def _completed(result: report.RequestResult) -> bool:
 
 
 def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
-    """Record what one SSE chunk says; True when it carried text (a token arrived)."""
+    """Record what one SSE chunk says; True when it carried choices (a token arrived). As in vLLM's
+    benchmark, a choice with empty text counts: a reply's end-of-sequence token arrives as one."""
     if "error" in chunk:
         error = chunk["error"]
         result.error = f"stream error: {error.get('message', '') if isinstance(error, dict) else error}"
         return False
-    has_text = False
-    for choice in chunk.get("choices") or []:
-        has_text = has_text or bool(choice.get("text"))
-        if has_text and result.ttft_s is None:
-            result.ttft_s = time.perf_counter() - sent
-        if choice.get("finish_reason") == "abort":
-            result.error = "aborted by the server"
+    choices = chunk.get("choices") or []
+    if choices and result.ttft_s is None:
+        result.ttft_s = time.perf_counter() - sent
+    if any(choice.get("finish_reason") == "abort" for choice in choices):
+        result.error = "aborted by the server"
     if chunk.get("usage"):
         result.output_tokens = chunk["usage"]["completion_tokens"]
-    return has_text
+    return bool(choices)
 
 
 async def run_load(args: argparse.Namespace, items: list[WorkItem], model: str) -> tuple[list, float]:
@@ -252,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
     results, duration = asyncio.run(run_load(args, items, model))
     summary = report.summarize(results, duration, slos)
+    summary["offered_request_rate_rps"] = offered_rate(
+        arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed))
     if args.ignore_eos:  # every reply must then be exactly max_tokens long: a full response
         summary["short_outputs"] = sum(r.success and r.output_tokens != r.max_tokens for r in results)
     preemptions_after = server_state(args.base_url)[1]

@@ -180,7 +180,10 @@ class AdmissionController:
         span = max(self.config.stability_window_s, now - self._arrivals[0][0])
         arrival_rate = len(self._arrivals) / span
         mean_prompt = sum(a[1] for a in self._arrivals) / len(self._arrivals)
-        mean_decode = sum(a[2] for a in self._arrivals) / len(self._arrivals)
+        # The mean over arrivals with a prediction (none: the prompt terms alone), as for KV: the
+        # max_tokens fallback made a server without a predictor report an overload not there.
+        predicted_decode = [a[2] for a in self._arrivals if a[3] is not None]
+        mean_decode = sum(predicted_decode) / len(predicted_decode) if predicted_decode else 0.0
         predicted_kv = [a[3] for a in self._arrivals if a[3] is not None]
         mean_kv_steps = sum(predicted_kv) / len(predicted_kv) if predicted_kv else 0.0
         mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
@@ -213,7 +216,9 @@ class AdmissionController:
         if throughput is None:
             return  # nothing measured yet: no basis for a delay estimate
         if request.tier == Tier.INTERACTIVE:
-            ahead = sum(prompt_tokens_left(r) for r in waiting if r.tier == Tier.INTERACTIVE)
+            # Running ones too: a long prompt given its first chunk still has its other chunks
+            # served before anything waiting.
+            ahead = sum(prompt_tokens_left(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
             own_s = request.num_prompt_tokens / throughput
             self._check_slo(ahead / throughput, own_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
@@ -230,8 +235,12 @@ class AdmissionController:
             return
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
-        if queued > 0 and queued + own_work > bound * share:  # an empty queue is never full
-            excess = queued + own_work - bound * share
+        limit = bound * share
+        # A request larger than the limit on its own would fit only an empty queue, which steady
+        # traffic never leaves (every retry refused): it is refused only while the queue is full.
+        overflows = queued >= limit if own_work > limit else queued + own_work > limit
+        if queued > 0 and overflows:  # an empty queue is never full
+            excess = queued + min(own_work, limit) - limit
             retry = min(excess, queued) / throughput if throughput else MIN_RETRY_AFTER_S
             self._reject(f"queue full: {queued:.0f} queued tokens + {own_work:.0f} exceed the "
                          f"{request.tier.name.lower()} bound {bound * share:.0f}", retry)

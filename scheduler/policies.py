@@ -79,8 +79,8 @@ class PriorityPolicy(TieredPolicy):
     name = "priority"
     orders_by_priority = True
 
-    def score(self, request: Request, now: float) -> float:
-        return float(request.priority)
+    def score(self, request: Request, now: float) -> int:
+        return request.priority  # an int: as a float, priorities above 2**53 would merge
 
     def preempts_within_tier(self, waiting: Request, running: Request, now: float) -> bool:
         return waiting.priority < running.priority

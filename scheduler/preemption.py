@@ -43,26 +43,46 @@ class Preemption:
                 return
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 return  # a preempted request not back yet ranks first and keeps its place
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
-                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
-            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new)
             # Not a request admitted earlier in this loop: its grant is already in the plan.
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids
                           and self.policy.should_preempt_for(request, r, now)]
+            if not candidates:
+                return  # it may preempt nobody, so it keeps its turn, and nothing after it jumps it
+            # Running requests ranked ahead of it keep their whole next chunk: an urgent request
+            # goes before those it may preempt, never before an earlier one of its own tier.
+            ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(request, plan, now)
+            num_new = self._num_new_tokens(request, budget - ahead_tokens)
+            if num_new <= 0:
+                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
+            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new) + ahead_blocks
             victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
             if victims is None:
                 return
             for victim in victims:
                 free_blocks += len(victim.block_ids)
                 self._preempt(victim, plan)
-            if candidates and not self._admit_now(request, num_new, plan):
+            if not self._admit_now(request, num_new, plan):
                 return
             # Nobody ranked after a victim just preempted is let in later in this loop either.
             limit = self._resume_limit(plan, now)
             free_seats += len(victims) - 1
             free_blocks -= need
             budget += len(victims) - num_new
+
+    def _next_chunks_ranked_ahead(self, request: Request, plan: StepPlan, now: float) -> tuple[int, int]:
+        """Tokens and blocks that running requests ranked ahead of `request` (not yet scheduled in
+        this step) need for their next chunk beyond the one token and block of growth every
+        running request is already counted for."""
+        key = self.policy.sort_key(request, now)
+        tokens = blocks = 0
+        for running in self.running:
+            if running.request_id in plan.scheduled_ids or self.policy.sort_key(running, now) >= key:
+                continue
+            chunk = self._num_new_tokens(running, self.config.max_num_batched_tokens)
+            tokens += max(0, chunk - 1)
+            blocks += max(0, self.block_manager.num_new_blocks_needed(running, chunk)
+                          - self.block_manager.num_new_blocks_needed(running, 1))
+        return tokens, blocks
 
     def _admit_now(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Admit an urgent request before anything else takes the room made for it: the watermark

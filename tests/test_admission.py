@@ -118,6 +118,28 @@ def test_interactive_ttft_counts_only_interactive_prompts_ahead() -> None:
     ctl.check(req("i8", 250, 50, Tier.INTERACTIVE), interactive_backlog[:2], [])
 
 
+def test_interactive_ttft_counts_the_unfed_prompt_of_running_interactive_requests() -> None:
+    # A long prompt given its first chunk moves to running, but its other chunks are still served
+    # before anything waiting: it was counted while waiting and forgotten once running.
+    ctl = controller(slo_ttft_interactive_s=0.5)
+    long_prompt = req("long", 1000, 50, Tier.INTERACTIVE)
+    long_prompt.num_computed_tokens = 256  # 744 tokens still to feed: 0.74 s at 1000 tokens/s
+    with pytest.raises(AdmissionRejected, match="TTFT"):
+        ctl.check(req("i", 100, 50, Tier.INTERACTIVE), [], [long_prompt])
+    long_prompt.num_computed_tokens = 1000  # decoding: nothing of its prompt is ahead any more
+    ctl.check(req("i", 100, 50, Tier.INTERACTIVE), [], [long_prompt])
+
+
+def test_a_request_larger_than_the_queue_bound_is_refused_only_while_the_queue_is_full() -> None:
+    # On its own it overflows any queue: refused whenever anything was queued, it never got in
+    # under steady traffic, and every retry its 429 invited was refused again.
+    ctl = controller(max_queued_tokens=1000, batch_shed_share=0.5)
+    big = req("big", 480, 40, Tier.BATCH)  # 520 tokens against the batch bound of 500
+    ctl.check(big, [req("small", 4, 2, Tier.BATCH)], [])
+    with pytest.raises(AdmissionRejected, match="queue full"):
+        ctl.check(big, [req(f"q{i}", 200, 50, Tier.BATCH) for i in range(2)], [])  # 500 queued: full
+
+
 def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
     ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5, slo_e2e_standard_s=1e9)  # the bound alone
     waiting = [req(f"w{i}", 2000, 1000) for i in range(2)]  # 6000 queued tokens
@@ -277,9 +299,10 @@ def test_small_steps_alone_do_not_stand_for_the_token_capacity() -> None:
     assert ctl.stability_margin(9.0) == pytest.approx(max(seats, kv))
 
 
-def test_arrivals_without_a_prediction_stay_out_of_the_kv_term() -> None:
+def test_arrivals_without_a_prediction_stay_out_of_the_decode_terms() -> None:
     # Served without a predictor, a chat request's decode falls back to max_tokens (the rest of a
-    # 2k context); squared in the KV term, ten 100-token requests in 36 s read as 1.5, an overload.
+    # 2k context); squared in the KV term, ten 100-token requests in 36 s read as 1.5, an overload,
+    # and in the seat term 3.9 at 1 request/s. Their prompts still count.
     config = SchedulerConfig(num_gpu_blocks=1456, max_num_batched_tokens=512, max_num_seqs=256,
                              max_model_len=2048, stability_window_s=10.0)
 
@@ -293,5 +316,5 @@ def test_arrivals_without_a_prediction_stay_out_of_the_kv_term() -> None:
         return ctl.stability_margin(36.0)
 
     rate = 10 / 36.0
-    assert margin(None) == pytest.approx(rate * (1948 + 100 / 512) * 0.06 / 256)  # the seat term
+    assert margin(None) == pytest.approx(rate * (100 / 512) * 0.06 / 256)  # the seat term, prompts only
     assert margin(250.0) == pytest.approx(rate * 250 * (100 + 125) * 0.06 / (1456 * 16))  # KV binds

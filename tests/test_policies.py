@@ -57,6 +57,15 @@ def test_priority_lower_first_ties_by_arrival() -> None:
     assert not policy.should_preempt_for(requests[0], requests[1], 0.0)
 
 
+def test_priorities_beyond_float_precision_order_as_they_preempt() -> None:
+    # As floats, 2**60 and 2**60 + 1 were equal, so the order fell back to arrival while the
+    # preemption rule compared the integers: a victim could rank ahead of its preemptor.
+    low, high = req("low", 0.0, priority=2**60 + 1), req("high", 1.0, priority=2**60)
+    policy = make_policy("priority", SchedulerConfig(num_gpu_blocks=4))
+    assert policy.should_preempt_for(high, low, 1.0)
+    assert policy.sort_key(high, 1.0) < policy.sort_key(low, 1.0)
+
+
 def test_sjf_orders_by_predicted_length() -> None:
     requests = [req("long", 0.0, predicted=150), req("short", 1.0, predicted=10), req("mid", 0.5, predicted=60)]
     assert order("sjf", requests, now=1.0, aging_tokens_per_s=0.0) == ["short", "mid", "long"]
@@ -581,3 +590,40 @@ def test_two_urgent_arrivals_in_one_step_are_admitted_with_the_room_left_by_the_
             break
     assert_every_token(batch + urgent)
     assert scheduler.block_manager.num_free_blocks == blocks
+
+
+@pytest.mark.parametrize("num_gpu_blocks, batch_prompt, batch_out, first_prompt, later_prompt, later_steps", [
+    (200, 10, 500, 300, 200, range(2, 6)),  # room enough: each newcomer took i1's budget
+    (16, 60, 100, 200, 60, [4]),  # blocks short: a newcomer's room made i1 preempt itself
+])
+def test_an_urgent_arrival_never_takes_the_chunk_of_an_earlier_running_request_of_its_tier(
+        num_gpu_blocks: int, batch_prompt: int, batch_out: int, first_prompt: int, later_prompt: int,
+        later_steps) -> None:
+    # A batch request decodes while an interactive one (i1) is mid-prefill, and more interactive
+    # requests arrive. Each may preempt the batch request, but not push i1 aside: before, each
+    # newcomer was admitted first and i1 got 2-5 tokens a step (200 blocks), or lost its 191
+    # computed tokens to a self-preemption (16 blocks).
+    config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=16, max_num_batched_tokens=64,
+                             max_model_len=1024 if num_gpu_blocks == 200 else 256, max_num_seqs=8,
+                             kv_watermark=0.0)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(num_gpu_blocks, 16)
+    batch = req("b", 0.0, tier=Tier.BATCH, prompt_len=batch_prompt, max_tokens=batch_out)
+    first = req("i1", 1.0, tier=Tier.INTERACTIVE, prompt_len=first_prompt, max_tokens=5)
+    later = [req(f"i{k}", float(k), tier=Tier.INTERACTIVE, prompt_len=later_prompt, max_tokens=5) for k in later_steps]
+    arrivals = {0: [batch], 1: [first], **{k: [r] for k, r in zip(later_steps, later)}}
+    for step in range(2000):
+        add_arrivals(scheduler, arrivals, step)
+        computed_before = first.num_computed_tokens
+        output = scheduler.schedule(float(step))
+        chunks = {c.request_id: len(c.token_ids) for c in output.chunks}
+        if step > 1 and computed_before < first.num_prompt_tokens:
+            # Its prefill keeps a whole step's budget but at most the batch decode's token.
+            assert chunks.get("i1", 0) >= min(63, first.num_prompt_tokens - computed_before), (step, chunks)
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if step > max(arrivals) and not scheduler.has_unfinished_requests():
+            break
+    assert first.num_preemptions == 0
+    assert_every_token([batch, first, *later])
+    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks

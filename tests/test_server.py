@@ -378,31 +378,36 @@ def test_a_nonzero_priority_is_400_without_priority_scheduling(served):
     assert post(served[0], "/v1/completions", {**body, "priority": 0}).status_code == 200
 
 
-def fill_every_seat_and_queue_one(async_engine, prompt_ids: list[int]) -> list[str]:
-    """Nine long requests, added on the engine thread: eight take the seats, one waits. Each is
-    predicted one token long, so together they pass the queue bound."""
+def fill_every_seat_and_queue_one(async_engine, prompt_ids: list[int],
+                                  queued_ids: list[int] | None = None) -> list[str]:
+    """Nine long requests, added on the engine thread: eight take the seats, one waits (with the
+    prompt `queued_ids`, when given). Each is predicted one token long."""
     from predictor.base import Prediction
     from scheduler.request import SamplingParams
 
     ids = [f"filler{i}" for i in range(9)]
     short = Prediction(point=1.0, p50=1.0, p90=1.0, score=0.0, rank_len=1.0)
-    params = SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompt_ids), temperature=0.0, ignore_eos=True)
 
     def add(engine):
         for request_id in ids:
-            engine.add_request(request_id, prompt_ids, params, prediction=short)
+            prompt = queued_ids if queued_ids is not None and request_id == ids[-1] else prompt_ids
+            params = SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, prompt, params, prediction=short)
 
     async_engine.call_in_engine(add).result(timeout=60)
     return ids
 
 
 def test_admission_rejection_is_429_with_retry_after(served, client, tokenizer):
-    # With work queued, a request whose prompt alone exceeds the bound is refused; on an empty
-    # queue it would be admitted (no retry could ever succeed otherwise).
+    # A request whose prompt alone exceeds the bound is refused while the queue is full (a request
+    # of the bound's size waits), and admitted once it is not: refused whenever anything at all
+    # was queued, it would never get in under steady traffic.
     prompt = " ".join(["word"] * (MAX_QUEUED_TOKENS + 20))
-    assert MAX_QUEUED_TOKENS < len(tokenizer.encode(prompt, add_special_tokens=False)) < MAX_MODEL_LEN - 10
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert MAX_QUEUED_TOKENS < len(prompt_ids) < MAX_MODEL_LEN - 10
     before = metric(scrape(served[0]), "lengthwise:admission_rejections_total")
-    fillers = fill_every_seat_and_queue_one(served[1], tokenizer.encode("Hello there", add_special_tokens=False))
+    fillers = fill_every_seat_and_queue_one(served[1], tokenizer.encode("Hello there", add_special_tokens=False),
+                                            queued_ids=prompt_ids)
     try:
         response = post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
                                                        "service_tier": "flex"})

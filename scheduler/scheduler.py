@@ -6,9 +6,10 @@ the token budget (`max_num_batched_tokens`); the preemption they use is in preem
 1. `_make_room_for_urgent`: a waiting request the policy lets preempt (an interactive request
    before batch work, or SRPT's limited preemption) takes seats and blocks from running victims,
    only as many as let it in this step, and is admitted at once, past the KV watermark and ahead
-   of the running requests' prefill chunks (which would otherwise take the room made for it).
-   Never one ranked after a request still swapped out or preempted in this step: that one keeps
-   its place.
+   of the prefill chunks of the running requests ranked after it (which would otherwise take the
+   room made for it); those ranked ahead of it keep their next chunk. Never one ranked after a
+   request still swapped out or preempted in this step, or after a waiting request that may
+   preempt nobody: those keep their place.
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself).

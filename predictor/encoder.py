@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from predictor.features import parse_prompt
-from predictor.paths import package_dir
+from predictor.paths import digest_files, package_dir
 
 PACKAGE_PREFIX = "package:"
 CHARS_PER_TOKEN_BOUND = 8  # pre-cut long text before tokenizing; a word piece is rarely longer
@@ -65,11 +65,7 @@ def files_fingerprint(model_dir: Path) -> str:
     """A digest of the folder's weight and tokenizer files (MiniLM's 90 MB: a fraction of a second)."""
     digest = hashlib.blake2b(digest_size=8)
     files = [*model_dir.glob("*.safetensors"), *model_dir.glob("tokenizer.json"), *model_dir.glob("vocab.txt")]
-    for path in sorted(files):
-        digest.update(path.name.encode())
-        with path.open("rb") as data:
-            while chunk := data.read(1 << 24):
-                digest.update(chunk)
+    digest_files(digest, sorted(files))
     return digest.hexdigest()
 
 

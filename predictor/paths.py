@@ -26,3 +26,13 @@ def package_dir(name: str, install_hint: str = "") -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {name!r} is not installed" + (f" ({install_hint})" if install_hint else ""))
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def digest_files(digest, paths) -> None:
+    """Feed each file's name and contents to `digest` (a hashlib object), in the order given, a
+    chunk at a time: the weight fingerprints of the encoder and the probe."""
+    for path in paths:
+        digest.update(path.name.encode())
+        with path.open("rb") as data:
+            while chunk := data.read(1 << 24):
+                digest.update(chunk)

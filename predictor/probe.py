@@ -31,7 +31,7 @@ import numpy as np
 
 from predictor.base import Prediction
 from predictor.heads import HeadOutputs, to_predictions
-from predictor.paths import SERVED_MODEL_REF, project_root
+from predictor.paths import SERVED_MODEL_REF, digest_files, project_root
 from predictor.saved import PredictorSpec
 
 HEAD_FILENAME = "probe_head.npz"
@@ -51,11 +51,7 @@ def model_fingerprint(model_dir: Path) -> str:
     architecture = {key: config.get(key) for key in ARCHITECTURE_KEYS}
     architecture["rope_theta"] = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
     digest = hashlib.blake2b(json.dumps(architecture, sort_keys=True).encode(), digest_size=16)
-    for path in [model_dir / "tokenizer.json", *sorted(model_dir.glob("*.safetensors"))]:
-        digest.update(path.name.encode())
-        with path.open("rb") as data:
-            while chunk := data.read(1 << 24):
-                digest.update(chunk)
+    digest_files(digest, [model_dir / "tokenizer.json", *sorted(model_dir.glob("*.safetensors"))])
     return digest.hexdigest()[:16]
 
 

@@ -119,7 +119,8 @@ def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
              for i, tier in enumerate(["interactive", "standard", "batch", "standard"])]
     with running_server(app) as (base_url, _):
         args = bench_args(base_url=base_url, request_rate=50.0, ignore_eos=True)
-        results, duration = asyncio.run(bench_serve.run_load(args, items, MODEL))
+        offsets = bench_serve.arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)
+        results, duration = asyncio.run(bench_serve.run_load(args, items, MODEL, offsets))
         info, preemptions = bench_serve.server_state(base_url)
     assert info["policy"] == "sjf" and preemptions == 0
     assert all(r.success and r.error == "" for r in results)

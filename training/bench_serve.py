@@ -195,8 +195,9 @@ def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
     return bool(choices)
 
 
-async def run_load(args: argparse.Namespace, items: list[WorkItem], model: str) -> tuple[list, float]:
-    offsets = arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)
+async def run_load(args: argparse.Namespace, items: list[WorkItem], model: str,
+                   offsets: list[float]) -> tuple[list, float]:
+    """Send each item at its offset (s from the start); returns the results and the duration."""
     limit = asyncio.Semaphore(args.max_concurrency or len(items))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
@@ -260,10 +261,10 @@ def run(args: argparse.Namespace) -> int:
     items = sample_workload(args)
     info, preemptions_before = server_state(args.base_url)
     label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
-    results, duration = asyncio.run(run_load(args, items, model))
+    offsets = arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)
+    results, duration = asyncio.run(run_load(args, items, model, offsets))
     summary = report.summarize(results, duration, slos)
-    summary["offered_request_rate_rps"] = offered_rate(
-        arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed))
+    summary["offered_request_rate_rps"] = offered_rate(offsets)
     if args.ignore_eos:  # every reply must then be exactly max_tokens long: a full response
         summary["short_outputs"] = sum(r.success and r.output_tokens != r.max_tokens for r in results)
     preemptions_after = server_state(args.base_url)[1]

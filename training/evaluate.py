@@ -121,6 +121,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}
     resampled = second_sample_figures(test.prompts, test.lengths, predictions, resample) if resample else {}
+    rank_len = np.asarray([p.rank_len for p in predictions])
     return EvaluationReport(
         kendall_tau=whole.kendall_tau, kendall_tau_dedup=dedup.kendall_tau,
         kendall_tau_dedup_last_message=dedup_strict.kendall_tau,
@@ -130,8 +131,8 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
         num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,
         predictor=str(predictor_path), labels=labels, **resampled,
-        kendall_tau_ci95=tau_interval(test.lengths, [p.rank_len for p in predictions]),
-        kendall_tau_dedup_ci95=tau_interval(test.lengths[keep], [p.rank_len for p, k in zip(predictions, keep) if k]),
+        kendall_tau_ci95=tau_interval(test.lengths, rank_len),
+        kendall_tau_dedup_ci95=tau_interval(test.lengths[keep], rank_len[keep]),
     )
 
 

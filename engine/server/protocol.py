@@ -25,15 +25,18 @@ MAX_STOP_STRINGS = 64
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 
 
+def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+    """A "before" validator: OpenAI's API (and its clients) take an explicit null as "not set"."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's usage on every chunk: not implemented, so only its neutral value is accepted.
     continuous_usage_stats: Literal[False] = False
 
-    @field_validator("include_usage", "continuous_usage_stats", mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
+    _null_is_the_default = field_validator("include_usage", "continuous_usage_stats",
+                                           mode="before")(classmethod(null_is_the_default))
 
 
 class _Request(CompletionUnsupportedFields):
@@ -58,12 +61,8 @@ class _Request(CompletionUnsupportedFields):
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    @field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos", "priority", "top_k",
-                     mode="before")
-    @classmethod
-    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # OpenAI's API (and its clients) take an explicit null as "not set".
-        return cls.model_fields[info.field_name].default if value is None else value
+    _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
+                                           "priority", "top_k", mode="before")(classmethod(null_is_the_default))
 
     @field_validator("stream_options")
     @classmethod

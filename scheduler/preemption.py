@@ -7,8 +7,8 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
   (`_admit_now`).
 - `_allocate_or_preempt` (step part 2): when blocks run out for a running request, the policy's
   victim among those not yet scheduled this step gives way (possibly the request itself).
-- `_preempt`: swap to host memory when the config asks for it and host blocks allow, else
-  recompute (free the blocks, keep the tokens).
+- `_preempt`: the configured eviction (eviction.py) takes the victim's blocks: swapped to host
+  memory, or freed for recompute (the tokens are kept either way).
 - `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.eviction import Eviction
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestStatus
 from scheduler.step import StepPlan
@@ -27,6 +28,7 @@ class Preemption:
 
     config: SchedulerConfig
     policy: SchedulingPolicy
+    eviction: Eviction
     block_manager: BlockManager
     waiting: list[Request]
     running: list[Request]
@@ -127,16 +129,8 @@ class Preemption:
         request.num_preemptions += 1
         self._num_preemptions += 1
         plan.preempted_ids.append(request.request_id)
-        swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request)
-        if swap:
-            plan.swap_out.extend(self.block_manager.swap_out(request))
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-        else:
-            self.block_manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.append(request)
+        request.status = self.eviction.evict(request, self.block_manager, plan)
+        (self.swapped if request.status is RequestStatus.SWAPPED else self.waiting).append(request)
 
     def _resume_limit(self, plan: StepPlan, now: float) -> tuple | None:
         """The best key among preempted requests not back yet: those swapped out, and those preempted

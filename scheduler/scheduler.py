@@ -30,6 +30,7 @@ from __future__ import annotations
 from scheduler.admission import AdmissionController
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.eviction import RecomputeEviction, make_eviction
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policies import make_policy
 from scheduler.policy import SchedulingPolicy
@@ -42,6 +43,7 @@ class Scheduler(Preemption):
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy, config)
+        self.eviction = make_eviction(config.preemption_mode)
         self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
         self.admission = AdmissionController(config)
         self.waiting: list[Request] = []  # new and recompute-preempted requests
@@ -119,9 +121,23 @@ class Scheduler(Preemption):
         for request_id in finished_ids:
             self._requests.pop(request_id, None)
         self._finished_ids.clear()
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        try:
+            self._fill(plan, now)
+            return build_chunks(plan, finished_ids, now)
+        except BaseException:
+            # Nothing of this plan reaches the runner: a swap-out it booked is never copied (the
+            # host blocks hold nothing), so every request it touched starts over by recompute,
+            # and the finished ids are reported with the next step instead.
+            touched = [request.request_id for request, _ in plan.grants] + plan.preempted_ids
+            self._restart_by_recompute(touched, now)
+            self._finished_ids[:0] = finished_ids
+            raise
+
+    def _fill(self, plan: StepPlan, now: float) -> None:
+        """The four parts of a step (module docstring), granting tokens into `plan`."""
         self.policy.on_step(self.waiting, self.running, now, self.admission.mean_step_time_s)
         self.waiting.sort(key=lambda r: self.policy.sort_key(r, now))
-        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._make_room_for_urgent(plan, now)
         self._schedule_running(plan, now)
         if not plan.preempted_ids:
@@ -129,7 +145,6 @@ class Scheduler(Preemption):
         self._schedule_waiting(plan, now)
         for request_id in plan.preempted_ids:  # queued again from now: more queueing delay
             self._requests[request_id].requeued_at = now
-        return build_chunks(plan, finished_ids, now)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -204,15 +219,15 @@ class Scheduler(Preemption):
         blocks with nothing left to schedule, never finishing. Recompute keeps every token
         already generated.
         """
-        touched = {chunk.request_id for chunk in output.chunks} | set(output.preempted_ids)
-        for request_id in touched:
+        self._restart_by_recompute([chunk.request_id for chunk in output.chunks] + list(output.preempted_ids), now)
+
+    def _restart_by_recompute(self, request_ids: list[str], now: float) -> None:
+        for request_id in dict.fromkeys(request_ids):
             request = self._requests.get(request_id)
             if request is None or request.is_finished:
                 continue
             self._remove_from_queues(request)
-            self.block_manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
+            request.status = RecomputeEviction().evict(request, self.block_manager, StepPlan(budget=0))
             request.requeued_at = now  # queued again: its wait counts from here
             self.waiting.append(request)
 

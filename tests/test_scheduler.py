@@ -118,6 +118,51 @@ def test_a_failed_model_step_strands_no_request_and_leaks_no_block(mode: str) ->
     assert scheduler.block_manager.num_requests_holding() == 0
 
 
+class FailingAfterSwapOut(Scheduler):
+    """Raises in the last part of every other step that booked a swap-out: the plan, with its
+    host blocks allocated but never copied, never reaches the runner."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.failures = self.swap_outs = 0
+
+    def _schedule_waiting(self, plan, now: float) -> None:
+        if plan.swap_out:
+            self.swap_outs += 1
+            if self.swap_outs % 2:
+                self.failures += 1
+                raise RuntimeError("scheduling failed after a swap-out was booked")
+        super()._schedule_waiting(plan, now)
+
+
+def test_a_failed_schedule_after_a_swap_out_loses_no_token_and_leaks_no_block() -> None:
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, preemption_mode="swap", num_cpu_blocks=64)
+    scheduler = FailingAfterSwapOut(config)
+    add_workload(scheduler)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs: dict[str, list[int]] = {}
+    reported_finished: list[str] = []
+    for step in range(5000):
+        if not scheduler.has_unfinished_requests():
+            break
+        try:
+            output = scheduler.schedule(now=float(step))
+        except RuntimeError:
+            scheduler.block_manager.check_integrity()
+            continue
+        reported_finished += output.finished_ids
+        for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if request.is_finished:
+                outputs[request.request_id] = list(request.output_token_ids)
+    reported_finished += scheduler.schedule(now=5000.0).finished_ids
+    assert scheduler.failures >= 3 and scheduler.swap_outs > scheduler.failures
+    assert outputs == expected_outputs()
+    assert sorted(reported_finished) == sorted(outputs)  # each finished id reaches the runner once
+    assert scheduler.block_manager.num_requests_holding() == 0
+    scheduler.block_manager.check_integrity()
+
+
 def test_swap_preemption_moves_blocks_to_host_and_back() -> None:
     config = SchedulerConfig(num_gpu_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                              max_model_len=24, preemption_mode="swap", num_cpu_blocks=16)

@@ -1,0 +1,46 @@
+"""How a preempted request gives up its KV blocks: the preemption mode as a policy object.
+
+`RecomputeEviction` frees the blocks and forgets the computed tokens: the request keeps its
+prompt and output tokens and re-feeds them when it resumes. `SwapEviction` books copies of the
+blocks to the host pool (the runner makes them before the step's forward) and falls back to
+recompute when the host pool is short. Each returns the status the request moves to, which names
+the queue it waits in, so the scheduler files it without asking which mode it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler.block_manager import BlockManager
+from scheduler.request import Request, RequestStatus
+from scheduler.step import StepPlan
+
+
+class Eviction(Protocol):
+    def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
+        """Take the request's device blocks away; returns PREEMPTED (recompute) or SWAPPED."""
+        ...
+
+
+class RecomputeEviction:
+    def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
+        block_manager.free(request)
+        request.num_computed_tokens = 0
+        return RequestStatus.PREEMPTED
+
+
+class SwapEviction:
+    def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
+        if not block_manager.can_swap_out(request):
+            return RecomputeEviction().evict(request, block_manager, plan)
+        plan.swap_out.extend(block_manager.swap_out(request))
+        return RequestStatus.SWAPPED
+
+
+EVICTIONS: dict[str, type] = {"recompute": RecomputeEviction, "swap": SwapEviction}
+
+
+def make_eviction(mode: str) -> Eviction:
+    if mode not in EVICTIONS:
+        raise ValueError(f"unknown preemption mode {mode!r}; choose from {sorted(EVICTIONS)}")
+    return EVICTIONS[mode]()

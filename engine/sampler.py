@@ -91,10 +91,11 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits.softmax(dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=device)[None, :]
     k = torch.tensor([min(k, logits.shape[-1]) if k > 0 else logits.shape[-1] for k in top_k],
                      device=device)[:, None]
-    drop = ranks >= k
+    # Every token tied with the k-th logit stays, as in vLLM and HF: cutting at rank k would let
+    # the sort's order pick among the tied ones (common in bf16).
+    drop = sorted_logits < sorted_logits.gather(-1, k - 1)
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # top_p 1 means no cut: in float32 the mass before the last tokens can round up to 1.0, so a

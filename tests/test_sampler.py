@@ -16,6 +16,11 @@ def test_top_k_keeps_the_k_most_likely():
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    probs = _filtered_probs(torch.tensor([[1.0, 2.0, 3.0, 2.0]]), [SamplingParams(top_k=2)])
+    assert (probs[0] > 0).tolist() == [False, True, True, True]
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.8)])
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))

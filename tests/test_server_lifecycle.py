@@ -378,22 +378,34 @@ def test_a_command_that_fails_leaves_no_other_command_of_its_batch_unanswered(ti
     asyncio.run(scenario())
 
 
-def isolate_serve_paths(monkeypatch, root):
-    """Point serve's registry and default predictor into `root` (nothing there yet)."""
-    monkeypatch.setattr(serve_cli, "MLFLOW_DB", root / "mlruns" / "mlflow.db")
-    monkeypatch.setattr(serve_cli, "DEFAULT_PREDICTOR", str(root / "data" / "predictors" / "default"))
-
-
 def test_predictor_resolution(tmp_path, monkeypatch):
-    isolate_serve_paths(monkeypatch, tmp_path)
-    monkeypatch.chdir(tmp_path)  # and the working directory plays no part
-    assert serve_cli.resolve_predictor("none") is None
-    assert serve_cli.resolve_predictor("champion") is None
+    from training.serve_predictor import champion_or_default
+
+    monkeypatch.chdir(tmp_path)  # the working directory plays no part
+    store, fallback = tmp_path / "mlruns", tmp_path / "data" / "predictors" / "default"
+    assert serve_cli.predictor_folder("none") is None
+    assert champion_or_default(store, fallback) == "none"
     with pytest.raises(FileNotFoundError, match="not a saved predictor folder"):
-        serve_cli.resolve_predictor(str(tmp_path))
-    folder = save(chars_predictor(), Path(serve_cli.DEFAULT_PREDICTOR))
-    assert serve_cli.resolve_predictor("champion") == serve_cli.DEFAULT_PREDICTOR
-    assert serve_cli.resolve_predictor(str(folder)) == str(folder)
+        serve_cli.predictor_folder(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a saved predictor folder"):
+        serve_cli.predictor_folder("champion")  # resolved by the CLI before the server runs
+    folder = save(chars_predictor(), fallback)
+    assert champion_or_default(store, fallback) == str(fallback)
+    assert serve_cli.predictor_folder(str(folder)) == str(folder)
+
+
+def test_the_cli_hands_serve_the_champions_folder(monkeypatch):
+    import argparse
+
+    from training import cli, serve_predictor
+
+    monkeypatch.setattr(serve_predictor, "champion_or_default", lambda: "/some/folder")
+    args = argparse.Namespace(_command="serve", predictor="champion", log_level="info")
+    cli._resolve_arguments(args)
+    assert args.predictor == "/some/folder"
+    args = argparse.Namespace(_command="serve", predictor="data/x", log_level="info")
+    cli._resolve_arguments(args)
+    assert args.predictor == "data/x"  # a folder is checked by the server itself
 
 
 def test_serve_arguments_build_the_engine_config():
@@ -426,19 +438,20 @@ def test_serve_offers_every_policy_but_the_oracle_which_needs_true_lengths(capsy
     assert "invalid choice: 'oracle'" in capsys.readouterr().err
 
 
-def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path, monkeypatch):
-    # Registered by training's own code, resolved by serve's from the same store: the two
-    # sides name the store, the model and the alias separately (serve never imports training).
+def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path):
+    # Registered and resolved by training's code from one store: the registered champion wins
+    # over the committed default.
     from training import tracking
+    from training.serve_predictor import champion_or_default
 
-    isolate_serve_paths(monkeypatch, tmp_path)
+    fallback = save(chars_predictor(), tmp_path / "default")
     folder = save(chars_predictor(), tmp_path / "saved")
     with tracking.tracking_session(tmp_path / "mlruns"):
         run_id = tracking.log_run("chars", {"model": "length"}, {tracking.SELECTION_METRIC: 0.5}, folder, [],
                                   tracking.comparison_tags("sharegpt", ""))
         assert tracking.update_champion() == run_id
-    resolved = serve_cli.resolve_predictor("champion")
-    assert resolved is not None and resolved != serve_cli.DEFAULT_PREDICTOR
+    resolved = champion_or_default(tmp_path / "mlruns", fallback)
+    assert resolved != str(fallback)
     assert load(resolved).predict(["abc"]) == chars_predictor().predict(["abc"])
 
 

@@ -31,6 +31,11 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("trace",): ("training.trace", "record the served model's output lengths"),
     ("simulate",): ("training.simulate", "discrete-event simulation of scheduling policies"),
 }
+# command path -> "module:function" that rewrites the parsed arguments before the command runs:
+# the server takes a predictor folder, and the registry that names the champion is training's.
+ARGUMENT_RESOLVERS: dict[tuple[str, ...], str] = {
+    ("serve",): "training.serve_predictor:resolve_args",
+}
 
 
 
@@ -67,6 +72,13 @@ def _check_store(args: argparse.Namespace) -> None:
         check_store(args.store, for_writing=args._command == "train", flag="--store")
 
 
+def _resolve_arguments(args: argparse.Namespace) -> None:
+    resolver = ARGUMENT_RESOLVERS.get(tuple(args._command.split()))
+    if resolver is not None:
+        module_name, function = resolver.split(":")
+        getattr(importlib.import_module(module_name), function)(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Nothing may come from the hub at run time (weights and data are local): set before any
     # Hugging Face library is imported, unless the caller chose otherwise.
@@ -77,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         _check_store(args)
+        _resolve_arguments(args)
         return int(module.run(args) or 0)
     except (ValueError, OSError) as exc:  # bad input found while running: one line, not a traceback
         if os.environ.get("LENGTHWISE_TRACEBACK") == "1":

@@ -1,9 +1,10 @@
 """`lengthwise serve`: build the engine, the length predictor and the HTTP app, then run uvicorn.
 
-The predictor is a saved folder, or `champion`: the model version under the `champion` alias of
-`lengthwise-predictor` in the MLflow registry (mlruns/mlflow.db under the repository), falling
-back to data/predictors/default when the registry has none. On SIGINT/SIGTERM the server stops admitting
-(503), lets in-flight requests finish for --shutdown-grace seconds, then aborts the rest.
+The predictor comes as a saved folder or `none`: before `run`, the CLI (training/cli.py) has
+training/serve_predictor.py resolve `--predictor champion` through the MLflow registry, which the
+engine never reads. On
+SIGINT/SIGTERM the server stops admitting (503), lets in-flight requests finish for
+--shutdown-grace seconds, then aborts the rest.
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ import uvicorn
 
 from engine.arg_types import cors_origin, non_negative_float, port_number, positive_float, positive_int
 from engine.config import REPO_ROOT
+from predictor.saved import SPEC_FILENAME
 
 logger = logging.getLogger("lengthwise.serve")
 
-# Under the repository, as `lengthwise train` writes them, wherever serve is started from.
-MLFLOW_DB = REPO_ROOT / "mlruns" / "mlflow.db"
-REGISTERED_PREDICTOR = "lengthwise-predictor"
-DEFAULT_PREDICTOR = str(REPO_ROOT / "data" / "predictors" / "default")
 # After the engine has drained, what uvicorn waits for handlers to send their last events.
 FLUSH_AFTER_DRAIN_S = 5
 FORCE_EXIT_POLL_S = 0.1  # how soon a second stop signal cuts the grace period short
@@ -65,54 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def resolve_predictor(spec: str | None) -> str | None:
-    """A local predictor folder for `spec` (path, 'champion' or 'none'), or None for no predictor."""
-    if spec is None or spec.lower() == "none":
-        return None
-    if spec != "champion":
-        if not (Path(spec) / "predictor.json").exists():
-            raise FileNotFoundError(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
-        return spec
-    path = _champion_from_registry()
-    if path is not None:
-        return path
-    if (Path(DEFAULT_PREDICTOR) / "predictor.json").exists():
-        logger.info("no '%s@champion' in %s; using %s", REGISTERED_PREDICTOR, MLFLOW_DB, DEFAULT_PREDICTOR)
-        return DEFAULT_PREDICTOR
-    logger.warning("no champion predictor and no %s: serving without length predictions", DEFAULT_PREDICTOR)
-    return None
-
-
-def _champion_from_registry() -> str | None:
-    if not MLFLOW_DB.exists():
-        return None
-    tracking_uri = f"sqlite:///{MLFLOW_DB}"
-    try:
-        import mlflow
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        version = client.get_model_version_by_alias(REGISTERED_PREDICTOR, "champion")
-        mlflow.set_registry_uri(tracking_uri)  # models:/ sources resolve through the registry
-        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri)
-    except Exception as exc:  # noqa: BLE001 - any registry trouble falls back to the default
-        logger.info("champion predictor not available from the registry (%s)", exc)
-        return None
-    folder = _predictor_folder(Path(local))
-    if folder is None:
-        logger.warning("champion version %s has no predictor.json under %s", version.version, local)
-        return None
-    logger.info("predictor: %s@champion version %s (%s)", REGISTERED_PREDICTOR, version.version, folder)
-    return str(folder)
-
-
-def _predictor_folder(root: Path) -> Path | None:
-    """The folder holding predictor.json: the artifact root or one level below it."""
-    if (root / "predictor.json").exists():
-        return root
-    return next((p.parent for p in sorted(root.glob("*/predictor.json"))), None)
-
-
 def warn_if_probing_another_model(length_predictor, served_model: str) -> None:
     """A probe predictor reads a model's own states; serving another model, it predicts that
     model's lengths, not the served one's. Allowed (it still ranks), but said."""
@@ -141,6 +91,15 @@ def build_engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options, **chosen)
 
 
+def predictor_folder(spec: str | None) -> str | None:
+    """The saved predictor folder `spec` names, or None for 'none'."""
+    if spec is None or spec.lower() == "none":
+        return None
+    if not (Path(spec) / SPEC_FILENAME).is_file():
+        raise FileNotFoundError(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import predictor
@@ -149,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.server.app import ServerSettings, create_app
 
     config = build_engine_config(args)
-    predictor_path = resolve_predictor(args.predictor)
+    predictor_path = predictor_folder(args.predictor)
     engine = LLMEngine(config)
     too_small = kv_shortfall(engine.scheduler.config)
     if too_small:

@@ -139,6 +139,13 @@ class AsyncLLMEngine:
     def healthy(self) -> bool:
         return self.state is EngineState.RUNNING
 
+    def check_accepting(self) -> None:
+        """Raise EngineDead or EngineShuttingDown unless new requests are taken."""
+        if self.state is EngineState.FAILED:
+            raise EngineDead(self.failure or "engine failed")
+        if self.state is not EngineState.RUNNING:
+            raise EngineShuttingDown()
+
     # ---- requests (event loop) ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str,
                      params: SamplingParams, *, tier: Tier = Tier.STANDARD, priority: int = 0,
@@ -151,10 +158,7 @@ class AsyncLLMEngine:
         Raises EngineShuttingDown, EngineDead, or whatever LLMEngine.add_request raised
         (ValueError for bad input, AdmissionRejected when admission control refuses it).
         """
-        if self.state is EngineState.FAILED:
-            raise EngineDead(self.failure or "engine failed")
-        if self.state is not EngineState.RUNNING:
-            raise EngineShuttingDown()
+        self.check_accepting()
         if request_id in self._streams:
             # Checked here, not only by the engine: registering a second stream under a live id
             # would take over the first request's outputs, and its rejection would drop them.

@@ -82,6 +82,7 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
+        self._check_accepting()
         self._check_priority(body)
         if isinstance(body.prompt, str):
             check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_bytes)
@@ -110,6 +111,7 @@ class OpenAIServing:
             CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self._check_accepting()
         self._check_priority(body)
         messages = [m.for_template() for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
@@ -201,12 +203,19 @@ class OpenAIServing:
                                             priority=body.priority)
         except AdmissionRejected as exc:
             raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
-        except EngineShuttingDown as exc:
-            raise errors.shutting_down() from exc
-        except EngineDead as exc:
-            raise errors.engine_failed(str(exc)) from exc
+        except (EngineShuttingDown, EngineDead) as exc:
+            raise engine_state_error(exc) from exc
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
+
+    def _check_accepting(self) -> None:
+        """503 while draining, 500 after an engine failure, before the prompt is tokenized: the
+        one tokenizer thread serves requests in order, and a refusal queued behind a long prompt
+        could outlast the server's last seconds and go unanswered."""
+        try:
+            self.engine.check_accepting()
+        except (EngineShuttingDown, EngineDead) as exc:
+            raise engine_state_error(exc) from exc
 
     # ---- results -----------------------------------------------------------------------------
     async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
@@ -276,6 +285,12 @@ class AbortingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def engine_state_error(exc: EngineShuttingDown | EngineDead) -> errors.APIError:
+    if isinstance(exc, EngineDead):
+        return errors.engine_failed(str(exc))
+    return errors.shutting_down()
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

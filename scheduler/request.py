@@ -149,7 +149,7 @@ class Request:
 
     @property
     def requeued_wait_s(self) -> float:
-        return sum(end - start for start, end in self.requeued_waits)
+        return total_requeued_wait_s(self.requeued_waits)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -177,3 +177,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def total_requeued_wait_s(requeued_waits) -> float:
+    """Seconds spent queued again after preemptions: each (requeued, scheduled again) pair's span."""
+    return sum(end - start for start, end in requeued_waits)

@@ -24,7 +24,7 @@ from scheduler.admission import AdmissionRejected
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import Request, SamplingParams, Tier
+from scheduler.request import Request, SamplingParams, Tier, total_requeued_wait_s
 from scheduler.scheduler import Scheduler
 
 SIMULATED_TOKEN = 1  # what the stand-in model emits before a request's last token
@@ -122,7 +122,7 @@ class RequestRecord:
     def wait_s(self) -> float:
         """All queueing delay: before the first scheduled chunk, and again after each preemption
         until the request is scheduled once more."""
-        return self.first_wait_s + sum(end - start for start, end in self.requeued_waits)
+        return self.first_wait_s + total_requeued_wait_s(self.requeued_waits)
 
     @property
     def admission_times(self) -> tuple[float, ...]:

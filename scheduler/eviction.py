@@ -22,10 +22,15 @@ class Eviction(Protocol):
         ...
 
 
+def free_for_recompute(request: Request, block_manager: BlockManager) -> None:
+    """Release every block the request holds (device and host) and forget its computed tokens."""
+    block_manager.free(request)
+    request.num_computed_tokens = 0
+
+
 class RecomputeEviction:
     def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
-        block_manager.free(request)
-        request.num_computed_tokens = 0
+        free_for_recompute(request, block_manager)
         return RequestStatus.PREEMPTED
 
 

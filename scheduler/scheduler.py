@@ -30,7 +30,7 @@ from __future__ import annotations
 from scheduler.admission import AdmissionController
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.eviction import RecomputeEviction, make_eviction
+from scheduler.eviction import free_for_recompute, make_eviction
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policies import make_policy
 from scheduler.policy import SchedulingPolicy
@@ -118,21 +118,23 @@ class Scheduler(Preemption):
     def schedule(self, now: float) -> SchedulerOutput:
         self._num_steps += 1
         finished_ids = tuple(self._finished_ids)
-        for request_id in finished_ids:
-            self._requests.pop(request_id, None)
-        self._finished_ids.clear()
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         try:
             self._fill(plan, now)
-            return build_chunks(plan, finished_ids, now)
+            output = build_chunks(plan, finished_ids, now)
         except BaseException:
             # Nothing of this plan reaches the runner: a swap-out it booked is never copied (the
-            # host blocks hold nothing), so every request it touched starts over by recompute,
-            # and the finished ids are reported with the next step instead.
+            # host blocks hold nothing), so every request it touched starts over by recompute;
+            # the finished ids stay held (their ids not reusable) and go with the next step.
+            # (An interrupt inside one of _fill's statements, between a queue removal and the
+            # re-queue, is not covered: only what the plan records is undone.)
             touched = [request.request_id for request, _ in plan.grants] + plan.preempted_ids
             self._restart_by_recompute(touched, now)
-            self._finished_ids[:0] = finished_ids
             raise
+        for request_id in finished_ids:  # reported to the runner: the ids may be reused now
+            self._requests.pop(request_id, None)
+        del self._finished_ids[:len(finished_ids)]
+        return output
 
     def _fill(self, plan: StepPlan, now: float) -> None:
         """The four parts of a step (module docstring), granting tokens into `plan`."""
@@ -227,8 +229,13 @@ class Scheduler(Preemption):
             if request is None or request.is_finished:
                 continue
             self._remove_from_queues(request)
-            request.status = RecomputeEviction().evict(request, self.block_manager, StepPlan(budget=0))
-            request.requeued_at = now  # queued again: its wait counts from here
+            free_for_recompute(request, self.block_manager)
+            if request.first_scheduled_time is None:  # never ran (a failed schedule): waiting since arrival
+                request.status = RequestStatus.WAITING
+            else:
+                request.status = RequestStatus.PREEMPTED
+                if request.requeued_at is None:  # else already queued again, since then
+                    request.requeued_at = now  # queued again: its wait counts from here
             self.waiting.append(request)
 
     # ---- results -----------------------------------------------------------------------------

@@ -163,6 +163,39 @@ def test_a_failed_schedule_after_a_swap_out_loses_no_token_and_leaks_no_block() 
     scheduler.block_manager.check_integrity()
 
 
+class FailingOnDemand(Scheduler):
+    """Raises in the last part of the next step after `fail_next` is set."""
+
+    fail_next = False
+
+    def _schedule_waiting(self, plan, now: float) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("scheduling failed")
+        super()._schedule_waiting(plan, now)
+
+
+def test_a_failed_schedule_holds_finished_ids_and_requeues_new_work_as_waiting() -> None:
+    scheduler = FailingOnDemand(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    scheduler.add_request(make_request("r1", 6, 4))
+    scheduler.abort_request("r1", now=0.0)
+    scheduler.add_request(make_request("r2", 6, 4, arrival=0.0))
+    scheduler.fail_next = True
+    with pytest.raises(RuntimeError):
+        scheduler.schedule(now=10.0)
+    # r1's id is not reported yet, so it is not free for reuse: a new r1 would be dropped with it.
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("r1", 6, 4))
+    r2 = scheduler.get_request("r2")
+    assert r2.status is RequestStatus.WAITING and r2.requeued_at is None and not r2.block_ids
+    output = scheduler.schedule(now=20.0)
+    assert output.finished_ids == ("r1",) and [c.request_id for c in output.chunks] == ["r2"]
+    assert r2.first_scheduled_time == 20.0 and r2.requeued_waits == []  # waited 20 s, counted once
+    scheduler.add_request(make_request("r1", 6, 4))  # reported: the id is free again
+    assert scheduler.schedule(now=21.0).finished_ids == ()
+    scheduler.block_manager.check_integrity()
+
+
 def test_swap_preemption_moves_blocks_to_host_and_back() -> None:
     config = SchedulerConfig(num_gpu_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                              max_model_len=24, preemption_mode="swap", num_cpu_blocks=16)

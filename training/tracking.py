@@ -149,18 +149,22 @@ def update_champion(data_hash: str | None = None) -> str | None:
 
 
 def download_champion(dst: Path | None = None, store: Path | None = None) -> Path:
-    """Local folder of the champion predictor (raises LookupError when there is none)."""
+    """Local folder of the champion predictor (raises LookupError when there is none).
+
+    Reads the store only: no session, no experiment created, nothing written to it, so a server
+    can load the champion from a store it may not write."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     store = Path(store or default_store())
+    check_store(store, for_writing=False)
     if not (store / "mlflow.db").exists():  # reading: a store that is not there is not created
         raise LookupError(f"no MLflow store at {store}")
-    with tracking_session(store):
-        client = mlflow.MlflowClient()
-        try:
-            version = client.get_model_version_by_alias(MODEL_NAME, CHAMPION_ALIAS)
-        except MlflowException as error:
-            raise LookupError(f"no {CHAMPION_ALIAS!r} alias on model {MODEL_NAME!r}") from error
-        kwargs = {"dst_path": str(dst)} if dst is not None else {}
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, **kwargs))
+    uri = tracking_uri(store)
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        version = client.get_model_version_by_alias(MODEL_NAME, CHAMPION_ALIAS)
+    except MlflowException as error:
+        raise LookupError(f"no {CHAMPION_ALIAS!r} alias on model {MODEL_NAME!r}") from error
+    kwargs = {"dst_path": str(dst)} if dst is not None else {}
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=uri, **kwargs))

@@ -127,3 +127,24 @@ def test_probe_layer_sweep_checks_its_layers_before_loading(capsys, monkeypatch,
         sweep.main()
     assert exited.value.code == 2 and message in capsys.readouterr().err
     assert sweep.layer_list("16,4,16") == [4, 16]
+
+
+def test_probe_variants_pools_each_prompt_alone_whatever_it_is_batched_with(tiny_model_dir) -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from predictor.probe import HiddenStateProbe, ProbeConfig
+
+    variants = load_script("probe_variants")
+    probe = HiddenStateProbe(ProbeConfig(model_ref=str(tiny_model_dir), layer=2, max_tokens=64, batch_size=4))
+    prompts = ["Write an essay about rivers and the towns along them.", "hi", "Translate: good morning"]
+    batched = variants.pooled_states(probe, prompts, layers=(1, 2))
+    alone = dataclasses.replace(probe.config, batch_size=1)
+    probe.config = alone
+    for row, prompt in enumerate(prompts):
+        single = variants.pooled_states(probe, [prompt], layers=(1, 2))
+        for name, features in single.items():
+            np.testing.assert_allclose(batched[name][row], features[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(batched["2_last"], probe.encode(prompts), rtol=2e-3, atol=2e-3)
+    assert not np.allclose(batched["2_last"], batched["2_mean"])

@@ -21,6 +21,7 @@ from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
 from scheduler.request import SamplingParams
 from test_server import MODEL, chars_predictor, running_server, slow_steps, tiny_engine
+from test_server_protocol import EncodeRecordingTokenizer
 
 
 class BatchRecorder:
@@ -171,25 +172,9 @@ def test_a_second_submit_with_a_live_id_is_refused_and_the_first_request_finishe
     assert free == total
 
 
-class CountingTokenizer:
-    """The tokenizer, counting the prompts it is asked to encode or render."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self.calls = 0
-
-    def __getattr__(self, name: str):
-        if name in ("encode", "apply_chat_template"):
-            self.calls += 1
-        return getattr(self._tokenizer, name)
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-
 def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     async_engine = AsyncLLMEngine(engine)
-    tokenizer = CountingTokenizer(engine.tokenizer)
+    tokenizer = EncodeRecordingTokenizer(engine.tokenizer)
     app = create_app(async_engine, tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
     body = {"model": MODEL, "prompt": "Count to ten", "max_tokens": 60, "ignore_eos": True, "stream": True}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -198,14 +183,14 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             async_engine.begin_drain()
-            calls_before = tokenizer.calls
+            encoded_before = len(tokenizer.encoded)
             refused = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
             refused_chat = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60)
             health = httpx.get(base_url + "/health")
             rest = [line for line in lines if line]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert refused_chat.status_code == 503 and refused_chat.json()["error"]["code"] == "shutting_down"
-    assert tokenizer.calls == calls_before  # refused before the tokenizer thread queued them
+    assert len(tokenizer.encoded) == encoded_before  # refused before the tokenizer thread queued them
     assert health.status_code == 503
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
     free, total = free_and_total(engine)

@@ -303,10 +303,10 @@ def test_integer_priority_reaches_the_engine_under_priority_scheduling(served, c
 
 # ---- sizes -----------------------------------------------------------------------------------
 def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
-    from engine.server.limits import longest_token_bytes
+    from engine.server.limits import longest_token_chars
 
     base_url, _, tokenizer = served
-    bound = SHORT_MODEL_LEN * longest_token_bytes(tokenizer)
+    bound = SHORT_MODEL_LEN * longest_token_chars(tokenizer)
     huge = "a" * (bound + 1)
     tokenizer.encoded.clear()
     for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
@@ -317,6 +317,25 @@ def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
     # Token ids past the context are refused before they are decoded.
     error = error_of(post(base_url, "/v1/completions", {"model": MODEL, "prompt": [1] * SHORT_MODEL_LEN}), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+
+
+def test_no_text_holds_more_characters_per_token_than_the_bound_allows(served):
+    # The bound refuses only texts that cannot fit: whatever the text, its tokens never average
+    # more characters than the longest piece, nor more UTF-8 bytes than the longest piece's.
+    import random
+
+    from engine.server.limits import longest_token_bytes, longest_token_chars
+
+    tokenizer = served[2]
+    chars, bytes_ = longest_token_chars(tokenizer), longest_token_bytes(tokenizer)
+    assert chars < bytes_  # SmolLM2's longest piece spells a newline and spaces in 2-byte characters
+    rng = random.Random(0)
+    alphabet = [" ", "\n", "\t", "a", "é", "中", "😀", "\u200b", "<|im_start|>", "\x00", "ﬁ"]
+    texts = ["\n" + " " * n for n in (1, 79, 80, 81, 200)] + [" " * 5000, "😀" * 50, "中文" * 40]
+    texts += ["".join(rng.choice(alphabet) * rng.randint(1, 90) for _ in range(40)) for _ in range(200)]
+    for text in texts:
+        num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        assert len(text) <= num_tokens * chars and len(text.encode()) <= num_tokens * bytes_, repr(text[:40])
 
 
 def test_a_body_over_the_size_limit_is_413(served, client):

@@ -13,24 +13,32 @@ from typing import Any
 from engine.server import errors
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in characters of its piece.
+
+    No token stands for more characters of text than its piece has: a byte-level BPE piece spells
+    each byte it stands for as one character (and a character of text takes at least one byte), a
+    SentencePiece piece spells a space as "▁" and a fallback byte as "<0xNN>", and an added token
+    is its own text. So a text of more than max_model_len * longest characters cannot fit. (This
+    assumes the tokenizer drops no text: no normalizer that deletes characters, no run of unknown
+    characters fused into one <unk>; the Llama-family tokenizers served here do neither.)"""
+    return max(len(piece or "") for piece in _pieces(tokenizer))
+
+
 def longest_token_bytes(tokenizer: Any) -> int:
-    """The longest vocabulary entry, in UTF-8 bytes of its piece.
-
-    No token stands for more bytes of text than its piece has: a byte-level BPE piece spells each
-    byte it stands for as one character of one or two bytes, a SentencePiece piece spells a space
-    as the three-byte "▁" and a fallback byte as "<0xNN>", and an added token is its own text. A
-    text of N characters has at least N bytes, so it needs at least N / longest tokens, and one
-    of more than max_model_len * longest characters cannot fit. (This assumes the tokenizer drops
-    no text: no normalizer that deletes characters, no run of unknown characters fused into one
-    <unk>; the Llama-family tokenizers served here do neither.)"""
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len((piece or "").encode("utf-8")) for piece in pieces)
+    """The longest vocabulary entry in UTF-8 bytes of its piece: no token stands for more bytes
+    of text (as `longest_token_chars`, a piece character per byte or per text character)."""
+    return max(len((piece or "").encode("utf-8")) for piece in _pieces(tokenizer))
 
 
-def check_text_length(text: str, param: str, max_model_len: int, max_token_bytes: int) -> None:
+def _pieces(tokenizer: Any) -> list[str | None]:
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+
+
+def check_text_length(text: str, param: str, max_model_len: int, max_token_chars: int) -> None:
     """Refuses (400 context_length_exceeded), without tokenizing it, a text too long to fit the
     context however it tokenizes."""
-    limit = max_model_len * max_token_bytes
+    limit = max_model_len * max_token_chars
     if len(text) > limit:
         raise errors.context_exceeded(param, f"This model's maximum context length is {max_model_len} "
                                       f"tokens; the {param} came to {len(text)} characters, more than "

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
 from engine.server import errors
-from engine.server.limits import check_text_length, longest_token_bytes
+from engine.server.limits import check_text_length, longest_token_bytes, longest_token_chars
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
@@ -68,7 +68,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.policy = policy or SchedulingPolicy()  # the scheduler's: does it read the integer priority?
-        self.max_token_bytes = longest_token_bytes(tokenizer)
+        self.max_token_bytes = longest_token_bytes(tokenizer)  # bounds the request body
+        self.max_token_chars = longest_token_chars(tokenizer)  # bounds a text before it is tokenized
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
         # fail with "Already borrowed" while it sets its padding and truncation state.
@@ -85,7 +86,7 @@ class OpenAIServing:
         self._check_accepting()
         self._check_priority(body)
         if isinstance(body.prompt, str):
-            check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_bytes)
+            check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_chars)
             # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
             # add one); a chat's come from its template.
             prompt_ids = await self._off_loop(self._encode, body.prompt, True)
@@ -153,7 +154,7 @@ class OpenAIServing:
                                                              add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc
-        check_text_length(prompt_text, "messages", self.max_model_len, self.max_token_bytes)
+        check_text_length(prompt_text, "messages", self.max_model_len, self.max_token_chars)
         return prompt_text, self._encode(prompt_text, False)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler.eviction import EVICTIONS
+
 PreemptionMode = Literal["recompute", "swap"]
 
 
@@ -81,8 +83,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len "
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode not in EVICTIONS:
+            raise ValueError(f"preemption_mode must be one of {', '.join(EVICTIONS)}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("swap preemption needs num_cpu_blocks > 0")
         from scheduler.policies import POLICIES  # the registry imports this module

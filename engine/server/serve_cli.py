@@ -2,9 +2,8 @@
 
 The predictor comes as a saved folder or `none`: before `run`, the CLI (training/cli.py) has
 training/serve_predictor.py resolve `--predictor champion` through the MLflow registry, which the
-engine never reads. On
-SIGINT/SIGTERM the server stops admitting (503), lets in-flight requests finish for
---shutdown-grace seconds, then aborts the rest.
+engine never reads. On SIGINT/SIGTERM the server stops admitting (503), lets in-flight requests
+finish for --shutdown-grace seconds, then aborts the rest.
 """
 
 from __future__ import annotations

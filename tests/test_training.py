@@ -67,7 +67,8 @@ def test_the_dedup_tau_reads_only_prompts_not_in_train():
     lengths = np.array([5, 1, 30, 7, 100, 2, 60, 9])
     in_train = np.array([False, True, False, True, False, True, False, False])
     guess = np.where(in_train, 1000 - lengths, lengths)
-    split = LabelledSplit([f"p{i}" for i in range(8)], lengths, in_train, np.ones(8, dtype=np.int64))
+    split = LabelledSplit([f"p{i}" for i in range(8)], lengths, in_train, np.ones(8, dtype=np.int64),
+                          np.zeros(8, dtype=bool))
     trained = SimpleNamespace(valid_predictions=_predictions(guess), test_predictions=_predictions(guess))
     metrics = evaluate_trained(SimpleNamespace(valid=split, test=split), trained)
     assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0)
@@ -94,6 +95,28 @@ def test_each_metric_by_hand():
     assert result.mae_log == pytest.approx((0.5 + 0.5 + 0 + 0) / 4)  # an over and an under, not cancelling
     assert result.spearman == pytest.approx(0.8)  # of rank_len (1, 3, 2, 4), not of the score
     assert result.kendall_tau == pytest.approx(4 / 6)
+
+
+def test_a_reply_cut_at_the_cap_counts_for_calibration_only_where_its_outcome_is_known():
+    # The last three replies were cut at 256 tokens: their true lengths are at least 256.
+    true = np.array([10.0, 100.0, 256.0, 256.0, 256.0])
+    censored = np.array([False, False, True, True, True])
+    p90 = [20.0, 50.0, 256.0, 300.0, 200.0]  # covers, misses, unknown, unknown, misses
+    predictions = [Prediction(point=q, p50=q, p90=q, score=q, rank_len=q) for q in p90]
+    result = metrics.prediction_metrics(true, predictions, censored)
+    assert result.p90_coverage == pytest.approx(1 / 3) and result.num_censored == 3
+    assert result.mae_log == pytest.approx(np.mean(np.abs(np.log1p([20.0, 50.0]) - np.log1p([10.0, 100.0]))))
+    assert metrics.prediction_metrics(true, predictions).p90_coverage == pytest.approx(3 / 5)  # uncensored reading
+    assert result.kendall_tau == metrics.prediction_metrics(true, predictions).kendall_tau  # ranking unchanged
+
+
+def test_trace_labels_mark_replies_cut_at_the_cap():
+    from training.labels import load_split
+
+    trace = load_split("test", "trace")
+    assert trace.censored.any() and not trace.censored.all()
+    assert (trace.lengths[trace.censored] == trace.lengths.max()).all()  # every cut reply sits at the cap
+    assert not load_split("validation", "sharegpt").censored.any()
 
 
 def test_the_primary_tau_is_of_the_ranking_length_the_order_the_scheduler_uses():
@@ -495,7 +518,8 @@ def test_a_bad_prior_is_refused_before_the_encoder_loads(monkeypatch):
         raise AssertionError("the encoder was loaded before the prior was checked")
 
     monkeypatch.setattr(predictor.encoder, "MiniLMEncoder", no_encoder)
-    empty = LabelledSplit([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64))
+    empty = LabelledSplit([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64),
+                          np.zeros(0, dtype=bool))
     data = TrainingData(empty, empty, empty, labels="trace", data_hash="", prior=tracking.REPO_ROOT / "data" /
                         "predictors" / "default")  # trained on every trace train prompt
     with pytest.raises(SystemExit, match="hold-out-trace"):
@@ -506,11 +530,12 @@ def test_subsample_is_a_seeded_random_subset_not_the_first_rows():
     from training.labels import LabelledSplit, subsample
 
     split = LabelledSplit([f"p{i}" for i in range(100)], np.arange(100), np.zeros(100, dtype=bool),
-                          np.ones(100, dtype=np.int64))
+                          np.ones(100, dtype=np.int64), np.arange(100) % 3 == 0)
     picked = subsample(split, 10, seed=2)
     assert picked.prompts == subsample(split, 10, seed=2).prompts  # seeded
     assert picked.prompts != split.prompts[:10] and picked.lengths.tolist() == sorted(picked.lengths.tolist())
     assert subsample(split, 10, seed=3).prompts != picked.prompts and subsample(split, None, seed=2) is split
+    assert picked.censored.tolist() == [length % 3 == 0 for length in picked.lengths]  # rows stay whole
 
 
 def test_trace_candidates_are_each_distinct_fitting_prompt_once_in_a_seeded_order(monkeypatch):

@@ -38,8 +38,9 @@ class EvaluationReport:
     spearman: float
     pairwise_accuracy: float
     mae_log: float
-    p50_coverage: float
+    p50_coverage: float  # over the rows whose coverage is known (training/metrics.py coverage)
     p90_coverage: float
+    num_censored: int  # trace replies cut at the cap
     latency_ms_p50_batch1: float | None  # None with --no-latency (JSON null; NaN is not JSON)
     latency_ms_p50_batch32: float | None
     num_examples: int
@@ -113,7 +114,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     model = predictor.load(predictor_path)  # first: a wrong path fails before the data loads
     test = label_data.subsample(label_data.load_split("test", labels), limit, seed=2)
     predictions = predict_in_batches(model, test.prompts, batch_size=32, progress=True)
-    whole = prediction_metrics(test.lengths, predictions)
+    whole = prediction_metrics(test.lengths, predictions, test.censored)
     keep = ~test.in_train
     dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
     strict = keep & ~label_data.last_message_in_train(test.prompts)
@@ -127,7 +128,7 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
         kendall_tau_dedup_last_message=dedup_strict.kendall_tau,
         kendall_tau_score=whole.kendall_tau_score, spearman=whole.spearman,
         pairwise_accuracy=whole.pairwise_accuracy, mae_log=whole.mae_log, p50_coverage=whole.p50_coverage,
-        p90_coverage=whole.p90_coverage, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
+        p90_coverage=whole.p90_coverage, num_censored=whole.num_censored, latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
         num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,
         predictor=str(predictor_path), labels=labels, **resampled,

@@ -19,13 +19,16 @@ class LabelledSplit:
     lengths: np.ndarray  # output tokens, int64 [N]
     in_train: np.ndarray  # bool [N]: the prompt text also occurs in the train split
     prompt_tokens: np.ndarray  # int64 [N]
+    # bool [N]: the reply was cut at the trace's token cap, so its length is only a lower bound
+    # (ShareGPT's replies are whole: all False).
+    censored: np.ndarray
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def subset(self, rows: np.ndarray) -> "LabelledSplit":
         return LabelledSplit([self.prompts[i] for i in rows], self.lengths[rows], self.in_train[rows],
-                             self.prompt_tokens[rows])
+                             self.prompt_tokens[rows], self.censored[rows])
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut |
         lengths=np.asarray(table[length_column], dtype=np.int64),
         in_train=np.asarray(table["in_train"], dtype=bool),
         prompt_tokens=np.asarray(table["prompt_tokens"], dtype=np.int64),
+        # A trace records why each reply ended; a ShareGPT reply ended on its own.
+        censored=(np.asarray(table["finish_reason"]) == "length" if labels == "trace"
+                  else np.zeros(len(table), dtype=bool)),
     )
 
 

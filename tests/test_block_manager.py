@@ -9,7 +9,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from hypothesis import example, given, settings, target
+from hypothesis import HealthCheck, example, given, settings, target
 from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager
@@ -65,7 +65,7 @@ operations = st.lists(st.tuples(st.sampled_from(["grow", "swap_out", "swap_in", 
                                 st.integers(0, 5), st.integers(1, 20)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(operations)
 def test_block_manager_invariants_under_random_operations(ops: list[tuple[str, int, int]]) -> None:
     manager = BlockManager(num_gpu_blocks=12, block_size=4, num_cpu_blocks=8)
@@ -100,7 +100,7 @@ scheduler_events = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "st
 CROWDED = [("add", 20, 12), ("add", 18, 12), ("add", 19, 10)] + [("step", 1, 1)] * 12
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scheduler_events, st.sampled_from(["recompute", "swap"]))
 @example(CROWDED, "swap")
 @example(CROWDED, "recompute")

@@ -164,7 +164,7 @@ def engine_idle_and_intact(async_engine: AsyncLLMEngine, deadline_s: float = 60.
 
 def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value}, parsed by prometheus_client."""
-    text = httpx.get(base_url + "/metrics").text
+    text = httpx.get(base_url + "/metrics", timeout=60).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -176,13 +176,25 @@ def metric(samples, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
+def wait_until(condition, deadline_s: float = 60.0) -> None:
+    """Poll `condition` until it holds: what the test waits for, not a guess at how long it takes."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "waited too long"
+        time.sleep(0.02)
+
+
+def aborted_count(base_url: str) -> float:
+    return metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+
+
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
 # ---- successful requests ---------------------------------------------------------------------
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(served[0] + "/health").status_code == 200
+    assert httpx.get(served[0] + "/health", timeout=60).status_code == 200
 
 
 def test_chat_matches_hf_greedy_with_usage(client, tokenizer, hf_greedy):
@@ -302,7 +314,8 @@ def post(base_url: str, path: str, body, key: str | None = API_KEY, origin: str 
     if origin is not None:
         headers["Origin"] = origin
     if isinstance(body, str):
-        return httpx.post(base_url + path, content=body, headers={**headers, "content-type": "application/json"})
+        return httpx.post(base_url + path, content=body, timeout=60,
+                          headers={**headers, "content-type": "application/json"})
     return httpx.post(base_url + path, json=body, headers=headers, timeout=60)
 
 
@@ -331,7 +344,7 @@ def test_wrong_or_missing_api_key_is_401(served):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     for key in ("wrong", None):
         assert error_of(post(served[0], "/v1/completions", body, key=key), 401)["code"] == "invalid_api_key"
-    assert httpx.get(served[0] + "/v1/models").status_code == 401
+    assert httpx.get(served[0] + "/v1/models", timeout=60).status_code == 401
     # The key is checked before the body is read: a malformed body does not turn a 401 into a 400.
     error = error_of(post(served[0], "/v1/completions", "{not json", key="wrong"), 401)
     assert error["code"] == "invalid_api_key"
@@ -438,7 +451,7 @@ def test_extreme_values_that_torch_cannot_take_do_not_kill_the_engine(served, cl
         reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=1.0,
                                           extra_body={"ignore_eos": True, **extra})
         assert reply.usage.completion_tokens == 2, extra
-    assert httpx.get(served[0] + "/health").status_code == 200
+    assert httpx.get(served[0] + "/health", timeout=60).status_code == 200
 
 
 # ---- disconnects and metrics -----------------------------------------------------------------
@@ -446,32 +459,35 @@ def test_disconnect_before_the_first_event_aborts(served):
     """A client that hangs up while its request waits for admission: the response starts after it
     left, and the request must still be aborted."""
     base_url, async_engine = served
-    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    aborted_before = aborted_count(base_url)
     body = json.dumps({"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900,
                        "ignore_eos": True, "stream": True}).encode()
     host, port = base_url.removeprefix("http://").split(":")
     # Hold the engine thread so admission waits: the hang-up lands before the response starts.
-    busy = async_engine.call_in_engine(lambda engine: time.sleep(1.0))
+    gate = threading.Event()
+    busy = async_engine.call_in_engine(lambda engine: gate.wait(60))
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_until(lambda: async_engine._pending)  # submitted after the hang-up, waiting for admission
+    gate.set()
     busy.result(timeout=30)
+    wait_until(lambda: aborted_count(base_url) > aborted_before)
     engine_idle_and_intact(async_engine)
-    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
-    assert aborted - aborted_before == 1
+    assert aborted_count(base_url) - aborted_before == 1
 
 
 def test_disconnect_mid_stream_aborts_and_frees_every_block(served, client):
     base_url, async_engine = served
-    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    aborted_before = aborted_count(base_url)
     stream = client.completions.create(model=MODEL, prompt="Tell me a long story", max_tokens=500,
                                        stream=True, extra_body={"ignore_eos": True})
     first = next(iter(stream))
     assert first.choices[0].finish_reason is None
     stream.close()  # hangs up mid-stream
+    wait_until(lambda: aborted_count(base_url) > aborted_before)
     engine_idle_and_intact(async_engine)
-    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
-    assert aborted - aborted_before == 1
+    assert aborted_count(base_url) - aborted_before == 1
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -490,14 +506,15 @@ def slow_steps(monkeypatch, engine, seconds: float) -> None:
 def test_disconnect_while_waiting_for_a_whole_reply_aborts_it(served, monkeypatch):
     base_url, async_engine = served
     slow_steps(monkeypatch, async_engine.engine, 0.005)  # 900 steps outlast the 0.5 s read anywhere
-    aborted_before = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
+    aborted_before = aborted_count(base_url)
     body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
         httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(60, read=0.5))
+    # On a slow machine the request may reach the engine only after the hang-up: wait for the abort.
+    wait_until(lambda: aborted_count(base_url) > aborted_before)
     engine_idle_and_intact(async_engine)
-    aborted = metric(scrape(base_url), "lengthwise:request_success_total", finished_reason="abort")
-    assert aborted - aborted_before == 1
+    assert aborted_count(base_url) - aborted_before == 1
 
 
 def test_prompts_are_tokenized_off_the_event_loop(client, tokenize_threads):

@@ -126,7 +126,8 @@ def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):
     assert all(r.success and r.error == "" for r in results)
     assert [r.output_tokens for r in results] == [item.max_tokens for item in items]
     assert all(0 < r.ttft_s <= r.e2e_s for r in results)
-    assert all(len(r.itl_s) >= 1 for r in results)
+    # One gap per chunk after the first: a lagging reader may get several tokens in one chunk.
+    assert all(len(r.itl_s) <= r.output_tokens - 1 for r in results)
     summary = summarize(results, duration, parse_goodput(["e2el:3600000"]))
     assert summary["completed"] == 4 and summary["failed"] == 0
     assert summary["goodput_rps"] == pytest.approx(summary["request_throughput_rps"])

@@ -67,9 +67,18 @@ def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overla
         async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=overlap)
         await async_engine.start()
         params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
-        submits = [asyncio.ensure_future(async_engine.submit(f"{overlap}-r{i}", prompt_ids(engine, t), t, params))
-                   for i, t in enumerate(texts)]
-        await asyncio.sleep(0)  # every submission is now queued for the predictor
+
+        def submit(i: int):
+            return asyncio.ensure_future(async_engine.submit(f"{overlap}-r{i}", prompt_ids(engine, texts[i]),
+                                                             texts[i], params))
+
+        submits = [submit(0)]
+        deadline = time.monotonic() + 60
+        while not recorder.batches:  # the predictor now holds r0 alone
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        submits += [submit(i) for i in range(1, len(texts))]
+        await asyncio.sleep(0)  # r1-r4 are queued behind it
         recorder.release.set()
         streams = await asyncio.gather(*submits)
         # Commands run before each step, so r4 is still live when this call runs.
@@ -81,7 +90,7 @@ def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overla
 
     streams, predicted, outputs = asyncio.run(scenario())
     assert sorted(p for batch in recorder.batches for p in batch) == sorted(texts)
-    assert len(recorder.batches) <= 2 and len(recorder.batches[-1]) >= len(texts) - 1
+    assert recorder.batches == [texts[:1], texts[1:]]  # those that arrived while it worked, in one batch
     expected = chars_predictor().predict(texts)
     assert [s.prediction for s in streams] == expected
     assert predicted == pytest.approx(expected[4].point)
@@ -186,7 +195,7 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
             encoded_before = len(tokenizer.encoded)
             refused = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
             refused_chat = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60)
-            health = httpx.get(base_url + "/health")
+            health = httpx.get(base_url + "/health", timeout=60)
             rest = [line for line in lines if line]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert refused_chat.status_code == 503 and refused_chat.json()["error"]["code"] == "shutting_down"
@@ -293,9 +302,9 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
     with running_server(app) as (base_url, _):
         with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}) as response:
             lines = [line for line in response.iter_lines() if line]
-        after = httpx.post(base_url + "/v1/completions", json=body)
-        health = httpx.get(base_url + "/health")
-        failed = httpx.get(base_url + "/metrics").text
+        after = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+        health = httpx.get(base_url + "/health", timeout=60)
+        failed = httpx.get(base_url + "/metrics", timeout=60).text
     assert "device lost" in lines[-2] and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
     assert health.status_code == 500

@@ -250,7 +250,9 @@ def test_every_chunk_of_a_stream_carries_the_one_created_time(client, monkeypatc
                client.completions.create(prompt="Hello", **kwargs))
     for stream in streams:
         chunks = list(stream)
-        assert len(chunks) >= 5 and len({chunk.created for chunk in chunks}) == 1
+        # The stream may merge tokens when the reader lags (it keeps the newest output), so only
+        # two chunks are sure: the text and the usage.
+        assert len(chunks) >= 2 and len({chunk.created for chunk in chunks}) == 1
 
 
 def stream_payloads(base_url: str, path: str, body: dict) -> list[dict]:

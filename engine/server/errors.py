@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.async_engine import EngineDead, EngineShuttingDown
 from engine.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,13 @@ def aborted_at_shutdown() -> APIError:
 
 def engine_failed(message: str) -> APIError:
     return APIError(500, f"The engine failed: {message}", type="server_error", code="engine_error")
+
+
+def engine_state_error(exc: EngineShuttingDown | EngineDead) -> APIError:
+    """The answer to a request the engine does not take: 503 while draining, 500 once it failed."""
+    if isinstance(exc, EngineDead):
+        return engine_failed(str(exc))
+    return shutting_down()
 
 
 # A field name as the API spells them; pydantic's union tags ("list[int]", "function-after[...]",

@@ -205,7 +205,7 @@ class OpenAIServing:
         except AdmissionRejected as exc:
             raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
         except (EngineShuttingDown, EngineDead) as exc:
-            raise engine_state_error(exc) from exc
+            raise errors.engine_state_error(exc) from exc
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
 
@@ -216,7 +216,7 @@ class OpenAIServing:
         try:
             self.engine.check_accepting()
         except (EngineShuttingDown, EngineDead) as exc:
-            raise engine_state_error(exc) from exc
+            raise errors.engine_state_error(exc) from exc
 
     # ---- results -----------------------------------------------------------------------------
     async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
@@ -286,12 +286,6 @@ class AbortingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-def engine_state_error(exc: EngineShuttingDown | EngineDead) -> errors.APIError:
-    if isinstance(exc, EngineDead):
-        return errors.engine_failed(str(exc))
-    return errors.shutting_down()
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

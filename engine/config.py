@@ -22,6 +22,9 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 # training/ and scripts/ import it from here.
 REPO_ROOT = project_root()
 DEFAULT_MODEL = str(REPO_ROOT / SERVED_MODEL_REF)
+# The committed default predictor: what serve falls back to without a registered champion, and
+# what the simulator and the trace scripts predict with unless told otherwise.
+DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 
 
 @dataclass(frozen=True, kw_only=True)

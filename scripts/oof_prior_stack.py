@@ -24,10 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.arg_types import positive_int
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_PREDICTOR, REPO_ROOT
 from predictor.embed_lgbm import prior_outputs
-
-DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 
 
 def fold_of(conversation_id: str, folds: int) -> int:

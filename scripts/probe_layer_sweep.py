@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.arg_types import positive_int
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_PREDICTOR
 
 
 def layer_list(text: str) -> list[int]:
@@ -91,7 +91,7 @@ def main() -> None:
     def tau(score, truth) -> float:
         return float(stats.kendalltau(score, truth).statistic)
 
-    default = predictor.load(REPO_ROOT / "data" / "predictors" / "default")
+    default = predictor.load(DEFAULT_PREDICTOR)
     baseline = np.asarray([p.p50 for p in default.predict(prompts)])
     report = {"max_tokens": args.max_tokens, "num_pooled": len(prompts), "num_test": len(test.prompts),
               "default_p50": {"cv_tau": float(np.mean([tau(baseline[b], y[b]) for _, b in folds])),

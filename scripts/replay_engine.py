@@ -61,13 +61,13 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
 def main(argv: list[str]) -> None:
     import predictor
     from engine.arg_types import policy_list
-    from engine.config import REPO_ROOT
+    from engine.config import DEFAULT_PREDICTOR, REPO_ROOT
     from training import bench_serve
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--policies", type=policy_list, default="fcfs,sjf")  # checked before any model loads
-    parser.add_argument("--predictor", default=str(REPO_ROOT / "data" / "predictors" / "default"))
+    parser.add_argument("--predictor", default=str(DEFAULT_PREDICTOR))
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "out" / "replay_engine")
     args = parser.parse_args(argv[:split])
     bench_parser = argparse.ArgumentParser()

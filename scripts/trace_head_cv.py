@@ -25,7 +25,7 @@ import argparse
 import numpy as np
 
 from engine.arg_types import positive_int
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_PREDICTOR
 
 
 def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -41,7 +41,7 @@ def features(model, split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--predictor", default=str(REPO_ROOT / "data" / "predictors" / "default"))
+    parser.add_argument("--predictor", default=str(DEFAULT_PREDICTOR))
     parser.add_argument("--folds", type=positive_int, default=5)
     args = parser.parse_args()
 

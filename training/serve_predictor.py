@@ -14,12 +14,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_PREDICTOR
 from predictor.saved import SPEC_FILENAME
 
 logger = logging.getLogger("lengthwise.serve")
-
-DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 
 
 def champion_or_default(store: Path | None = None, fallback: Path = DEFAULT_PREDICTOR) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
                               policy_list, power_of_two, prepare_output_file, tier_weights)
-from engine.config import REPO_ROOT, EngineConfig
+from engine.config import DEFAULT_PREDICTOR, REPO_ROOT, EngineConfig
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -32,7 +32,6 @@ from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, bu
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEP_COST = REPO_ROOT / "data" / "step_cost.json"
-DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 # Placeholder coefficients for the CPU engine where data/step_cost.json (the committed calibration,
 # from `lengthwise bench engine --calibrate`) is missing: 30 ms per step, 0.8 ms per fed token, 1 us
 # per attended context token.

@@ -425,3 +425,23 @@ def test_the_simulated_swap_pool_is_the_engines_default_share_of_the_kv_cache() 
     from training.simulate import engine_host_blocks
 
     assert engine_host_blocks(1456) == 728
+
+
+def test_the_dedup_workload_leaves_out_every_test_prompt_that_also_occurs_in_train() -> None:
+    from training.dataset import load_turns
+    from training.sim_workload import load_test_turns
+
+    train_prompts = set(load_turns("train")["prompt"])
+    whole = load_test_turns(3000, 0, 1024, 1024)
+    dedup = load_test_turns(3000, 0, 1024, 1024, exclude_train_prompts=True)
+    assert sum(turn.prompt in train_prompts for turn in whole) > 100  # about 8% of the pool
+    assert not any(turn.prompt in train_prompts for turn in dedup) and len(dedup) == 3000
+
+
+def test_the_calibrated_kv_budget_is_kept_in_tokens_whatever_the_block_size() -> None:
+    from training.simulate import DEFAULT_KV_BLOCKS, calibrated_kv_blocks
+
+    calibration = {"num_gpu_blocks": 1456, "block_size": 16}
+    assert calibrated_kv_blocks(calibration, 16) == 1456
+    assert calibrated_kv_blocks(calibration, 32) == 728 and calibrated_kv_blocks(calibration, 8) == 2912
+    assert calibrated_kv_blocks({}, 32) == DEFAULT_KV_BLOCKS

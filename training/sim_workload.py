@@ -46,14 +46,19 @@ class Predicted:
     rank_len: float
 
 
-def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_output_tokens: int) -> list[Turn]:
+def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_output_tokens: int,
+                    exclude_train_prompts: bool = False) -> list[Turn]:
+    """Test-split turns; with `exclude_train_prompts`, not those whose prompt also occurs in the
+    train split (real traffic, but the predictor may have memorized their lengths: about 8% of
+    the pool; the default ranks the test split's repeats at tau 0.71 against 0.45)."""
     from training.dataset import load_turns
 
     table = load_turns("test")
     rows = [
         Turn(prompt, p, min(r, max_output_tokens))
-        for prompt, p, r in zip(table["prompt"], table["prompt_tokens"], table["response_tokens"])
-        if p <= max_prompt_tokens and r >= 1
+        for prompt, p, r, in_train in zip(table["prompt"], table["prompt_tokens"], table["response_tokens"],
+                                          table["in_train"])
+        if p <= max_prompt_tokens and r >= 1 and not (exclude_train_prompts and in_train)
     ]
     rng = random.Random(seed)
     if num_requests <= len(rows):

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-mix", type=tier_weights, default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
+    parser.add_argument("--exclude-train-prompts", action="store_true",
+                        help="leave out test prompts that also occur in the train split (the dedup workload)")
     parser.add_argument("--step-cost", type=Path, default=None,
                         help=f"calibrated step-cost JSON (default {DEFAULT_STEP_COST}, or placeholder "
                              f"coefficients with a warning when that file is missing)")
@@ -105,8 +107,17 @@ def engine_host_blocks(kv_blocks: int) -> int:
     return max(1, round(kv_blocks * defaults["swap_space_gib"] / defaults["kv_cache_memory_gib"]))
 
 
+def calibrated_kv_blocks(calibration: dict, block_size: int) -> int:
+    """The calibrated engine's KV cache in blocks of `block_size`: the same tokens, however the
+    engine's own blocks were sized."""
+    if "num_gpu_blocks" not in calibration:
+        return DEFAULT_KV_BLOCKS
+    tokens = int(calibration["num_gpu_blocks"]) * int(calibration.get("block_size", block_size))
+    return max(1, tokens // block_size)
+
+
 def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
-    kv_blocks = args.kv_blocks or int((calibration or {}).get("num_gpu_blocks", DEFAULT_KV_BLOCKS))
+    kv_blocks = args.kv_blocks or calibrated_kv_blocks(calibration or {}, args.block_size)
     return SchedulerConfig(
         num_gpu_blocks=kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -153,7 +164,8 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
 
 
 def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str]:
-    turns = load_test_turns(args.num_requests, args.seed, args.max_prompt_tokens, args.max_output_tokens)
+    turns = load_test_turns(args.num_requests, args.seed, args.max_prompt_tokens, args.max_output_tokens,
+                            args.exclude_train_prompts)
     if args.predictions == NOISY_ORACLE:
         predictions, source = noisy_oracle(turns, args.seed), "noisy oracle (development only)"
     else:
@@ -191,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "load": args.load, "arrival_rate_per_s": main["arrival_rate_per_s"], "arrival": args.arrival,
         "num_requests": len(base), "saturated_output_tokens_per_s": saturated,
-        "predictions": prediction_source, "policies": main["policies"],
+        "predictions": prediction_source, "exclude_train_prompts": args.exclude_train_prompts,
+        "policies": main["policies"],
         "goals": goal_checks(main["policies"], aging_bound),
         "kv_budget": {"num_gpu_blocks": config.num_gpu_blocks, "block_size": config.block_size,
                       "tokens": config.num_gpu_blocks * config.block_size,

@@ -1,10 +1,11 @@
-"""argparse types that refuse impossible numbers with a one-line usage error (every command's), and
-the check of an output path a command makes before its work, so a bad one fails in seconds, not
-after the run whose results it was to hold."""
+"""argparse types that refuse impossible numbers with a one-line usage error (every command's), the
+check of an output path a command makes before its work, so a bad one fails in seconds, not
+after the run whose results it was to hold, and the server command's log format."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 from pathlib import Path
@@ -12,6 +13,12 @@ from typing import Callable
 
 from scheduler.policies import POLICIES
 from scheduler.request import SEED_MAX, SEED_MIN
+
+
+def configure_serve_logging(level: str) -> None:
+    """`lengthwise serve`'s log lines (timestamped), from its first step on: the predictor's
+    resolution (training/serve_predictor.py) logs before the server starts."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def positive_int(text: str) -> int:

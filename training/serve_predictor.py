@@ -14,6 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from engine.arg_types import configure_serve_logging
 from engine.config import DEFAULT_PREDICTOR
 from predictor.saved import SPEC_FILENAME
 
@@ -53,6 +54,5 @@ def _registered_champion(store: Path | None) -> str | None:
 def resolve_args(args: argparse.Namespace) -> None:
     """`--predictor champion` becomes the folder it names (or 'none'); other values pass as given."""
     if args.predictor == "champion":
-        logging.basicConfig(level=args.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_serve_logging(args.log_level)
         args.predictor = champion_or_default()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.arg_types import cors_origin, non_negative_float, port_number, positive_float, positive_int
+from engine.arg_types import (configure_serve_logging, cors_origin, non_negative_float, port_number,
+                              positive_float, positive_int)
 from engine.config import REPO_ROOT
 from predictor.saved import SPEC_FILENAME
 
@@ -100,7 +101,7 @@ def predictor_folder(spec: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_serve_logging(args.log_level)
     import predictor
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine, load_tokenizer

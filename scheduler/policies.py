@@ -19,7 +19,10 @@ within a tier.
   predicted decode time.
 - oracle: exact SJF on the true length (benchmarks only), no aging.
 - srpt: predicted remaining output (refined once the output outgrows the first estimate, see
-  `refined_remaining`) minus the same aging; preempts a running request of its tier only when the
+  `refined_remaining`) minus the same aging. Output does not grow while a request waits, so the
+  order again equals `arrival_time + remaining / rate` and the aging bound is the remaining
+  length it waited with over the rate: above its ranking length only after it outgrew its
+  estimate and was preempted, and never above `max_tokens / rate`. It preempts a running request of its tier only when the
   waiting one ranks before it in that aged order, is `srpt_preempt_ratio` times shorter, and the
   running one has produced less than `srpt_max_preempt_share` of its predicted length. Aging thus
   bounds preemption as it bounds overtaking: nothing arriving more than the bound after a request
@@ -194,6 +197,24 @@ def refined_remaining(request: Request) -> float:
 
 class SRPTPolicy(SJFPolicy):
     name = "srpt"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        # request id -> the longest remaining length it waited with, when recorded: a request
+        # preempted after outgrowing its estimate waits with a refined remaining length above its
+        # ranking length, and its aging bound is that length over the rate.
+        self._waited_remaining: dict[str, float] = {}
+
+    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
+                step_time_s: float | None) -> None:
+        super().on_step(waiting, running, now, step_time_s)
+        if self.record_rate_history:
+            for request in waiting:
+                longest = self._waited_remaining.get(request.request_id, 0.0)
+                self._waited_remaining[request.request_id] = max(longest, refined_remaining(request))
+
+    def length(self, request: Request) -> float:
+        return max(ranking_length(request), self._waited_remaining.get(request.request_id, 0.0))
 
     def score(self, request: Request, now: float) -> float:
         waited = max(0.0, now - request.arrival_time)

@@ -187,6 +187,29 @@ def test_srpt_limited_preemption() -> None:
     assert not policy.should_preempt_for(short, running, 0.0)
 
 
+def test_srpt_bound_is_the_remaining_length_a_request_waited_with() -> None:
+    # Predicted 40 tokens, preempted after 100: it waits with its refined remaining length, so a
+    # later arrival may overtake it for longer than 40 / rate (what its first wait promised).
+    policy = SRPTPolicy(SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_s=2.0))
+    policy.record_rate_history = True
+    overrun = req("overrun", predicted=40, predicted_p50=40, predicted_p90=120)
+    policy.on_step([overrun], [], 0.0, step_time_s=None)
+    assert policy.aging_bound_s(overrun) == pytest.approx(20.0)
+    overrun.output_token_ids = [1] * 100
+    remaining = refined_remaining(overrun)
+    assert remaining > 40
+    policy.on_step([overrun], [], 50.0, step_time_s=None)
+    assert policy.aging_bound_s(overrun) == pytest.approx(remaining / 2.0)
+    # The order agrees: an arrival just inside that bound still overtakes it, one past it does not.
+    inside = req("inside", arrival=remaining / 2.0 - 1.0, predicted=1)
+    past = req("past", arrival=remaining / 2.0 + 1.0, predicted=1)
+    now = remaining / 2.0 + 1.0
+    assert policy.sort_key(inside, now) < policy.sort_key(overrun, now) < policy.sort_key(past, now)
+    # Seen fresh (as the simulator rebuilds it to read bounds), it keeps the recorded length.
+    fresh = req("overrun", predicted=40, predicted_p50=40, predicted_p90=120)
+    assert policy.aging_bound_s(fresh) == pytest.approx(remaining / 2.0)
+
+
 def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> None:
     config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05,
                              goodput_urgent_slack_s=2.0, aging_tokens_per_s=0.0)

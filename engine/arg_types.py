@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -111,6 +111,20 @@ def top_p(text: str) -> float:
     return value
 
 
+def api_key(text: str) -> str:
+    """An API key: an empty one would be sent as no key by clients and match no request."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return text
+
+
+def file_stem(text: str) -> str:
+    """A name that becomes a file name in an output folder (a run's label): no folders in it."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"a run name becomes a file name: no '/', got {text!r}")
+    return text
+
+
 def stop_string(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a stop string must not be empty")
@@ -152,24 +166,49 @@ def checked_by(parse: Callable[[str], object], name: str) -> Callable[[str], str
 
 
 def prepare_output_file(path: Path, flag: str) -> Path:
-    """Create the folder of the output file `path` and check that the file can be written there;
-    OSError naming `flag` otherwise (a folder in its place, a folder that cannot be made)."""
+    """Check that the output file `path` can be written (`check_output_location`), then create its
+    folder, so a bad path fails before the work whose results it was to hold. Call it after the
+    command's other checks: a folder it made stays behind if a later one fails."""
     path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{flag} {path}: is a folder, not a file")
+    check_output_location(path, flag, folder=False)
     _make_folder(path.parent, flag)
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise PermissionError(f"{flag} {path}: not writable")
     return path
 
 
 def prepare_output_dir(path: Path, flag: str) -> Path:
-    """Create the output folder `path` and check that files can be written in it."""
+    """Check that files can be written in the output folder `path`, then create it."""
     path = Path(path)
+    check_output_location(path, flag, folder=True)
     _make_folder(path, flag)
-    if not os.access(path, os.W_OK):
-        raise PermissionError(f"{flag} {path}: not writable")
     return path
+
+
+def check_output_location(path: Path, flag: str, folder: bool) -> None:
+    """OSError naming `flag` unless `path` (a file, or a folder when `folder`) could be written,
+    creating nothing: nothing of the wrong kind in its place, and the nearest folder that exists
+    takes a new file. That is tried, not read from permission bits, which root always passes
+    (/proc takes no new file even from root)."""
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{flag} {path} is a file, not a folder")
+    if not folder and path.is_dir():
+        raise IsADirectoryError(f"{flag} {path}: is a folder, not a file")
+    if not folder and path.exists():
+        _try_writing(lambda: open(path, "ab").close(), path, flag)
+        return
+    existing = path if folder and path.exists() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{flag} {path}: {existing} is a file, not a folder")
+    _try_writing(lambda: tempfile.NamedTemporaryFile(dir=existing, prefix=".lengthwise-probe-").close(), path, flag)
+
+
+def _try_writing(write: Callable[[], None], path: Path, flag: str) -> None:
+    try:
+        write()
+    except OSError as exc:
+        raise PermissionError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
 
 
 def _make_folder(folder: Path, flag: str) -> None:

@@ -37,9 +37,40 @@ class CacheGeometry:
         return int(gib * GIB) // self.bytes_per_block
 
 
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int,
+                     device: torch.device) -> None:
+    """ValueError when the pools would not fit the memory free now, before they are allocated: a
+    CPU allocation too large fails with an allocator traceback, and one that only just fits
+    overcommitted memory is killed later, at the first steps that touch it."""
+    block = geometry.bytes_per_block
+    host = num_cpu_blocks * block + (num_gpu_blocks * block if device.type == "cpu" else 0)
+    free_host = available_host_bytes()
+    if free_host is not None and host > free_host:
+        raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory (kv_cache_memory_gib on a CPU, "
+                         f"plus swap_space_gib), more than the {free_host / GIB:.1f} GiB available")
+    if device.type == "cuda":
+        free_device = torch.cuda.mem_get_info(device)[0]
+        if num_gpu_blocks * block > free_device:
+            raise ValueError(f"kv_cache_memory_gib: the KV cache needs {num_gpu_blocks * block / GIB:.1f} GiB, "
+                             f"more than the {free_device / GIB:.1f} GiB free on {device}")
+
+
 class KVCache:
     def __init__(self, geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int,
                  device: torch.device) -> None:
+        check_cache_fits(geometry, num_gpu_blocks, num_cpu_blocks, device)
         self.geometry = geometry
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         shape = (geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.arg_types import positive_float_list  # noqa: E402
+from engine.arg_types import positive_float_list, prepare_output_file  # noqa: E402
 from engine.config import REPO_ROOT  # noqa: E402
 from scheduler.simulation import simulate  # noqa: E402
 from training import simulate as sim_cli  # noqa: E402
@@ -53,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if ignored:
         parser.error(f"{', '.join(ignored)}: not used here (FCFS at each of --loads)")
     args = parser.parse_args(argv)
-    cost, cost_source, calibration = sim_cli.load_cost_model(args.step_cost)
-    config = replace(sim_cli.scheduler_config(args, calibration), policy="fcfs")
-    base, source = sim_cli.build_base_workload(args)
+    try:  # bad input found once it runs (no step-cost file, no predictor there): one line
+        cost, cost_source, calibration = sim_cli.load_cost_model(args.step_cost)
+        config = replace(sim_cli.scheduler_config(args, calibration), policy="fcfs")
+        prepare_output_file(args.json, "--json")
+        base, source = sim_cli.build_base_workload(args, sim_cli.load_workload_turns(args))
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     saturated = sim_cli.saturated_throughput(config, base, cost)
     report = {"predictions": source, "cost_model": cost_source, "num_requests": len(base), "loads": []}
     for load in args.loads:
@@ -66,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         samples = [margin for now, margin in result.stability_margins if now <= max(times)]
         report["loads"].append(margin_summary(load, samples))
         print(json.dumps(report["loads"][-1]))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

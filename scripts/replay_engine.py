@@ -60,7 +60,8 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
 
 def main(argv: list[str]) -> None:
     import predictor
-    from engine.arg_types import policy_list
+    from engine.arg_types import policy_list, prepare_output_dir
+    from predictor.saved import read_spec
     from engine.config import DEFAULT_PREDICTOR, REPO_ROOT
     from training import bench_serve
 
@@ -73,11 +74,15 @@ def main(argv: list[str]) -> None:
     bench_parser = argparse.ArgumentParser()
     bench_serve.add_arguments(bench_parser)
     bench_args = bench_parser.parse_args(argv[split + 1:])
-    items = bench_serve.sample_workload(bench_args)
+    try:  # bad input found once it runs: one line, before the predictions and the replays
+        read_spec(args.predictor)
+        items = bench_serve.sample_workload(bench_args)
+        prepare_output_dir(args.out_dir, "--out-dir")
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     starts = bench_serve.arrival_offsets(len(items), bench_args.request_rate, bench_args.burstiness,
                                          bench_args.seed)
     predictions = predictor.load(args.predictor).predict([item.prompt for item in items])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
     for policy in args.policies:
         summary = replay(policy, items, starts, predictions, bench_args.temperature,

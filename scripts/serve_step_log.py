@@ -15,15 +15,23 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def install_step_log(path: str) -> None:
     import engine.llm_engine as llm_engine
+    from engine.arg_types import check_output_location
 
-    log = open(path, "w", buffering=1)  # before the engine starts: a bad path fails at once
+    # A bad path fails at once; an existing log is replaced only once the server steps, not by a
+    # command that never starts (a taken port, a missing model).
+    check_output_location(Path(path), "STEP_LOG", folder=False)
+    log = None
     step = llm_engine.LLMEngine.step
 
     def logged_step(self):
+        nonlocal log
+        if log is None:
+            log = open(path, "w", buffering=1)
         started, cpu = time.perf_counter(), time.process_time()
         outputs = step(self)
         log.write(json.dumps({"t0": started, "t1": time.perf_counter(), "cpu": time.process_time() - cpu,

@@ -20,11 +20,15 @@ import numpy as np
 
 
 def fit_steps(path: Path) -> dict:
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """ValueError when `path` holds no steps or a line that is not one of serve_step_log.py's."""
+    try:
+        steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        column = {key: np.array([step[key] for step in steps], dtype=float)
+                  for key in ("t0", "t1", "cpu", "num_batched_tokens", "sum_context_tokens")}
+    except (ValueError, LookupError, TypeError) as exc:  # not JSON, or a step without a field
+        raise ValueError(f"{path}: not a step log of scripts/serve_step_log.py ({exc!r})") from None
     if not steps:
-        raise SystemExit(f"step_log_fit.py: error: {path} holds no steps")
-    column = {key: np.array([step[key] for step in steps], dtype=float)
-              for key in ("t0", "t1", "cpu", "num_batched_tokens", "sum_context_tokens")}
+        raise ValueError(f"{path} holds no steps")
     wall = column["t1"] - column["t0"]
     design = np.c_[np.ones_like(wall), column["num_batched_tokens"], column["sum_context_tokens"]]
     a, b, c = np.linalg.lstsq(design, wall, rcond=None)[0]
@@ -44,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         path = args.run_dir / f"{policy}_steps.jsonl"
         if not path.is_file():
             parser.error(f"no step log {path}")
-        fit = fit_steps(path)
+        try:
+            fit = fit_steps(path)
+        except ValueError as exc:
+            parser.error(str(exc))
         print(policy, json.dumps({key: round(value, 3) if isinstance(value, float) else value
                                   for key, value in fit.items()}))
     return 0

@@ -92,7 +92,7 @@ def test_a_workload_the_kv_budget_cannot_hold_is_one_line(capsys, tmp_path, monk
 
     workload = [SimRequest(request_id=f"r{i}", arrival_time=0.0, prompt_tokens=40, output_tokens=20,
                            predicted_len=20.0, max_tokens=None) for i in range(4)]
-    monkeypatch.setattr(simulate, "build_base_workload", lambda args: (workload, "test"))
+    monkeypatch.setattr(simulate, "build_base_workload", lambda args, turns: (workload, "test"))
     assert "cannot fit in 1 KV blocks" in one_line_error(
         capsys, ["simulate", "--kv-blocks", "1", "--json", str(tmp_path / "sim.json"), "--no-plots"], "simulate")
 
@@ -183,11 +183,36 @@ def taken(tmp_path):
 def test_bench_serve_checks_its_result_dir_before_the_load(capsys, taken, monkeypatch) -> None:
     from training import bench_serve
 
-    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("load started first"))
-    assert "--result-dir: cannot create the folder /proc/nope" in one_line_error(
-        capsys, ["bench", "serve", "--result-dir", "/proc/nope", "--no-mlflow"], "bench serve")
-    assert "--result-dir: cannot create the folder" in one_line_error(
-        capsys, ["bench", "serve", "--result-dir", str(taken[1] / "sub"), "--no-mlflow"], "bench serve")
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: "m")  # a server that answers
+    monkeypatch.setattr(bench_serve, "run_load", lambda *args: pytest.fail("load started first"))
+    small = ["--num-prompts", "2", "--no-mlflow"]
+    # /proc takes no new file, even from root, whose permission bits say it could.
+    assert "--result-dir /proc/nope: not writable" in one_line_error(
+        capsys, ["bench", "serve", "--result-dir", "/proc/nope", *small], "bench serve")
+    assert f"{taken[1]} is a file, not a folder" in one_line_error(
+        capsys, ["bench", "serve", "--result-dir", str(taken[1] / "sub"), *small], "bench serve")
+
+
+def test_bench_serve_needs_a_server_before_it_writes_anything(capsys, tmp_path) -> None:
+    # With --model given it used to skip the server, send every request, fail them all (exit 1)
+    # and still write a result; a URL without a scheme was a traceback.
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    out = tmp_path / "new" / "results"
+    for base_url in (url, url.removeprefix("http://")):
+        err = one_line_error(capsys, ["bench", "serve", "--base-url", base_url, "--model", "m", "--num-prompts", "2",
+                                      "--result-dir", str(out), "--no-mlflow"], "bench serve")
+        assert f"--base-url {base_url}: cannot list its models" in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_bench_serve_names_runs_that_become_file_names(capsys) -> None:
+    assert "argument --label: a run name becomes a file name" in usage_error(
+        capsys, ["bench", "serve", "--label", "fcfs/run1"])
+    assert "argument --api-key: an API key must not be empty" in usage_error(capsys, ["bench", "serve", "--api-key", ""])
 
 
 def test_bench_serve_checks_its_baseline_before_the_load(capsys, tmp_path, monkeypatch) -> None:
@@ -203,21 +228,90 @@ def test_bench_serve_checks_its_baseline_before_the_load(capsys, tmp_path, monke
         capsys, ["bench", "serve", *out, "--baseline", str(missing)], "bench serve")
 
 
-def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken) -> None:
-    none = ["--model", str(tmp_path / "no-model")]  # the model check would come second
+def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken, tiny_model_dir,
+                                                        monkeypatch) -> None:
+    from training import bench_engine
+
+    monkeypatch.setattr(bench_engine, "run_engine", lambda *args: pytest.fail("ran before the outputs were checked"))
+    model = ["--model", str(tiny_model_dir), "--num-prompts", "2"]
     assert f"--json {taken[0]}: is a folder" in one_line_error(
-        capsys, ["bench", "engine", *none, "--json", str(taken[0])], "bench engine")
-    assert "--step-cost-out: cannot create the folder /proc/nope" in one_line_error(
-        capsys, ["bench", "engine", *none, "--json", str(tmp_path / "b.json"), "--calibrate",
+        capsys, ["bench", "engine", *model, "--json", str(taken[0])], "bench engine")
+    assert "--step-cost-out /proc/nope/cost.json: not writable" in one_line_error(
+        capsys, ["bench", "engine", *model, "--json", str(tmp_path / "b.json"), "--calibrate",
                  "--step-cost-out", "/proc/nope/cost.json"], "bench engine")
+    same = str(tmp_path / "b.json")
+    assert "the same file as --json" in one_line_error(
+        capsys, ["bench", "engine", *model, "--json", same, "--calibrate", "--step-cost-out", same], "bench engine")
+    # Input that is wrong is named before any output folder is made.
+    assert "no first turn of the test split fits" in one_line_error(
+        capsys, ["bench", "engine", *model, "--max-prompt-tokens", "1", "--json", str(tmp_path / "new" / "b.json")],
+        "bench engine")
+    assert not (tmp_path / "new").exists()
 
 
-def test_simulate_and_trace_check_their_outputs_first(capsys, tmp_path, taken) -> None:
+def test_simulate_and_trace_check_their_outputs_first(capsys, tmp_path, taken, tiny_model_dir, monkeypatch) -> None:
+    from training import simulate
+
+    monkeypatch.setattr(simulate, "build_base_workload", lambda *args: pytest.fail("predicted before --json"))
     assert f"--json {taken[0]}: is a folder" in one_line_error(
-        capsys, ["simulate", "--json", str(taken[0]), "--step-cost", str(tmp_path / "no-cost.json")], "simulate")
+        capsys, ["simulate", "--json", str(taken[0]), "--num-requests", "2"], "simulate")
     assert f"--out {taken[0]}: is a folder" in one_line_error(
         capsys, ["trace", "--num-prompts", "1", "--log", str(tmp_path / "t.jsonl"), "--out", str(taken[0]),
-                 "--model", str(tmp_path / "no-model")], "trace")
+                 "--model", str(tiny_model_dir)], "trace")
+
+
+def test_a_bad_input_leaves_no_output_behind(capsys, tmp_path) -> None:
+    new = tmp_path / "new"
+    # simulate: a folder that is no predictor, and a prompt bound no turn fits (an IndexError once)
+    assert "not a saved predictor folder" in one_line_error(
+        capsys, ["simulate", "--predictor", str(tmp_path), "--json", str(new / "s.json")], "simulate")
+    assert "--max-prompt-tokens 1: no test turn fits" in one_line_error(
+        capsys, ["simulate", "--max-prompt-tokens", "1", "--predictions", "noisy-oracle", "--num-requests", "2",
+                 "--json", str(new / "s.json")], "simulate")
+    assert "not a saved predictor folder" in one_line_error(
+        capsys, ["eval-predictor", "--predictor", str(tmp_path / "none"), "--json", str(new / "e.json")],
+        "eval-predictor")
+    # train: the store is checked, not made, before the arguments are (--prior needs embed_lgbm)
+    assert "--prior applies to --model embed_lgbm --labels trace only" in one_line_error(
+        capsys, ["train", "--model", "length", "--prior", str(tmp_path), "--store", str(new / "store")], "train")
+    # trace: a missing model is found before its log is seeded from the committed table
+    assert "no converted model" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--model", str(tmp_path / "none"), "--log", str(new / "t.jsonl"),
+                 "--out", str(new / "t.parquet")], "trace")
+    assert not new.exists()
+
+
+def test_trace_refuses_a_reply_budget_that_leaves_no_room_for_a_prompt(capsys, tmp_path, tiny_model_dir) -> None:
+    # It traced nothing and exited 0 ("traced 0 new prompts").
+    assert "--max-tokens 5000: leaves no room for a prompt in the 2048-token context" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--max-tokens", "5000", "--model", str(tiny_model_dir),
+                 "--log", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "t.parquet")], "trace")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_trace_and_train_argument_errors_are_exit_status_2(capsys, tmp_path) -> None:
+    # They were SystemExit messages: exit status 1 and no "lengthwise trace: error:" prefix.
+    assert "--num-prompts is required" in one_line_error(capsys, ["trace"], "trace")
+    assert "--resample-split needs its own --log and --out" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--resample-split", "test"], "trace")
+    assert "--hold-out-trace applies to --labels sharegpt only" in one_line_error(
+        capsys, ["train", "--model", "length", "--labels", "trace", "--hold-out-trace",
+                 "--store", str(tmp_path / "store")], "train")
+    assert "exists and is not a predictor folder" in one_line_error(
+        capsys, ["train", "--model", "length", "--save", "README.md", "--store", str(tmp_path / "store")], "train")
+
+
+def test_data_prepare_checks_its_outputs_before_parsing(capsys, tmp_path, monkeypatch) -> None:
+    from training import data_prepare
+
+    monkeypatch.setattr(data_prepare, "prepare", lambda *args: pytest.fail("parsed before the outputs were checked"))
+    assert "--card-dir /proc/x: not writable" in one_line_error(
+        capsys, ["data", "prepare", "--out", str(tmp_path / "t"), "--card-dir", "/proc/x"], "data prepare")
+    # A table written elsewhere gets its card beside it, not over the committed data/README.md.
+    seen = {}
+    monkeypatch.setattr(data_prepare, "prepare", lambda out, card_dir, limit: seen.update(card=card_dir) or {})
+    assert main(["data", "prepare", "--out", str(tmp_path / "t"), "--limit", "5"]) == 0
+    assert seen["card"] == tmp_path
 
 
 def test_eval_predictor_checks_its_json_before_evaluating(capsys, taken, monkeypatch) -> None:
@@ -235,14 +329,14 @@ def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> N
     monkeypatch.setattr(train, "run", lambda args: pytest.fail("trained before the store was checked"))
     assert "is a file, not a folder" in one_line_error(
         capsys, ["train", "--model", "length", "--store", str(taken[1])], "train")
-    assert "--store: cannot create the folder /proc/nope" in one_line_error(
+    assert "--store /proc/nope: not writable" in one_line_error(
         capsys, ["train", "--model", "length", "--store", "/proc/nope"], "train")
 
 
 def test_eval_predictor_reads_its_store_without_creating_it(capsys, tmp_path) -> None:
     typo = tmp_path / "typo"
-    with pytest.raises(SystemExit, match=f"no MLflow store at {typo}"):
-        main(["eval-predictor", "--store", str(typo), "--no-latency"])
+    assert f"no MLflow store at {typo}" in one_line_error(
+        capsys, ["eval-predictor", "--store", str(typo), "--no-latency"], "eval-predictor")
     assert not typo.exists()
 
 
@@ -287,8 +381,7 @@ def test_every_command_runs_offline_unless_told_otherwise(capsys, monkeypatch, t
     # The Makefile sets these, but `lengthwise` run by hand must not reach the hub either.
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(SystemExit):
-        main(["trace", "--agreement", str(tmp_path / "missing.parquet")])
+    assert main(["trace", "--agreement", str(tmp_path / "missing.parquet")]) == 2
     import os
 
     assert all(os.environ[name] == "1" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
@@ -306,3 +399,43 @@ def test_eval_predictor_writes_null_not_nan_for_a_metric_a_tiny_subset_leaves_un
 
     report = json.loads(out.read_text(), parse_constant=refuse)
     assert report["num_examples"] == 2 and None in report.values()
+
+
+def test_serve_finds_a_taken_port_before_loading_the_model(capsys, tiny_model_dir, monkeypatch) -> None:
+    # It loaded the model, then uvicorn logged ten lines and exited 3.
+    import socket
+
+    from engine.server import serve_cli
+
+    monkeypatch.setattr(serve_cli, "build_server", lambda *args: pytest.fail("loaded before binding"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert f"--host 127.0.0.1 --port {port}: cannot listen there" in one_line_error(
+            capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", "none", "--port", str(port)], "serve")
+    assert "--host no.such.host.invalid: cannot listen there" in one_line_error(
+        capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", "none", "--host", "no.such.host.invalid"],
+        "serve")
+    # An empty key would refuse every request, since clients send none.
+    assert "argument --api-key: an API key must not be empty" in usage_error(capsys, ["serve", "--api-key", ""])
+
+
+def test_a_kv_cache_larger_than_memory_is_one_line(capsys, tiny_model_dir) -> None:
+    # It was a 23-line allocator traceback.
+    assert "of host memory" in one_line_error(
+        capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--kv-cache-memory", "100000"], "generate")
+
+
+def test_an_output_location_is_checked_by_writing_and_nothing_is_made(tmp_path) -> None:
+    from engine.arg_types import check_output_location, prepare_output_file
+
+    with pytest.raises(PermissionError, match="--json /proc/x.json: not writable"):
+        prepare_output_file("/proc/x.json", "--json")  # root's permission bits say it could
+    check_output_location(tmp_path / "a" / "b" / "c.json", "--json", folder=False)
+    check_output_location(tmp_path / "d", "--out", folder=True)
+    assert list(tmp_path.iterdir()) == []  # no folder, no probe file left
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    check_output_location(kept, "--json", folder=False)
+    assert kept.read_text() == "old"

@@ -116,6 +116,43 @@ def test_step_log_fit_recovers_the_cost_of_logged_steps(tmp_path) -> None:
     assert (result["a_ms"], result["b_ms_per_token"], result["c_us_per_context_token"]) == pytest.approx((50, 1, 2))
 
 
+def test_step_log_fit_refuses_a_log_it_cannot_read_in_one_line(capsys, tmp_path) -> None:
+    fit = load_script("step_log_fit")
+    for name, text in (("fcfs_steps.jsonl", "{not json\n"), ("fcfs_steps.jsonl", '{"t0": 1}\n')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as exited:
+            fit.main([str(tmp_path), "--policies", "fcfs"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exited.value.code == 2 and "not a step log of scripts/serve_step_log.py" in err
+
+
+def test_serve_step_log_keeps_an_old_log_until_the_server_steps(tmp_path, monkeypatch) -> None:
+    import engine.llm_engine as llm_engine
+
+    script = load_script("serve_step_log")
+    old = tmp_path / "steps.jsonl"
+    old.write_text("an earlier run\n")
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", llm_engine.LLMEngine.step)  # restored after the test
+    script.install_step_log(str(old))
+    assert old.read_text() == "an earlier run\n"  # a serve that fails to start loses nothing
+    with pytest.raises(PermissionError, match="STEP_LOG /proc/steps.jsonl: not writable"):
+        script.install_step_log("/proc/steps.jsonl")
+
+
+def test_replay_engine_checks_its_out_dir_and_predictor_before_predicting(capsys, monkeypatch, tmp_path) -> None:
+    import predictor
+
+    replay = load_script("replay_engine")
+    monkeypatch.setattr(predictor, "load", lambda path: pytest.fail("predicted first"))
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for flags, message in ((["--out-dir", str(a_file)], "is a file, not a folder"),
+                           (["--predictor", str(tmp_path)], "not a saved predictor folder")):
+        with pytest.raises(SystemExit) as exited:
+            replay.main([*flags, "--", "--num-prompts", "2", "--ignore-eos"])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layers, message", [("0,16", "numbered from 1"), ("16,x", "comma-separated"), ("", "comma")])
 def test_probe_layer_sweep_checks_its_layers_before_loading(capsys, monkeypatch, layers, message) -> None:
     from predictor import probe

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine.arg_types import positive_float, positive_int, power_of_two
+from engine.arg_types import positive_float, positive_int, power_of_two, prepare_output_dir
+from engine.config import REPO_ROOT
 
 # Peak HBM bandwidth in GB/s by device-name substring; the first match wins (specific first).
 PEAK_GBPS: tuple[tuple[str, float], ...] = (
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the device-to-device copy that measures usable bandwidth")
     parser.add_argument("--sweep", choices=list(SWEEPS), default="standard",
                         help="launch configurations timed besides the default")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_attention"))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "bench_attention")
 
 
 def peak_gbps(device_name: str, override: float | None) -> float | None:
@@ -284,8 +285,10 @@ def run(args: argparse.Namespace) -> int:
         print("lengthwise bench attention: no CUDA device here; run it on a GPU machine "
               "(scripts/gpu_check.sh)", file=sys.stderr)
         return 1
+    if args.num_heads % args.num_kv_heads:
+        raise ValueError(f"--num-heads {args.num_heads}: not a multiple of --num-kv-heads {args.num_kv_heads}")
+    prepare_output_dir(args.out, "--out")  # before the measurements, not after them
     result = measure(args, "cuda", torch.cuda.get_device_name(), time_ms)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_attention.json").write_text(json.dumps(result, indent=2))
     write_plot(result, args.out / "bench_attention.png")
     fraction, peak = result["triton_default_fraction"], result["peak_gbps"]

@@ -71,8 +71,11 @@ def load_workload(tokenizer, split: str, num_prompts: int, max_prompt_tokens: in
     from training.dataset import load_turns
 
     turns = load_turns(split)
-    rows = turns.filter(lambda r: r["turn_index"] == 0 and r["prompt_tokens"] <= max_prompt_tokens)
-    rows = rows.select(range(min(num_prompts, len(rows))))
+    fits = [i for i, (turn, length) in enumerate(zip(turns["turn_index"], turns["prompt_tokens"]))
+            if turn == 0 and length <= max_prompt_tokens]
+    if not fits:
+        raise ValueError(f"--max-prompt-tokens {max_prompt_tokens}: no first turn of the {split} split fits")
+    rows = turns.select(fits[:num_prompts])
     return [WorkItem(tuple(tokenizer.encode(row["prompt"], add_special_tokens=False)),
                      max(1, min(row["response_tokens"], max_output_tokens))) for row in rows]
 
@@ -144,9 +147,8 @@ def plot(summary: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    prepare_output_file(args.json, "--json")  # before the runs, not after them
-    if args.calibrate:
-        prepare_output_file(args.step_cost_out, "--step-cost-out")
+    if args.calibrate and Path(args.step_cost_out).resolve() == Path(args.json).resolve():
+        raise ValueError(f"--step-cost-out {args.step_cost_out}: the same file as --json")
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,
@@ -155,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.model)
     items = load_workload(tokenizer, args.split, args.num_prompts, args.max_prompt_tokens, args.max_output_tokens)
+    prepare_output_file(args.json, "--json")  # before the runs, not after them
+    if args.calibrate:
+        prepare_output_file(args.step_cost_out, "--step-cost-out")
     # The allocator setting is process-wide: the HF baselines, run after the engine, share it.
     results = {"engine": run_engine(items, config)}
     log.info("engine: %.1f tokens/s", results["engine"].tokens_per_s)

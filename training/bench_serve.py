@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from engine.arg_types import (checked_by, non_negative_float, non_negative_int, positive_float, positive_int,
-                               positive_rate, prepare_output_dir)
+from engine.arg_types import (api_key, checked_by, file_stem, non_negative_float, non_negative_int, positive_float,
+                               positive_int, positive_rate, prepare_output_dir)
 from engine.config import REPO_ROOT
 from training import bench_serve_compare
 from training import bench_serve_report as report
@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--label", default=None, help="run name (e.g. the server's policy)")
+    parser.add_argument("--api-key", type=api_key, default=None)
+    parser.add_argument("--label", type=file_stem, default=None, help="run name (e.g. the server's policy)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="RUN.json",
                         help="an earlier run's JSON (e.g. the fcfs server's): report ratios against it, "
                              "and whether the two runs are comparable")
@@ -102,7 +102,7 @@ def sample_workload(args: argparse.Namespace) -> list[WorkItem]:
     fits = [i for i, (p, r) in enumerate(zip(prompt_lens, reply_lens))
             if p >= 4 and r >= 4 and p + r <= args.max_model_len]
     if len(fits) < args.num_prompts:
-        raise SystemExit(f"only {len(fits)} turns fit; asked for {args.num_prompts}")
+        raise ValueError(f"--num-prompts {args.num_prompts}: only {len(fits)} {args.split} turns fit --max-model-len {args.max_model_len}")
     rng = random.Random(args.seed)
     chosen = rng.sample(fits, args.num_prompts)
     mix = parse_tier_mix(args.tier_mix)
@@ -230,8 +230,12 @@ def server_model(args: argparse.Namespace) -> str:
         response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
         response.raise_for_status()
     except httpx.HTTPError as exc:
-        raise SystemExit(f"bench serve: cannot list the models of {args.base_url}: {exc}") from None
-    return response.json()["data"][0]["id"]
+        raise ValueError(f"--base-url {args.base_url}: cannot list its models ({exc})") from None
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):  # not JSON, or not an OpenAI model list
+        raise ValueError(f"--base-url {args.base_url}: /v1/models did not answer with an OpenAI model "
+                         f"list ({response.text[:80]!r})") from None
 
 
 def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
@@ -255,10 +259,11 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 
 def run(args: argparse.Namespace) -> int:
     slos = report.parse_goodput(args.goodput)
-    out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     baseline = bench_serve_compare.load_baseline(args.baseline) if args.baseline else None
-    model = args.model or server_model(args)
+    served = server_model(args)  # a server that cannot be reached fails here, before anything is written
+    model = args.model or served
     items = sample_workload(args)
+    out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     info, preemptions_before = server_state(args.base_url)
     label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
     offsets = arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from engine.arg_types import positive_int
+from engine.arg_types import positive_int, prepare_output_dir
 from training import dataset
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -175,13 +175,18 @@ def prepare(table_dir: Path, card_dir: Path | None, limit: int | None = None) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=dataset.DEFAULT_TABLE_DIR,
                         help="folder for the per-split parquet files")
-    parser.add_argument("--card-dir", type=Path, default=dataset.REPO_ROOT / "data",
-                        help="where README.md (data card) and its histogram go")
+    parser.add_argument("--card-dir", type=Path, default=None,
+                        help="where README.md (data card) and its histogram go (default: the folder "
+                             "holding --out, so data/ for the committed table, and never data/ for another)")
     parser.add_argument("--no-card", action="store_true", help="skip the data card")
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N records")
 
 
 def run(args: argparse.Namespace) -> int:
-    counts = prepare(args.out, None if args.no_card else args.card_dir, args.limit)
+    card_dir = None if args.no_card else (args.card_dir or Path(args.out).resolve().parent)
+    prepare_output_dir(args.out, "--out")  # before minutes of parsing and tokenizing, not after
+    if card_dir is not None:
+        prepare_output_dir(card_dir, "--card-dir")
+    counts = prepare(args.out, card_dir, args.limit)
     print(f"wrote {sum(counts.values())} turns to {args.out}: {counts}")
     return 0

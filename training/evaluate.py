@@ -81,7 +81,7 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
     try:
         return tracking.download_champion(store=store)
     except LookupError as exc:  # a fresh clone: nothing trained and registered yet
-        raise SystemExit(f"lengthwise eval-predictor: error: {exc}; train one with `lengthwise train` "
+        raise ValueError(f"--predictor champion: {exc}; train one with `lengthwise train` "
                          f"or pass --predictor PATH (e.g. data/predictors/default)") from None
 
 
@@ -171,11 +171,15 @@ def resample_path(args: argparse.Namespace) -> Path | None:
 def run(args: argparse.Namespace) -> int:
     from training.train_models import limit_torch_threads
 
+    from predictor.saved import read_spec
+
     limit_torch_threads()
+    path = resolve_predictor(args.predictor, args.store)
+    read_spec(path)  # a folder that is no predictor fails here
+    resample = resample_path(args)
     if args.json is not None:  # before minutes of evaluation, not after
         prepare_output_file(args.json, "--json")
-    path = resolve_predictor(args.predictor, args.store)
-    report = evaluate(path, args.labels, args.limit, not args.no_latency, resample_path(args))
+    report = evaluate(path, args.labels, args.limit, not args.no_latency, resample)
     # A metric undefined on a tiny subset (a constant ranking) is NaN, which JSON has no word for.
     fields = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(report).items()}
     text = json.dumps(fields, indent=2, allow_nan=False)

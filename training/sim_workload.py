@@ -60,6 +60,8 @@ def load_test_turns(num_requests: int, seed: int, max_prompt_tokens: int, max_ou
                                           table["in_train"])
         if p <= max_prompt_tokens and r >= 1 and not (exclude_train_prompts and in_train)
     ]
+    if not rows:
+        raise ValueError(f"--max-prompt-tokens {max_prompt_tokens}: no test turn fits")
     rng = random.Random(seed)
     if num_requests <= len(rows):
         return rng.sample(rows, num_requests)

@@ -26,8 +26,8 @@ from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
-from training.sim_workload import (NOISY_ORACLE, arrival_times, assign_tiers, build_workload, load_test_turns,
-                                   noisy_oracle, predictor_predictions)
+from training.sim_workload import (NOISY_ORACLE, Turn, arrival_times, assign_tiers, build_workload,
+                                   load_test_turns, noisy_oracle, predictor_predictions)
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +163,12 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
     return {"load": load, "arrival_rate_per_s": rate, "policies": summaries}, latencies
 
 
-def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str]:
-    turns = load_test_turns(args.num_requests, args.seed, args.max_prompt_tokens, args.max_output_tokens,
-                            args.exclude_train_prompts)
+def load_workload_turns(args: argparse.Namespace) -> list[Turn]:
+    return load_test_turns(args.num_requests, args.seed, args.max_prompt_tokens, args.max_output_tokens,
+                           args.exclude_train_prompts)
+
+
+def build_base_workload(args: argparse.Namespace, turns: list[Turn]) -> tuple[list[SimRequest], str]:
     if args.predictions == NOISY_ORACLE:
         predictions, source = noisy_oracle(turns, args.seed), "noisy oracle (development only)"
     else:
@@ -178,14 +181,15 @@ def build_base_workload(args: argparse.Namespace) -> tuple[list[SimRequest], str
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     policies = args.policies
-    prepare_output_file(args.json, "--json")  # before the simulation, not after it
     if args.predictions == "predictor":
         from predictor.saved import read_spec
 
         read_spec(args.predictor)  # a folder that is no predictor fails here, before the workload loads
     cost, cost_source, calibration = load_cost_model(args.step_cost)
     config = scheduler_config(args, calibration)
-    base, prediction_source = build_base_workload(args)
+    turns = load_workload_turns(args)
+    prepare_output_file(args.json, "--json")  # before the predictions and the simulation, not after them
+    base, prediction_source = build_base_workload(args, turns)
     saturated = saturated_throughput(config, base, cost)
     logger.info("saturated output throughput %.1f tokens/s", saturated)
     main, latencies = run_load(config, base, cost, policies, args.load, saturated, args)

@@ -252,21 +252,28 @@ def sample_agreement(first: Path, second: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.agreement is not None:
         if not args.agreement.exists():
-            raise SystemExit(f"--agreement: no trace table at {args.agreement}")
+            raise ValueError(f"--agreement: no trace table at {args.agreement}")
         check_trace_table(args.agreement, "--agreement")
         print(json.dumps(sample_agreement(DEFAULT_TRACE, args.agreement)))
         return 0
+    from engine.config import EngineConfig
     from engine.llm import LLM
+    from engine.llm_engine import check_model_dir
 
     if args.num_prompts is None:
-        raise SystemExit("--num-prompts is required (unless --agreement)")
+        raise ValueError("--num-prompts is required (unless --agreement)")
     if args.resample_split is not None and (args.out.resolve() == DEFAULT_TRACE.resolve()
                                             or args.log.resolve() == DEFAULT_LOG.resolve()):
-        raise SystemExit("--resample-split needs its own --log and --out (not the committed trace's)")
+        raise ValueError("--resample-split needs its own --log and --out (not the committed trace's)")
+    check_model_dir(args.model)
+    max_model_len = EngineConfig(model=args.model).max_model_len  # what LLM(model=...) runs with
+    if args.max_tokens >= max_model_len:  # no prompt would fit: it would trace nothing and say so with 0
+        raise ValueError(f"--max-tokens {args.max_tokens}: leaves no room for a prompt in the "
+                         f"{max_model_len}-token context")
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
-    seed_log_from_table(args.log, args.out)
     llm = LLM(model=args.model)
+    seed_log_from_table(args.log, args.out)  # once the model has loaded: a failed load writes nothing
     if args.resample_split is not None:
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from engine.arg_types import prepare_output_dir
+from engine.arg_types import check_output_location
 from predictor.features import FEATURE_SPEC_VERSION
 from training.dataset import REPO_ROOT
 
@@ -48,11 +48,12 @@ def tracking_uri(store: Path) -> str:
 def check_store(store: Path, for_writing: bool = True, flag: str = "MLflow store") -> None:
     """An MLflow store is a folder: refuse a file in its place, and, for a store to be written, a
     folder that cannot be made or written, before any work is done for it (`main` checks a
-    command's --store before it runs). A store only read is not created."""
+    command's --store before it runs). Nothing is created here: a command refused later must not
+    leave a store behind; `tracking_session` makes it when a run is logged."""
     if store.exists() and not store.is_dir():
         raise NotADirectoryError(f"{flag} {store} is a file, not a folder")
     if for_writing:
-        prepare_output_dir(store, flag)
+        check_output_location(store, flag, folder=True)
 
 
 @contextmanager

@@ -120,7 +120,7 @@ def check_save_target(path: Path | None) -> None:
     if path is None or not path.exists():
         return
     if path.is_file() or (any(path.iterdir()) and not (path / "predictor.json").exists()):
-        raise SystemExit(f"--save {path}: exists and is not a predictor folder; choose another path")
+        raise ValueError(f"--save {path}: exists and is not a predictor folder; choose another path")
 
 
 def replace_folder(source: Path, target: Path) -> None:
@@ -154,9 +154,9 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     from training.train_models import TRAINERS
 
     if args.prior is not None and (args.model != "embed_lgbm" or args.labels != "trace"):
-        raise SystemExit("--prior applies to --model embed_lgbm --labels trace only")
+        raise ValueError("--prior applies to --model embed_lgbm --labels trace only")
     if args.hold_out_trace and args.labels != "sharegpt":
-        raise SystemExit("--hold-out-trace applies to --labels sharegpt only")
+        raise ValueError("--hold-out-trace applies to --labels sharegpt only")
     check_save_target(args.save)
     data = load_data(args.labels, args.model, args.max_train, args.max_eval, args.prior, args.hold_out_trace)
     trained = TRAINERS[args.model](data, trainer_config(args))

@@ -130,11 +130,11 @@ def _load_prior(folder: Path | None, feature_spec: dict, labels: str):
         return None, None
     spec = read_spec(folder)
     if spec.kind != "embed_lgbm" or (Path(folder) / PRIOR_FOLDER).is_dir():
-        raise SystemExit(f"--prior {folder}: must be an embed_lgbm predictor without a prior of its own")
+        raise ValueError(f"--prior {folder}: must be an embed_lgbm predictor without a prior of its own")
     if spec.feature_spec != feature_spec:
-        raise SystemExit(f"--prior {folder}: its features differ from this code's")
+        raise ValueError(f"--prior {folder}: its features differ from this code's")
     if labels != "trace" or spec.held_out != trace_held_out_tag():
-        raise SystemExit(f"--prior {folder}: stack only trace-trained heads, on a prior trained without the "
+        raise ValueError(f"--prior {folder}: stack only trace-trained heads, on a prior trained without the "
                          "trace's conversations (lengthwise train --model embed_lgbm --hold-out-trace ...)")
     return LgbmHeads.load(Path(folder)), spec
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 from pathlib import Path
 
 import uvicorn
 
-from engine.arg_types import (configure_serve_logging, cors_origin, non_negative_float, port_number,
+from engine.arg_types import (api_key, configure_serve_logging, cors_origin, non_negative_float, port_number,
                               positive_float, positive_int)
 from engine.config import REPO_ROOT
 from predictor.saved import SPEC_FILENAME
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on queued token work for admission control")
     parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=None,
                         help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    parser.add_argument("--api-key", type=api_key, default=None, help="require 'Authorization: Bearer <key>' on /v1")
     parser.add_argument("--allowed-origins", nargs="+", type=cors_origin, default=(), metavar="ORIGIN",
                         help="origins whose browser pages may call the API (CORS), or '*' for any; "
                              "default: none")
@@ -102,13 +103,34 @@ def predictor_folder(spec: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     configure_serve_logging(args.log_level)
+    from engine.llm_engine import check_model_dir
+
+    config = build_engine_config(args)
+    predictor_path = predictor_folder(args.predictor)
+    check_model_dir(config.model)
+    listening = listen_socket(args.host, args.port)  # a taken port fails now, not after the model loads
+    try:
+        server, name = build_server(args, config, predictor_path)
+    except BaseException:
+        listening.close()
+        raise
+    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host,
+                listening.getsockname()[1])
+    try:
+        server.run(sockets=[listening])
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
+        return 130
+    return 0
+
+
+def build_server(args: argparse.Namespace, config, predictor_path: str | None) -> tuple["DrainingServer", str]:
+    """The engine, the predictor and the app, in a server not yet started; and the served name."""
     import predictor
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine, load_tokenizer
     from engine.server.app import ServerSettings, create_app
 
-    config = build_engine_config(args)
-    predictor_path = predictor_folder(args.predictor)
     engine = LLMEngine(config)
     too_small = kv_shortfall(engine.scheduler.config)
     if too_small:
@@ -134,13 +156,25 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=FLUSH_AFTER_DRAIN_S),
                             async_engine, args.shutdown_grace)
-    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host, args.port)
+    return server, name
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) for uvicorn to serve on; OSError naming both when the port is
+    taken or the host resolves to nothing. Port 0 takes a free port (the log line says which)."""
     try:
-        server.run()
-    except KeyboardInterrupt:
-        # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
-        return 130
-    return 0
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise OSError(f"--host {host}: cannot listen there ({exc.strerror or exc})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    return sock
 
 
 def model_aliases(model: str) -> tuple[str, ...]:

@@ -259,7 +259,7 @@ def test_train_refuses_to_save_over_a_folder_that_is_not_a_predictor(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=10, max_eval=10, store=tmp_path / "mlruns",
                               save=tmp_path / "notes", no_register=True, seed=0, prior=None, hold_out_trace=False)
-    with pytest.raises(SystemExit, match="not a predictor folder"):
+    with pytest.raises(ValueError, match="not a predictor folder"):
         train.train_and_log(args)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 
@@ -447,7 +447,7 @@ def test_a_fresh_clone_extends_the_committed_trace_table_instead_of_replacing_it
     trace.add_arguments(parser)
     monkeypatch.chdir(dataset.REPO_ROOT)
     relative = str(trace.DEFAULT_TRACE.relative_to(dataset.REPO_ROOT))
-    with pytest.raises(SystemExit, match="its own --log and --out"):
+    with pytest.raises(ValueError, match="its own --log and --out"):
         trace.run(parser.parse_args(["--num-prompts", "5", "--resample-split", "test", "--out", relative,
                                      "--log", str(tmp_path / "other.jsonl")]))
 
@@ -457,9 +457,9 @@ def test_trace_agreement_needs_an_existing_table(tmp_path):
 
     parser = argparse.ArgumentParser()
     trace.add_arguments(parser)
-    with pytest.raises(SystemExit, match="no trace table"):
+    with pytest.raises(ValueError, match="no trace table"):
         trace.run(parser.parse_args(["--agreement", str(tmp_path / "missing.parquet")]))
-    with pytest.raises(SystemExit, match="--num-prompts"):
+    with pytest.raises(ValueError, match="--num-prompts"):
         trace.run(parser.parse_args([]))
     for bad in (["--num-prompts", "0"], ["--max-tokens", "-1"], ["--window", "0"], ["--temperature", "-0.5"]):
         with pytest.raises(SystemExit):  # argparse's one-line usage error
@@ -502,7 +502,7 @@ def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_pat
     feature_spec = {"names": ["a", "b", "c"]}
     for held_out, labels in (("", "trace"), ("trace:0123456789abcdef", "trace"), (trace_held_out_tag(), "sharegpt")):
         write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=held_out))
-        with pytest.raises(SystemExit, match="without the trace's conversations"):
+        with pytest.raises(ValueError, match="without the trace's conversations"):
             _load_prior(tmp_path, feature_spec, labels)
     write_spec(tmp_path, PredictorSpec("embed_lgbm", feature_spec, "h", held_out=trace_held_out_tag()))
     heads, spec = _load_prior(tmp_path, feature_spec, "trace")
@@ -522,7 +522,7 @@ def test_a_bad_prior_is_refused_before_the_encoder_loads(monkeypatch):
                           np.zeros(0, dtype=bool))
     data = TrainingData(empty, empty, empty, labels="trace", data_hash="", prior=tracking.REPO_ROOT / "data" /
                         "predictors" / "default")  # trained on every trace train prompt
-    with pytest.raises(SystemExit, match="hold-out-trace"):
+    with pytest.raises(ValueError, match="hold-out-trace"):
         train_embed_lgbm(data, fitters.LgbmConfig())
 
 

@@ -61,7 +61,10 @@ def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_block
         raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory (kv_cache_memory_gib on a CPU, "
                          f"plus swap_space_gib), more than the {free_host / GIB:.1f} GiB available")
     if device.type == "cuda":
-        free_device = torch.cuda.mem_get_info(device)[0]
+        # What torch has reserved but not handed out is free to it, though the driver counts it used
+        # (a second engine in one process reuses the first one's freed cache).
+        free_device = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                       - torch.cuda.memory_allocated(device))
         if num_gpu_blocks * block > free_device:
             raise ValueError(f"kv_cache_memory_gib: the KV cache needs {num_gpu_blocks * block / GIB:.1f} GiB, "
                              f"more than the {free_device / GIB:.1f} GiB free on {device}")

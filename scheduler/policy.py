@@ -38,5 +38,6 @@ class SchedulingPolicy:
 
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
                 step_time_s: float | None) -> None:
-        """Hook called once per step before ordering, with the measured mean step time (None before
-        the first step is measured): aging rates, refined predictions."""
+        """Hook called once per step before ordering, with every request waiting for a seat (queued,
+        and swapped out) and the measured mean step time (None before the first step is measured):
+        aging rates, refined predictions."""

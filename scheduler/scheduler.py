@@ -138,7 +138,8 @@ class Scheduler(Preemption):
 
     def _fill(self, plan: StepPlan, now: float) -> None:
         """The four parts of a step (module docstring), granting tokens into `plan`."""
-        self.policy.on_step(self.waiting, self.running, now, self.admission.mean_step_time_s)
+        # Swapped requests wait for a seat too: their aging bound must see the steps they wait through.
+        self.policy.on_step(self.waiting + self.swapped, self.running, now, self.admission.mean_step_time_s)
         self.waiting.sort(key=lambda r: self.policy.sort_key(r, now))
         self._make_room_for_urgent(plan, now)
         self._schedule_running(plan, now)

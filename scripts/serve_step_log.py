@@ -31,6 +31,7 @@ def install_step_log(path: str) -> None:
     def logged_step(self):
         nonlocal log
         if log is None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             log = open(path, "w", buffering=1)
         started, cpu = time.perf_counter(), time.process_time()
         outputs = step(self)

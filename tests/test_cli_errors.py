@@ -4,6 +4,7 @@ and never after the work it would spoil (a model load, a simulation, a load test
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -302,16 +303,18 @@ def test_trace_and_train_argument_errors_are_exit_status_2(capsys, tmp_path) -> 
 
 
 def test_data_prepare_checks_its_outputs_before_parsing(capsys, tmp_path, monkeypatch) -> None:
-    from training import data_prepare
+    from training import data_prepare, dataset
 
     monkeypatch.setattr(data_prepare, "prepare", lambda *args: pytest.fail("parsed before the outputs were checked"))
     assert "--card-dir /proc/x: not writable" in one_line_error(
         capsys, ["data", "prepare", "--out", str(tmp_path / "t"), "--card-dir", "/proc/x"], "data prepare")
-    # A table written elsewhere gets its card beside it, not over the committed data/README.md.
+    # A table written elsewhere keeps its card in its own folder: not over the committed
+    # data/README.md, nor over a README.md above it (the repository's, for --out turns).
     seen = {}
     monkeypatch.setattr(data_prepare, "prepare", lambda out, card_dir, limit: seen.update(card=card_dir) or {})
     assert main(["data", "prepare", "--out", str(tmp_path / "t"), "--limit", "5"]) == 0
-    assert seen["card"] == tmp_path
+    assert seen["card"] == tmp_path / "t"
+    assert data_prepare.default_card_dir(dataset.DEFAULT_TABLE_DIR) == dataset.REPO_ROOT / "data"
 
 
 def test_eval_predictor_checks_its_json_before_evaluating(capsys, taken, monkeypatch) -> None:
@@ -414,13 +417,36 @@ def test_serve_finds_a_taken_port_before_loading_the_model(capsys, tiny_model_di
         port = holder.getsockname()[1]
         assert f"--host 127.0.0.1 --port {port}: cannot listen there" in one_line_error(
             capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", "none", "--port", str(port)], "serve")
-    assert "--host no.such.host.invalid: cannot listen there" in one_line_error(
-        capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", "none", "--host", "no.such.host.invalid"],
-        "serve")
     # An empty key would refuse every request, since clients send none.
     assert "argument --api-key: an API key must not be empty" in usage_error(capsys, ["serve", "--api-key", ""])
 
+    def no_such_host(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    assert "--host nowhere: cannot listen there (Name or service not known)" in one_line_error(
+        capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", "none", "--host", "nowhere"], "serve")
+
+
+def test_serve_listens_before_handing_its_sockets_to_uvicorn() -> None:
+    import socket
+
+    from engine.server.serve_cli import listen_sockets, url_host
+
+    first = listen_sockets("127.0.0.1", 0)
+    try:
+        port = first[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted into the backlog: listening, not only bound
+        with pytest.raises(OSError, match=f"--port {port}: cannot listen there"):
+            listen_sockets("127.0.0.1", port)  # both bound with SO_REUSEADDR: only listen() tells
+    finally:
+        for sock in first:
+            sock.close()
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the check reads MemAvailable from /proc/meminfo")
 def test_a_kv_cache_larger_than_memory_is_one_line(capsys, tiny_model_dir) -> None:
     # It was a 23-line allocator traceback.
     assert "of host memory" in one_line_error(

@@ -176,14 +176,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=dataset.DEFAULT_TABLE_DIR,
                         help="folder for the per-split parquet files")
     parser.add_argument("--card-dir", type=Path, default=None,
-                        help="where README.md (data card) and its histogram go (default: the folder "
-                             "holding --out, so data/ for the committed table, and never data/ for another)")
+                        help="where README.md (data card) and its histogram go (default: data/ for the "
+                             "committed table, else the --out folder itself)")
     parser.add_argument("--no-card", action="store_true", help="skip the data card")
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N records")
 
 
+def default_card_dir(table_dir: Path) -> Path:
+    """data/ beside the committed table; any other table keeps its card inside its own folder, so a
+    trial run (--limit, another --out) never replaces data/README.md, nor a README above it."""
+    if table_dir.resolve() == dataset.DEFAULT_TABLE_DIR.resolve():
+        return dataset.DEFAULT_TABLE_DIR.parent
+    return table_dir
+
+
 def run(args: argparse.Namespace) -> int:
-    card_dir = None if args.no_card else (args.card_dir or Path(args.out).resolve().parent)
+    card_dir = None if args.no_card else (args.card_dir or default_card_dir(Path(args.out)))
     prepare_output_dir(args.out, "--out")  # before minutes of parsing and tokenizing, not after
     if card_dir is not None:
         prepare_output_dir(card_dir, "--card-dir")

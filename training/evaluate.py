@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.arg_types import positive_int, prepare_output_file
+from engine.arg_types import check_output_location, positive_int, prepare_output_file
 from training.labels import LABEL_SOURCES
 
 LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from predictor.saved import read_spec
 
     limit_torch_threads()
+    if args.json is not None:  # nothing made yet: a bad --json fails before the champion downloads
+        check_output_location(args.json, "--json", folder=False)
     path = resolve_predictor(args.predictor, args.store)
     read_spec(path)  # a folder that is no predictor fails here
     resample = resample_path(args)

@@ -26,6 +26,7 @@ logger = logging.getLogger("lengthwise.serve")
 # After the engine has drained, what uvicorn waits for handlers to send their last events.
 FLUSH_AFTER_DRAIN_S = 5
 FORCE_EXIT_POLL_S = 0.1  # how soon a second stop signal cuts the grace period short
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,16 +109,17 @@ def run(args: argparse.Namespace) -> int:
     config = build_engine_config(args)
     predictor_path = predictor_folder(args.predictor)
     check_model_dir(config.model)
-    listening = listen_socket(args.host, args.port)  # a taken port fails now, not after the model loads
+    listening = listen_sockets(args.host, args.port)  # a taken port fails now, not after the model loads
     try:
         server, name = build_server(args, config, predictor_path)
     except BaseException:
-        listening.close()
+        for sock in listening:
+            sock.close()
         raise
-    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, args.host,
-                listening.getsockname()[1])
+    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, url_host(args.host),
+                listening[0].getsockname()[1])
     try:
-        server.run(sockets=[listening])
+        server.run(sockets=listening)
     except KeyboardInterrupt:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
@@ -159,22 +161,34 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
     return server, name
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) for uvicorn to serve on; OSError naming both when the port is
-    taken or the host resolves to nothing. Port 0 takes a free port (the log line says which)."""
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address `host` resolves to ("" for all interfaces), as asyncio
+    binds them for uvicorn (IPv6 ones IPv6-only); OSError naming both flags when the port is taken
+    or the host resolves to nothing. Port 0 takes a free port (the log line says which)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        addresses = dict.fromkeys(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                     flags=socket.AI_PASSIVE))
     except OSError as exc:
         raise OSError(f"--host {host}: cannot listen there ({exc.strerror or exc})") from None
+    sockets = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        sock.bind(address)
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)  # bound but not listening, a port taken the same way would pass
     except OSError as exc:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
-    return sock
+    return sockets
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def model_aliases(model: str) -> tuple[str, ...]:

@@ -22,11 +22,11 @@ within a tier.
   `refined_remaining`) minus the same aging. Output does not grow while a request waits, so the
   order again equals `arrival_time + remaining / rate` and the aging bound is the remaining
   length it waited with over the rate: above its ranking length only after it outgrew its
-  estimate and was preempted, and never above `max_tokens / rate`. It preempts a running request of its tier only when the
-  waiting one ranks before it in that aged order, is `srpt_preempt_ratio` times shorter, and the
-  running one has produced less than `srpt_max_preempt_share` of its predicted length. Aging thus
-  bounds preemption as it bounds overtaking: nothing arriving more than the bound after a request
-  preempts it.
+  estimate and was preempted, and never above `max_tokens / rate`. It preempts a running request
+  of its tier only when the waiting one ranks before it in that aged order, is
+  `srpt_preempt_ratio` times shorter, and the running one has produced less than
+  `srpt_max_preempt_share` of its predicted length. Aging thus bounds preemption as it bounds
+  overtaking: nothing arriving more than the bound after a request preempts it.
 - goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
   predicted remaining cost, between 0 and `goodput_urgent_slack_s`) go first by slack; requests
   that can wait follow in sjf order; requests already past saving come last, until their aged

@@ -213,7 +213,8 @@ def test_bench_serve_needs_a_server_before_it_writes_anything(capsys, tmp_path) 
 def test_bench_serve_names_runs_that_become_file_names(capsys) -> None:
     assert "argument --label: a run name becomes a file name" in usage_error(
         capsys, ["bench", "serve", "--label", "fcfs/run1"])
-    assert "argument --api-key: an API key must not be empty" in usage_error(capsys, ["bench", "serve", "--api-key", ""])
+    assert "argument --api-key: an API key must not be empty" in usage_error(
+        capsys, ["bench", "serve", "--api-key", ""])
 
 
 def test_bench_serve_checks_its_baseline_before_the_load(capsys, tmp_path, monkeypatch) -> None:

@@ -102,7 +102,8 @@ def sample_workload(args: argparse.Namespace) -> list[WorkItem]:
     fits = [i for i, (p, r) in enumerate(zip(prompt_lens, reply_lens))
             if p >= 4 and r >= 4 and p + r <= args.max_model_len]
     if len(fits) < args.num_prompts:
-        raise ValueError(f"--num-prompts {args.num_prompts}: only {len(fits)} {args.split} turns fit --max-model-len {args.max_model_len}")
+        raise ValueError(f"--num-prompts {args.num_prompts}: only {len(fits)} {args.split} turns fit "
+                         f"--max-model-len {args.max_model_len}")
     rng = random.Random(args.seed)
     chosen = rng.sample(fits, args.num_prompts)
     mix = parse_tier_mix(args.tier_mix)

@@ -169,9 +169,8 @@ def resample_path(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from training.train_models import limit_torch_threads
-
     from predictor.saved import read_spec
+    from training.train_models import limit_torch_threads
 
     limit_torch_threads()
     if args.json is not None:  # nothing made yet: a bad --json fails before the champion downloads

@@ -318,3 +318,71 @@ def test_arrivals_without_a_prediction_stay_out_of_the_decode_terms() -> None:
     rate = 10 / 36.0
     assert margin(None) == pytest.approx(rate * (100 / 512) * 0.06 / 256)  # the seat term, prompts only
     assert margin(250.0) == pytest.approx(rate * 250 * (100 + 125) * 0.06 / (1456 * 16))  # KV binds
+
+
+# Admission at its boundaries (each test kills a mutant of scheduler/admission.py that the
+# tests above let through).
+
+
+def test_a_zero_length_step_is_ignored() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64))
+    ctl.record_step(1.0, 10, 0.0)
+    assert ctl.throughput_tokens_per_s is None
+
+
+def test_a_request_that_fills_the_queue_exactly_is_admitted() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, max_queued_tokens=100))
+    ctl.check(req("b", 20, 20), [req("a", 30, 30)], [])  # 60 + 40 == 100
+
+
+def make_ctl(**kw) -> AdmissionController:
+    """A controller that has measured 100 tokens/s."""
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, **kw))
+    ctl.record_step(0.0, 100, 1.0)  # 100 tokens/s
+    return ctl
+
+
+def test_own_work_exactly_at_the_slo_is_still_shed_for_the_work_ahead() -> None:
+    ctl = make_ctl(slo_ttft_interactive_s=1.0)
+    with pytest.raises(AdmissionRejected):
+        ctl.check(req("i", 100, 1, tier=Tier.INTERACTIVE), [req("w", 50, 1, tier=Tier.INTERACTIVE)], [])
+
+
+def test_an_estimate_exactly_at_the_slo_is_admitted() -> None:
+    ctl = make_ctl(slo_ttft_interactive_s=1.0)
+    ctl.check(req("i", 50, 1, tier=Tier.INTERACTIVE), [req("w", 50, 1, tier=Tier.INTERACTIVE)], [])
+
+
+def test_a_half_budget_step_measures_token_capacity() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=100000, max_num_batched_tokens=512, max_num_seqs=256,
+                                              stability_window_s=10.0))
+    for second in range(10):
+        ctl.record_step(float(second), 256, 0.1)  # 2560 tokens/s
+        ctl.record_arrival(float(second), req(f"r{second}", 300, 200))
+    assert ctl.stability_margin(9.0) == pytest.approx(1.0 * 500 / 2560)
+
+
+def test_an_overrun_running_request_owes_no_negative_work() -> None:
+    ctl = make_ctl(slo_e2e_standard_s=10.0)
+    overrun = req("o", 10, 10)
+    overrun.output_token_ids = [1] * 5000
+    overrun.num_computed_tokens = 10
+    ahead = [req("w", 1000, 1)]
+    with pytest.raises(AdmissionRejected):
+        ctl.check(req("s", 100, 1), ahead, [overrun])  # 1001 tokens ahead = 10 s at 100 tok/s
+
+
+def test_nothing_measured_means_no_latency_rejection_for_a_small_request() -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True))
+    ctl.check(req("s", 1, 1), [req(f"w{i}", 10**4, 10**4) for i in range(10)], [])
+
+
+def test_the_overload_is_logged_once_per_crossing(caplog) -> None:
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=100000, max_num_batched_tokens=500, max_num_seqs=256,
+                                              stability_window_s=10.0))
+    ctl.record_step(0.0, 500, 0.25)
+    for k in range(100):
+        ctl.record_arrival(0.0, req(f"x{k}", 300, 200))
+    with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
+        assert ctl.stability_margin(0.0) > 1 and ctl.stability_margin(0.0) > 1
+    assert caplog.text.count("stability margin") == 1

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.policies import (DEFAULT_LOG_SPREAD, Z90, GoodputPolicy, SJFPolicy, SRPTPolicy, make_policy,
-                                refined_remaining)
+                                ranking_length, refined_remaining)
 from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.testing import PagedTokenRunner, reference_output
@@ -650,3 +650,116 @@ def test_an_urgent_arrival_never_takes_the_chunk_of_an_earlier_running_request_o
     assert first.num_preemptions == 0
     assert_every_token([batch, first, *later])
     assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
+
+
+# SRPT's refinement and goodput's groups at their edges (each test kills a mutant of
+# scheduler/policies.py that the tests above let through).
+
+
+def test_refined_at_the_estimate_switches_to_the_tail():
+    r = req("a", predicted=50, predicted_p50=50, predicted_p90=150, max_tokens=1000)
+    r.output_token_ids = [1] * 50
+    assert refined_remaining(r) == pytest.approx(lognormal_tail_mean(50.0, 150.0, 50.0) - 50.0, rel=1e-3)
+
+
+def test_refined_is_capped_by_max_tokens():
+    r = req("a", predicted=50, predicted_p50=50, predicted_p90=150, max_tokens=100)
+    r.output_token_ids = [1] * 80
+    assert refined_remaining(r) == 20
+
+
+def test_refined_is_at_least_one_token():
+    r = req("a", predicted=50, predicted_p50=50, predicted_p90=50.5, max_tokens=1000)
+    r.output_token_ids = [1] * 80
+    assert refined_remaining(r) == 1.0
+
+
+def test_refined_far_in_the_tail_matches_integration():
+    r = req("a", predicted=50, predicted_p50=50, predicted_p90=150, max_tokens=100000)
+    r.output_token_ids = [1] * 4000  # b ~ 5.1
+    assert refined_remaining(r) == pytest.approx(lognormal_tail_mean(50.0, 150.0, 4000.0) - 4000.0, rel=1e-3)
+
+
+def test_refined_in_the_mills_branch():
+    p90 = 10.0 * math.exp(0.1 * Z90)
+    r = req("a", predicted=10, predicted_p50=10, predicted_p90=p90, max_tokens=5000)
+    r.output_token_ids = [1] * 1000  # b ~ 46
+    assert refined_remaining(r) == pytest.approx(1000 * 0.01 / math.log(100), rel=0.05)
+
+
+def test_refined_centres_on_the_ranking_length_not_the_point():
+    a = req("a", predicted=100, predicted_rank_len=30, max_tokens=256)
+    a.output_token_ids = [1] * 35
+    b = req("b", predicted=30, predicted_rank_len=30, max_tokens=256)
+    b.output_token_ids = [1] * 35
+    assert refined_remaining(a) == pytest.approx(refined_remaining(b))
+
+
+def test_ranking_length_is_capped_by_max_tokens():
+    assert ranking_length(req("a", predicted_rank_len=500, max_tokens=100)) == 100
+
+
+def srpt(aging: float) -> SRPTPolicy:
+    return SRPTPolicy(SchedulerConfig(num_gpu_blocks=64, srpt_max_preempt_share=0.5, srpt_preempt_ratio=4.0,
+                                      aging_tokens_per_s=aging))
+
+
+def test_srpt_does_not_preempt_a_request_its_wait_ranks_level_or_first():
+    running = req("run", arrival=0.0, predicted=50)
+    assert not srpt(10.0).should_preempt_for(req("w", arrival=4.0, predicted=10), running, 4.0)  # 10 vs 10
+    assert not srpt(10.0).should_preempt_for(req("w", arrival=5.0, predicted=10), running, 5.0)  # 10 vs 0
+
+
+def test_srpt_needs_strictly_ratio_times_shorter():
+    assert not srpt(0.0).should_preempt_for(req("w", predicted=10), req("run", predicted=40), 0.0)
+
+
+def goodput(**kw) -> GoodputPolicy:
+    base = dict(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05, goodput_urgent_slack_s=2.0,
+                aging_tokens_per_s=0.0)
+    base.update(kw)
+    return GoodputPolicy(SchedulerConfig(**base))
+
+
+def test_goodput_zero_slack_is_urgent():
+    assert goodput().sort_key(req("a", arrival=0.0, predicted=40), 8.0)[1] == 0
+
+
+def test_goodput_a_late_request_joins_at_aged_score_zero():
+    p = goodput(slo_e2e_standard_s=1.0, aging_tokens_per_s=10.0)
+    assert p.sort_key(req("late", arrival=0.0, predicted=50), 5.0)[1] == 1
+
+
+def test_goodput_an_interactive_request_past_its_first_token_has_no_deadline():
+    p = goodput(slo_ttft_interactive_s=0.5)
+    r = req("i", tier=Tier.INTERACTIVE, predicted=50)
+    r.first_token_time = 0.2
+    assert p.sort_key(r, 10.0)[1] == 1
+
+
+def test_goodput_rounds_prefill_steps_up():
+    p = goodput(max_num_batched_tokens=64, max_model_len=2048, slo_ttft_interactive_s=0.5,
+                goodput_urgent_slack_s=0.2)
+    r = req("i", tier=Tier.INTERACTIVE, prompt_len=100, predicted=5)
+    assert p.sort_key(r, 0.225)[1] == 0
+
+
+def test_goodput_costs_a_standard_request_its_remaining_tokens():
+    r = req("s", arrival=0.0, predicted=40)
+    r.output_token_ids = [1] * 30
+    assert goodput().sort_key(r, 7.0)[1] == 1
+
+
+def test_goodput_orders_urgent_requests_by_slack():
+    p = goodput()
+    tight = req("tight", arrival=0.0, predicted=40)   # at 7.5: slack 0.5, score 40
+    loose = req("loose", arrival=0.0, predicted=10)   # at 7.5: slack 2.0, score 10
+    assert p.sort_key(tight, 7.5) < p.sort_key(loose, 7.5)
+
+
+def test_goodput_urgent_interactive_before_one_past_its_first_token():
+    p = goodput(slo_ttft_interactive_s=1.6, max_num_batched_tokens=64, max_model_len=2048)
+    urgent = req("u", tier=Tier.INTERACTIVE, prompt_len=4, predicted=50)   # slack 1.6-0-0.05 = 1.55
+    served = req("s", tier=Tier.INTERACTIVE, predicted=1)
+    served.first_token_time = 0.0
+    assert p.sort_key(urgent, 0.0) < p.sort_key(served, 0.0)

@@ -145,3 +145,23 @@ def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
     # Four equal tokens, top-p 0.5: the first two reach 0.5 exactly; the third is not needed.
     probs = _filtered_probs(torch.zeros(1, 4), [SamplingParams(top_p=0.5)])
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
+
+
+def test_top_k_above_the_vocabulary_keeps_everything() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    torch.testing.assert_close(_filtered_probs(logits, [SamplingParams(top_k=10)]), logits.softmax(-1))
+
+
+def test_inverse_cdf_scales_by_the_row_total() -> None:
+    # A row summing a hair under 1: a uniform draw above its total must not fall off the end
+    # onto the zero-probability token.
+    from engine.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.5, 0.4999999, 0.0]])
+    assert inverse_cdf(probs, torch.tensor([0.99999999], dtype=torch.float64)).tolist() == [1]
+
+
+def test_position_seeds_use_all_32_bits() -> None:
+    from engine.sampler import position_seed
+
+    assert max(position_seed(seed, position) for seed in range(20) for position in range(20)) >= 2**31

@@ -353,3 +353,171 @@ def test_new_work_waits_above_the_kv_watermark() -> None:
     assert [r.request_id for r in step_once(scheduler, 5, 2.0)] == ["r0"]
     scheduler.abort_request("r0")
     assert {r.request_id for r in step_once(scheduler, 5, 3.0)} == {"r1", "r2"}
+
+
+# Preemption modes and the restart after a failed schedule(), edge by edge (each test kills a
+# mutant of scheduler/eviction.py or scheduler/scheduler.py that the tests above let through).
+
+
+def drive(scheduler: Scheduler, check) -> dict[str, list[int]]:
+    """Run the workload to the end with the paged reference runner, calling `check` every step."""
+    config = scheduler.config
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs = {}
+    for step in range(5000):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(now=float(step))
+        check(scheduler, output)
+        for r in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if r.is_finished:
+                outputs[r.request_id] = list(r.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    return outputs
+
+
+def queues_agree(scheduler: Scheduler, output) -> None:
+    """Each queue holds requests in its own state: swapped ones hold host blocks, waiting ones none."""
+    bm = scheduler.block_manager
+    for r in scheduler.swapped:
+        assert r.status is RequestStatus.SWAPPED and r.request_id in bm._host_tables
+    for r in scheduler.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.request_id not in bm._host_tables and not r.block_ids
+
+
+@pytest.mark.parametrize("cpu", [0, 64])
+def test_recompute_never_swaps(cpu):
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, preemption_mode="recompute", num_cpu_blocks=cpu)
+    s = Scheduler(config)
+    add_workload(s)
+
+    def check(s, out):
+        queues_agree(s, out)
+        assert not out.swap_out and not s.swapped
+
+    assert drive(s, check) == expected_outputs()
+    assert s.stats().num_preemptions > 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_short():
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, preemption_mode="swap", num_cpu_blocks=2)
+    s = Scheduler(config)
+    add_workload(s)
+    fallbacks = []
+
+    def check(s, out):
+        queues_agree(s, out)
+        fallbacks.extend(rid for rid in out.preempted_ids if s.get_request(rid).status is RequestStatus.PREEMPTED)
+
+    assert drive(s, check) == expected_outputs()
+    assert fallbacks
+    assert s.block_manager.num_free_blocks == config.num_gpu_blocks and s.block_manager.num_requests_holding() == 0
+
+
+def run_one_step(s: Scheduler, now: float) -> None:
+    c = s.config
+    out = s.schedule(now=now)
+    s.update_from_output(out, PagedTokenRunner(c.num_gpu_blocks, c.block_size, c.num_cpu_blocks).execute(out), now=now)
+
+
+class Interrupted(FailingOnDemand):
+    def _schedule_waiting(self, plan, now):
+        if self.fail_next:
+            self.fail_next = False
+            raise KeyboardInterrupt
+        super()._schedule_waiting(plan, now)
+
+
+def test_an_interrupt_inside_schedule_is_undone_too():
+    s = Interrupted(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    s.add_request(make_request("r1", 6, 8))
+    run_one_step(s, 0.0)  # r1 running, prefilled
+    s.fail_next = True
+    with pytest.raises(KeyboardInterrupt):
+        s.schedule(now=1.0)  # r1 granted its decode in _schedule_running, then interrupted
+    r1 = s.get_request("r1")
+    assert r1.status is RequestStatus.PREEMPTED and r1 in s.waiting and not r1.block_ids
+
+
+class FailAfterWaiting(Scheduler):
+    fail_next = False
+
+    def _schedule_waiting(self, plan, now):
+        super()._schedule_waiting(plan, now)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("late failure")
+
+
+def test_new_work_granted_in_a_failed_schedule_goes_back_waiting():
+    s = FailAfterWaiting(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    s.add_request(make_request("r2", 6, 4))
+    s.fail_next = True
+    with pytest.raises(RuntimeError):
+        s.schedule(now=5.0)
+    r2 = s.get_request("r2")
+    assert r2.status is RequestStatus.WAITING and r2.requeued_at is None and r2 in s.waiting
+    assert not r2.block_ids and r2.num_computed_tokens == 0 and not s.running
+
+
+def test_a_failed_schedule_keeps_the_requeue_time_of_a_request_preempted_earlier():
+    s = FailAfterWaiting(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    s.add_request(make_request("r1", 6, 8))
+    run_one_step(s, 0.0)
+    out = s.schedule(now=1.0)
+    s.restart_failed_step(out, now=1.0)  # r1 preempted at 1.0, waiting again
+    r1 = s.get_request("r1")
+    assert r1.requeued_at == 1.0
+    s.fail_next = True
+    with pytest.raises(RuntimeError):
+        s.schedule(now=5.0)  # r1 granted again, then the schedule fails
+    assert r1.requeued_at == 1.0 and r1.status is RequestStatus.PREEMPTED
+
+
+def test_restart_leaves_a_request_finished_since_the_step_alone():
+    s = Scheduler(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    s.add_request(make_request("r1", 6, 8))
+    out = s.schedule(now=0.0)
+    s.abort_request("r1", now=0.5)
+    s.restart_failed_step(out, now=1.0)
+    assert s.get_request("r1").status is RequestStatus.FINISHED_ABORTED and not s.has_unfinished_requests()
+
+
+def test_a_request_that_ran_restarts_as_preempted():
+    s = Scheduler(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    s.add_request(make_request("r1", 6, 8))
+    out = s.schedule(now=0.0)
+    s.restart_failed_step(out, now=1.0)
+    assert s.get_request("r1").status is RequestStatus.PREEMPTED
+
+
+def test_a_failed_schedule_after_a_swap_in_restarts_the_swapped_request():
+    class FailOnSwapIn(Scheduler):
+        fails = 0
+
+        def _schedule_waiting(self, plan, now):
+            if plan.swap_in and self.fails < 3:
+                self.fails += 1
+                raise RuntimeError("failed after a swap-in was booked")
+            super()._schedule_waiting(plan, now)
+
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, preemption_mode="swap", num_cpu_blocks=64)
+    s = FailOnSwapIn(config)
+    add_workload(s)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs = {}
+    for step in range(5000):
+        if not s.has_unfinished_requests():
+            break
+        try:
+            output = s.schedule(now=float(step))
+        except RuntimeError:
+            continue
+        for r in s.update_from_output(output, runner.execute(output), now=float(step)):
+            if r.is_finished:
+                outputs[r.request_id] = list(r.output_token_ids)
+    assert s.fails >= 1 and outputs == expected_outputs()

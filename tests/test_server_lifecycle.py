@@ -534,3 +534,35 @@ def test_the_model_answers_to_its_path_as_given_absolute_and_repository_relative
     assert DEFAULT_MODEL in aliases and "data/models/smollm2-135m-instruct" in aliases
     monkeypatch.chdir(REPO_ROOT / "data")
     assert set(serve_cli.model_aliases("models/x")) == {"models/x", str(REPO_ROOT / "data/models/x"), "data/models/x"}
+
+
+def test_serve_falls_back_when_the_champion_cannot_be_served(tmp_path, monkeypatch) -> None:
+    from predictor.saved import SPEC_FILENAME
+    from training import serve_predictor, tracking
+
+    (tmp_path / "default").mkdir()  # a fallback folder with no predictor in it
+    assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "default") == "none"
+
+    def broken(dst=None, store=None):
+        raise RuntimeError("corrupt store")
+
+    monkeypatch.setattr(tracking, "download_champion", broken)
+    assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "none") == "none"
+    champion = tmp_path / "champion"
+    champion.mkdir()
+    monkeypatch.setattr(tracking, "download_champion", lambda dst=None, store=None: champion)
+    assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "none") == "none"  # no spec
+    (champion / SPEC_FILENAME).write_text("{}")
+    assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "none") == str(champion)
+
+
+def test_resolving_the_champion_logs_in_the_servers_format_first(monkeypatch) -> None:
+    import argparse
+
+    from training import serve_predictor
+
+    calls = []
+    monkeypatch.setattr(serve_predictor, "configure_serve_logging", calls.append)
+    monkeypatch.setattr(serve_predictor, "champion_or_default", lambda: "none")
+    serve_predictor.resolve_args(argparse.Namespace(predictor="champion", log_level="debug"))
+    assert calls == ["debug"]

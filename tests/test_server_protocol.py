@@ -371,3 +371,74 @@ def test_a_message_name_and_tool_call_id_reach_the_chat_template():
     result = ChatMessage(role="tool", content="42", tool_call_id="call_1")
     assert result.for_template() == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
     assert ChatMessage(role="developer", content="be brief").for_template() == {"role": "system", "content": "be brief"}
+
+
+def test_a_text_of_exactly_the_bound_passes() -> None:
+    from engine.server.limits import check_text_length
+
+    check_text_length("a" * 10, "prompt", 5, 2)
+    with pytest.raises(Exception):
+        check_text_length("a" * 11, "prompt", 5, 2)
+
+
+def test_the_body_limit_has_a_floor_and_room_for_json_escapes() -> None:
+    from engine.server.limits import default_body_limit
+
+    assert default_body_limit(16, 10) == 1 << 20
+    worst = json.dumps({"model": "m", "prompt": "\x00" * (4096 * 162)})  # 6 bytes per character
+    assert len(worst) <= default_body_limit(4096, 162)
+
+
+class AddedTokenTokenizer:
+    """A vocabulary whose longest piece is an added token, past `vocab_size`."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces) - 1
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.pieces[i] for i in ids]
+
+
+def test_added_tokens_count_for_the_longest_piece() -> None:
+    from engine.server.limits import longest_token_chars
+
+    assert longest_token_chars(AddedTokenTokenizer(["a", "bb", "<|a_very_long_added_token|>"])) == 27
+
+
+def run_body_limit(max_bytes: int, body: bytes, declared: bool) -> tuple[int, int]:
+    """(reads of the body, response status) of BodyLimitMiddleware over an app that answers 200."""
+    import asyncio
+
+    from engine.server.limits import BodyLimitMiddleware
+
+    reads, sent = [], []
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-length", str(len(body)).encode())] if declared else []
+    asyncio.run(BodyLimitMiddleware(app, max_bytes)({"type": "http", "headers": headers, "method": "POST",
+                                                     "path": "/"}, receive, send))
+    return len(reads), sent[0]["status"]
+
+
+def test_a_body_of_exactly_the_limit_passes_and_a_declared_larger_one_is_not_read() -> None:
+    assert run_body_limit(10, b"x" * 10, declared=True)[1] == 200
+    assert run_body_limit(10, b"x" * 10, declared=False)[1] == 200
+    assert run_body_limit(10, b"x" * 11, declared=True) == (0, 413)

@@ -552,3 +552,14 @@ def test_trace_candidates_are_each_distinct_fitting_prompt_once_in_a_seeded_orde
     assert sorted(row["prompt"] for row in rows) == ["continue", "hi", "write an essay"]
     assert len({row["key"] for row in rows}) == 3
     assert [row["key"] for row in trace.candidate_rows(10, seed=0)] == [row["key"] for row in rows]
+
+
+def test_coverage_with_no_reply_of_known_coverage_is_nan() -> None:
+    # The only reply was cut at the cap and the quantile reaches past it: unknown, not covered.
+    assert np.isnan(metrics.coverage(np.array([256.0]), np.array([300.0]), np.array([True])))
+
+
+def test_mae_log_reads_a_negative_point_as_zero() -> None:
+    predictions = [Prediction(point=-0.5, p50=1.0, p90=2.0, score=0.0, rank_len=1.0),
+                   Prediction(point=1.0, p50=1.0, p90=2.0, score=1.0, rank_len=2.0)]
+    assert metrics.prediction_metrics([0, 1], predictions).mae_log == pytest.approx(0.0)

@@ -118,6 +118,31 @@ def test_a_failed_model_step_strands_no_request_and_leaks_no_block(mode: str) ->
     assert scheduler.block_manager.num_requests_holding() == 0
 
 
+def drive(scheduler: Scheduler, check=None, retry_failed: bool = False) -> dict[str, list[int]]:
+    """Run the workload to the end with the paged reference runner, calling `check` every step;
+    with `retry_failed`, a schedule() that raises RuntimeError is retried the next step."""
+    config = scheduler.config
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    outputs = {}
+    for step in range(5000):
+        if not scheduler.has_unfinished_requests():
+            break
+        try:
+            output = scheduler.schedule(now=float(step))
+        except RuntimeError:
+            if not retry_failed:
+                raise
+            scheduler.block_manager.check_integrity()
+            continue
+        if check is not None:
+            check(scheduler, output)
+        for r in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if r.is_finished:
+                outputs[r.request_id] = list(r.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    return outputs
+
+
 class FailingAfterSwapOut(Scheduler):
     """Raises in the last part of every other step that booked a swap-out: the plan, with its
     host blocks allocated but never copied, never reaches the runner."""
@@ -140,21 +165,8 @@ def test_a_failed_schedule_after_a_swap_out_loses_no_token_and_leaks_no_block() 
                              max_model_len=80, preemption_mode="swap", num_cpu_blocks=64)
     scheduler = FailingAfterSwapOut(config)
     add_workload(scheduler)
-    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
-    outputs: dict[str, list[int]] = {}
     reported_finished: list[str] = []
-    for step in range(5000):
-        if not scheduler.has_unfinished_requests():
-            break
-        try:
-            output = scheduler.schedule(now=float(step))
-        except RuntimeError:
-            scheduler.block_manager.check_integrity()
-            continue
-        reported_finished += output.finished_ids
-        for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
-            if request.is_finished:
-                outputs[request.request_id] = list(request.output_token_ids)
+    outputs = drive(scheduler, lambda _, output: reported_finished.extend(output.finished_ids), retry_failed=True)
     reported_finished += scheduler.schedule(now=5000.0).finished_ids
     assert scheduler.failures >= 3 and scheduler.swap_outs > scheduler.failures
     assert outputs == expected_outputs()
@@ -359,23 +371,6 @@ def test_new_work_waits_above_the_kv_watermark() -> None:
 # mutant of scheduler/eviction.py or scheduler/scheduler.py that the tests above let through).
 
 
-def drive(scheduler: Scheduler, check) -> dict[str, list[int]]:
-    """Run the workload to the end with the paged reference runner, calling `check` every step."""
-    config = scheduler.config
-    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
-    outputs = {}
-    for step in range(5000):
-        if not scheduler.has_unfinished_requests():
-            break
-        output = scheduler.schedule(now=float(step))
-        check(scheduler, output)
-        for r in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
-            if r.is_finished:
-                outputs[r.request_id] = list(r.output_token_ids)
-        scheduler.block_manager.check_integrity()
-    return outputs
-
-
 def queues_agree(scheduler: Scheduler, output) -> None:
     """Each queue holds requests in its own state: swapped ones hold host blocks, waiting ones none."""
     bm = scheduler.block_manager
@@ -508,16 +503,4 @@ def test_a_failed_schedule_after_a_swap_in_restarts_the_swapped_request():
                              max_model_len=80, preemption_mode="swap", num_cpu_blocks=64)
     s = FailOnSwapIn(config)
     add_workload(s)
-    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
-    outputs = {}
-    for step in range(5000):
-        if not s.has_unfinished_requests():
-            break
-        try:
-            output = s.schedule(now=float(step))
-        except RuntimeError:
-            continue
-        for r in s.update_from_output(output, runner.execute(output), now=float(step)):
-            if r.is_finished:
-                outputs[r.request_id] = list(r.output_token_ids)
-    assert s.fails >= 1 and outputs == expected_outputs()
+    assert drive(s, retry_failed=True) == expected_outputs() and s.fails >= 1

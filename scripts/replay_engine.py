@@ -61,8 +61,8 @@ def replay(policy: str, items: list, starts: list[float], predictions: list, tem
 def main(argv: list[str]) -> None:
     import predictor
     from engine.arg_types import policy_list, prepare_output_dir
-    from predictor.saved import read_spec
     from engine.config import DEFAULT_PREDICTOR, REPO_ROOT
+    from predictor.saved import read_spec
     from training import bench_serve
 
     split = argv.index("--") if "--" in argv else len(argv)

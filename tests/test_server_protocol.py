@@ -142,6 +142,12 @@ def test_stream_options_take_null_as_unset_and_refuse_continuous_usage(served):
     assert error_of(refused, 400)["param"].startswith("stream_options")
 
 
+def test_a_temperature_above_openais_2_is_served_as_vllm_serves_it(served):
+    hot = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 5.0,
+                                              "seed": 3, "ignore_eos": True})
+    assert hot.status_code == 200 and hot.json()["usage"]["completion_tokens"] == 3
+
+
 def test_null_means_unset_and_developer_is_system(served, client):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
             "stream": None, "top_k": None, "priority": None, "ignore_eos": True}

@@ -44,7 +44,7 @@ class _Request(CompletionUnsupportedFields):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context (chat)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float = Field(default=1.0, ge=0.0)  # no upper bound, as vLLM (OpenAI stops at 2)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # 64 bits, signed or not

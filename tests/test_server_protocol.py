@@ -23,11 +23,17 @@ ALIAS = "tiny-by-its-path"  # another name of the same model, as serve accepts t
 
 
 class EncodeRecordingTokenizer:
-    """The real tokenizer, noting the length of every text it encodes."""
+    """The real tokenizer, noting the length of every text it encodes and the tools every chat
+    template was given."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self.encoded: list[int] = []
+        self.template_tools: list = []
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.template_tools.append(kwargs.get("tools"))
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
@@ -105,6 +111,23 @@ def test_token_ids_are_strict_integers(served, path, field, value):
     body = {"model": MODEL, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), field: value}
     error = error_of(post(served[0], path, body), 400)
     assert error["param"].split(".")[0] == field
+
+
+def test_tools_are_served_with_tool_choice_none_as_vllm_serves_them(served, client):
+    # The tools reach the chat template (SmolLM2's ignores them) and no call is parsed, so the reply
+    # is the one without tools; "auto", or tool_choice unset, would need a tool-call parser.
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    with_tools = client.chat.completions.create(tools=tools, tool_choice="none", **kwargs)
+    assert served[2].template_tools[-1] == tools
+    without = client.chat.completions.create(**kwargs)
+    assert served[2].template_tools[-1] is None
+    assert with_tools.choices[0].message.content == without.choices[0].message.content
+    assert with_tools.usage.prompt_tokens == without.usage.prompt_tokens
+    for choice in ({}, {"tool_choice": "auto"}):
+        refused = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": tools, **choice})
+        assert 'only with tool_choice "none"' in error_of(refused, 400)["message"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(served, client):

@@ -115,7 +115,7 @@ class OpenAIServing:
         self._check_accepting()
         self._check_priority(body)
         messages = [m.for_template() for m in body.messages]
-        prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages)
+        prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages, body.tools or None)
         head = self._head("chatcmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
@@ -148,9 +148,10 @@ class OpenAIServing:
             self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        try:
-            prompt_text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+    def _render_chat(self, messages: list[dict[str, str]],
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        try:  # tools (with tool_choice "none") go to the template, as vLLM passes them
+            prompt_text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                              add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc

@@ -45,8 +45,8 @@ class CompletionUnsupportedFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
+    tools: list[dict[str, Any]] | None = None
     echo: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -67,6 +67,8 @@ class CompletionUnsupportedFields(BaseModel):
     @field_validator(*NEUTRAL_VALUES, check_fields=False)  # chat-only fields live on the subclass
     @classmethod
     def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "tools" and issubclass(cls, ChatUnsupportedFields):
+            return _chat_tools(value, info.data.get("tool_choice"))
         neutral = NEUTRAL_VALUES[info.field_name]
         if value is not None and value not in neutral:
             usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
@@ -75,8 +77,19 @@ class CompletionUnsupportedFields(BaseModel):
         return value
 
 
+def _chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """Chat's tools, as vLLM takes them: with tool_choice "none" they reach the chat template and
+    no call is parsed from the reply. Any other choice needs a tool-call parser, which this server
+    lacks (vLLM refuses "auto" without one too); unset with tools means "auto"."""
+    if tools and tool_choice != "none":
+        raise ValueError('tools are served only with tool_choice "none" (this server parses no tool calls)')
+    return tools
+
+
 class ChatUnsupportedFields(BaseModel):
-    """The fields only chat takes (checked by the validator above, in the request that mixes both)."""
+    """The fields only chat takes (checked by the validator above, in the request that mixes both).
+
+    Chat takes `tools` with `tool_choice: "none"` (`_chat_tools`)."""
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None

@@ -334,10 +334,10 @@ def test_integer_priority_reaches_the_engine_under_priority_scheduling(served, c
 
 # ---- sizes -----------------------------------------------------------------------------------
 def test_a_text_too_long_for_any_tokenization_is_refused_unencoded(served):
-    from engine.server.limits import longest_token_chars
+    from engine.server.limits import longest_token_lengths
 
     base_url, _, tokenizer = served
-    bound = SHORT_MODEL_LEN * longest_token_chars(tokenizer)
+    bound = SHORT_MODEL_LEN * longest_token_lengths(tokenizer)[0]
     huge = "a" * (bound + 1)
     tokenizer.encoded.clear()
     for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
@@ -355,10 +355,10 @@ def test_no_text_holds_more_characters_per_token_than_the_bound_allows(served):
     # more characters than the longest piece, nor more UTF-8 bytes than the longest piece's.
     import random
 
-    from engine.server.limits import longest_token_bytes, longest_token_chars
+    from engine.server.limits import longest_token_lengths
 
     tokenizer = served[2]
-    chars, bytes_ = longest_token_chars(tokenizer), longest_token_bytes(tokenizer)
+    chars, bytes_ = longest_token_lengths(tokenizer)
     assert chars < bytes_  # SmolLM2's longest piece spells a newline and spaces in 2-byte characters
     rng = random.Random(0)
     alphabet = [" ", "\n", "\t", "a", "é", "中", "😀", "\u200b", "<|im_start|>", "\x00", "ﬁ"]
@@ -436,9 +436,9 @@ class AddedTokenTokenizer:
 
 
 def test_added_tokens_count_for_the_longest_piece() -> None:
-    from engine.server.limits import longest_token_chars
+    from engine.server.limits import longest_token_lengths
 
-    assert longest_token_chars(AddedTokenTokenizer(["a", "bb", "<|a_very_long_added_token|>"])) == 27
+    assert longest_token_lengths(AddedTokenTokenizer(["a", "bb", "<|a_very_long_added_token|>"])) == (27, 27)
 
 
 def run_body_limit(max_bytes: int, body: bytes, declared: bool) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
 from engine.server import errors
-from engine.server.limits import check_text_length, longest_token_bytes, longest_token_chars
+from engine.server.limits import check_text_length, longest_token_lengths
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
@@ -68,8 +68,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.policy = policy or SchedulingPolicy()  # the scheduler's: does it read the integer priority?
-        self.max_token_bytes = longest_token_bytes(tokenizer)  # bounds the request body
-        self.max_token_chars = longest_token_chars(tokenizer)  # bounds a text before it is tokenized
+        # Characters bound a text before it is tokenized; bytes bound the request body.
+        self.max_token_chars, self.max_token_bytes = longest_token_lengths(tokenizer)
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
         # fail with "Already borrowed" while it sets its padding and truncation state.

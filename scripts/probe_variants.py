@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import positive_int
+from engine.arg_types import positive_int, prepare_output_file
 
 LAYERS = (16, 24)
 TRAIN_SHARES = (0.25, 0.5, 0.75)
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.json is not None:
+        try:  # before 13 minutes of states, not after them
+            prepare_output_file(args.json, "--json")
+        except OSError as exc:
+            parser.error(str(exc))
 
     from scipy import stats
 
@@ -87,7 +92,6 @@ def main(argv: list[str] | None = None) -> None:
         report["train_share"][str(share)] = draws
         print(f"16 last on {share:.0%} of train: test tau {np.mean(draws):.3f} {np.round(draws, 3)}", flush=True)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -185,3 +185,13 @@ def test_probe_variants_pools_each_prompt_alone_whatever_it_is_batched_with(tiny
             np.testing.assert_allclose(batched[name][row], features[0], rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(batched["2_last"], probe.encode(prompts), rtol=2e-3, atol=2e-3)
     assert not np.allclose(batched["2_last"], batched["2_mean"])
+
+
+def test_probe_variants_checks_its_json_before_computing_states(capsys, monkeypatch) -> None:
+    from predictor import probe
+
+    variants = load_script("probe_variants")
+    monkeypatch.setattr(probe, "HiddenStateProbe", lambda config: pytest.fail("model loaded first"))
+    with pytest.raises(SystemExit) as exited:
+        variants.main(["--json", "/proc/variants.json"])
+    assert exited.value.code == 2 and "--json /proc/variants.json: not writable" in capsys.readouterr().err

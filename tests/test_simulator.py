@@ -455,7 +455,7 @@ def test_no_request_is_overtaken_beyond_its_aging_bound_even_after_preemption(mo
     # and they wait again, queued or swapped out, with a larger remaining length. A swapped request
     # once went unseen by the bound's bookkeeping (641 overtakes in 40 runs like these).
     from scheduler.policies import make_policy
-    from training.sim_metrics import overtaken_beyond_bound
+    from training.sim_metrics import aging_bounds, overtaken_beyond_bound
 
     violations = preemptions = 0
     for seed in range(8):
@@ -473,8 +473,6 @@ def test_no_request_is_overtaken_beyond_its_aging_bound_even_after_preemption(mo
         policy = make_policy(policy_name, config)
         policy.record_rate_history = True
         result = simulate(config, workload, StepCostModel(0.01, 0.0001, 0.0), policy)
-        seated = {r.request_id: max(r.admission_times, default=None) for r in result.records}
-        bounds = {r.request_id: policy.aging_bound_s(r.to_request(), seated[r.request_id]) for r in workload}
-        violations += overtaken_beyond_bound(result.records, bounds)
+        violations += overtaken_beyond_bound(result.records, aging_bounds(policy, workload, result.records))
         preemptions += result.num_preemptions
     assert preemptions > 50 and violations == 0

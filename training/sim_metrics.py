@@ -10,8 +10,9 @@ import bisect
 import math
 from typing import Mapping, Sequence
 
+from scheduler.policies import SJFPolicy
 from scheduler.request import Tier
-from scheduler.simulation import RequestRecord, SimulationResult
+from scheduler.simulation import RequestRecord, SimRequest, SimulationResult
 
 
 # Below this FCFS/oracle ratio of mean latency, sjf's share of the oracle's gain is not judged.
@@ -52,6 +53,14 @@ class SeatLog:
         this one's place, say) was given while this one lost its own, so it counts."""
         low, high = bisect.bisect_left(self.times, start), bisect.bisect_left(self.times, end)
         return max(self.arrivals[low:high], default=-math.inf)
+
+
+def aging_bounds(policy: SJFPolicy, workload: Sequence[SimRequest], records: Sequence[RequestRecord]
+                 ) -> dict[str, float]:
+    """Each request's own aging bound after a run whose rates `policy` recorded: over the steps it
+    waited through, up to its last seat."""
+    seated = {r.request_id: max(r.admission_times, default=None) for r in records}
+    return {r.request_id: policy.aging_bound_s(r.to_request(), seated[r.request_id]) for r in workload}
 
 
 def overtaken_beyond_bound(records: Sequence[RequestRecord], bounds: Mapping[str, float]) -> int:

@@ -24,7 +24,7 @@ from engine.config import DEFAULT_PREDICTOR, REPO_ROOT, EngineConfig
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
-from training.sim_metrics import goal_checks, mean, overtaken_beyond_bound, summarize
+from training.sim_metrics import aging_bounds, goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, Turn, arrival_times, assign_tiers, build_workload,
                                    load_test_turns, noisy_oracle, predictor_predictions)
@@ -153,8 +153,7 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
             # the slowest rate in force while requests waited (measured from step times by default)
             summaries[name]["aging_tokens_per_s"] = policy.slowest_rate_while_waiting or policy.aging_rate
-            seated = {r.request_id: max(r.admission_times, default=None) for r in result.records}
-            bounds = {r.request_id: policy.aging_bound_s(r.to_request(), seated[r.request_id]) for r in workload}
+            bounds = aging_bounds(policy, workload, result.records)
             summaries[name]["aging_bound_s"] = max(bounds.values())
             summaries[name]["overtaken_beyond_aging_bound"] = overtaken_beyond_bound(result.records, bounds)
         latencies[name] = [r.e2e_s for r in result.records if not r.rejected]

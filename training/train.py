@@ -81,8 +81,9 @@ def evaluate_trained(data, trained) -> dict[str, float]:
     from training.metrics import prediction_metrics
 
     metrics = {}
-    metrics.update(prediction_metrics(data.valid.lengths, trained.valid_predictions, data.valid.censored).as_dict("val_"))
-    metrics.update(prediction_metrics(data.test.lengths, trained.test_predictions, data.test.censored).as_dict("test_"))
+    for prefix, split, predictions in (("val_", data.valid, trained.valid_predictions),
+                                       ("test_", data.test, trained.test_predictions)):
+        metrics.update(prediction_metrics(split.lengths, predictions, split.censored).as_dict(prefix))
     dedup = ~data.test.in_train
     dedup_predictions = [p for p, keep in zip(trained.test_predictions, dedup) if keep]
     metrics["test_kendall_tau_dedup"] = prediction_metrics(data.test.lengths[dedup], dedup_predictions).kendall_tau

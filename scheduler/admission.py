@@ -20,7 +20,10 @@ step's rate halves every `capacity_half_life_s` (600 s) unless a step matches it
 lone decode that outlasts any window does not make the server look slow, while a machine that
 really slowed down is believed within minutes.
 - batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
-  queued work stays below `batch_shed_share` of `max_queued_tokens`.
+  queued work stays below `batch_shed_share` of the bound. Without `max_queued_tokens` the bound
+  holds batch work alone, at four KV caches' worth of tokens (`SchedulerConfig.queued_token_bound`):
+  a batch flood must not queue without limit, while a request with an SLO is refused only when
+  it would miss it.
 
 Admission sheds load, so only work ahead of a request can get it rejected, and only when that work
 is what makes it miss: a request is admitted when nothing is ahead of it, or when its own work
@@ -230,9 +233,9 @@ class AdmissionController:
 
     def _check_queue_bound(self, request: Request, own_work: float, waiting: list[Request],
                            throughput: float | None) -> None:
-        bound = self.config.max_queued_tokens
-        if bound is None:
-            return
+        if self.config.max_queued_tokens is None and request.tier != Tier.BATCH:
+            return  # no bound set: the tiers with an SLO are bounded by it, batch by the default
+        bound = self.config.queued_token_bound
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
         limit = bound * share

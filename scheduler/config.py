@@ -54,14 +54,22 @@ class SchedulerConfig:
     # goodput: seconds per step, which turns the steps a request still needs into time (one per
     # predicted remaining token; for an interactive request, its prefill chunks to the first
     # token), and the slack (seconds) below which a request with a deadline is treated as urgent.
-    goodput_s_per_token: float = 0.05
+    # None: the measured mean step time (no cost before the first step), as aging reads it. A
+    # fixed 0.05 s called a 100-token request 2 s from its deadline on a CPU whose steps take
+    # 0.16 s, where it had already missed it.
+    goodput_s_per_token: float | None = None
     goodput_urgent_slack_s: float = 2.0
 
     # Admission control (scheduler/admission.py); off unless enabled.
     enable_admission: bool = False
     slo_ttft_interactive_s: float = 0.5
     slo_e2e_standard_s: float = 10.0
-    max_queued_tokens: int | None = None  # bound on token work waiting; None = unbounded
+    # Bound on the token work waiting (prompt + predicted output tokens) for every tier; None: a
+    # bound on batch work only, the KV cache's tokens times `queue_bound_kv_multiple`. Batch work
+    # has no latency SLO and is held back by this bound alone, so it always has one: unbounded, a
+    # batch flood queued without limit while standard requests got 429s.
+    max_queued_tokens: int | None = None
+    queue_bound_kv_multiple: float = 4.0
     batch_shed_share: float = 0.5  # batch work is admitted only below this share of the bound
     throughput_ewma_alpha: float = 0.1
     stability_window_s: float = 10.0
@@ -94,11 +102,14 @@ class SchedulerConfig:
         self._validate_policy_knobs()
 
     def _validate_policy_knobs(self) -> None:
-        non_negative = ("goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s",
-                        "goodput_s_per_token")
+        non_negative = ("goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s")
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.goodput_s_per_token is not None and not self.goodput_s_per_token >= 0:
+            raise ValueError(f"goodput_s_per_token must be >= 0 or None, got {self.goodput_s_per_token!r}")
+        if not self.queue_bound_kv_multiple > 0:
+            raise ValueError(f"queue_bound_kv_multiple must be > 0, got {self.queue_bound_kv_multiple!r}")
         if not self.aging_tokens_per_step >= 0:
             raise ValueError(f"aging_tokens_per_step must be >= 0, got {self.aging_tokens_per_step!r}")
         if self.aging_tokens_per_s is not None and not self.aging_tokens_per_s >= 0:
@@ -119,6 +130,14 @@ class SchedulerConfig:
             raise ValueError(f"capacity_half_life_s must be > 0, got {self.capacity_half_life_s}")
         if self.max_queued_tokens is not None and self.max_queued_tokens <= 0:
             raise ValueError(f"max_queued_tokens must be positive or None, got {self.max_queued_tokens}")
+
+    @property
+    def queued_token_bound(self) -> float:
+        """The admission queue's bound in tokens: `max_queued_tokens`, else the KV cache's tokens
+        times `queue_bound_kv_multiple`."""
+        if self.max_queued_tokens is not None:
+            return float(self.max_queued_tokens)
+        return self.queue_bound_kv_multiple * self.num_gpu_blocks * self.block_size
 
     @property
     def max_blocks_per_request(self) -> int:

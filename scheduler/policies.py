@@ -28,7 +28,8 @@ within a tier.
   `srpt_max_preempt_share` of its predicted length. Aging thus bounds preemption as it bounds
   overtaking: nothing arriving more than the bound after a request preempts it.
 - goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
-  predicted remaining cost, between 0 and `goodput_urgent_slack_s`) go first by slack; requests
+  predicted remaining cost, the steps still needed times the measured step time, between 0 and
+  `goodput_urgent_slack_s`) go first by slack; requests
   that can wait follow in sjf order; requests already past saving come last, until their aged
   score reaches 0 (they have waited their aging bound): then they join those that can wait,
   ahead of any not aged as far, so a late request is not starved by savable arrivals.
@@ -233,6 +234,17 @@ class SRPTPolicy(SJFPolicy):
 class GoodputPolicy(SJFPolicy):
     name = "goodput"
 
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        # Seconds one step takes: the configured cost, else the measured mean (0 before any step).
+        self.step_time_s = config.goodput_s_per_token or 0.0
+
+    def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
+                step_time_s: float | None) -> None:
+        super().on_step(waiting, running, now, step_time_s)
+        if self.config.goodput_s_per_token is None and step_time_s:
+            self.step_time_s = step_time_s
+
     def deadline(self, request: Request) -> float | None:
         if request.tier == Tier.INTERACTIVE and request.first_token_time is None:
             return request.arrival_time + self.config.slo_ttft_interactive_s
@@ -248,7 +260,7 @@ class GoodputPolicy(SJFPolicy):
             cost_steps = self._steps_to_first_token(request)
         else:
             cost_steps = refined_remaining(request)  # one decode step per remaining token
-        slack = deadline - now - cost_steps * self.config.goodput_s_per_token
+        slack = deadline - now - cost_steps * self.step_time_s
         if 0.0 <= slack <= self.config.goodput_urgent_slack_s:
             group, value = 0, slack
         else:

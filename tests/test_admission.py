@@ -386,3 +386,24 @@ def test_the_overload_is_logged_once_per_crossing(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
         assert ctl.stability_margin(0.0) > 1 and ctl.stability_margin(0.0) > 1
     assert caplog.text.count("stability margin") == 1
+
+
+def test_without_a_set_bound_batch_work_is_still_bounded_and_shed_first() -> None:
+    # 64 blocks of 16: a default bound of 4 caches (4096 tokens), batch admitted below half of it.
+    ctl = controller(slo_e2e_standard_s=1e9)
+    assert ctl.config.max_queued_tokens is None and ctl.config.queued_token_bound == 4096
+    flood = [req(f"b{i}", 400, 100, Tier.BATCH) for i in range(4)]  # 2000 queued tokens
+    ctl.check(req("fits", 20, 28, Tier.BATCH), flood, [])  # 2048: admitted
+    with pytest.raises(AdmissionRejected, match="queue full: 2000 queued tokens \\+ 100 exceed the batch bound 2048"):
+        ctl.check(req("over", 50, 50, Tier.BATCH), flood, [])
+    # A request with an SLO is refused by its SLO alone: ten times the bound queued ahead of it.
+    ctl.check(req("s", 100, 5), [req(f"w{i}", 3000, 1000, Tier.BATCH) for i in range(10)], [])
+    ctl.check(req("s2", 100, 5), [req(f"w{i}", 3000, 1000) for i in range(10)], [])
+
+
+def test_the_default_bound_scales_with_the_kv_cache() -> None:
+    config = SchedulerConfig(num_gpu_blocks=100, block_size=32, queue_bound_kv_multiple=2.5)
+    assert config.queued_token_bound == 8000
+    assert SchedulerConfig(num_gpu_blocks=100, max_queued_tokens=7).queued_token_bound == 7
+    with pytest.raises(ValueError, match="queue_bound_kv_multiple"):
+        SchedulerConfig(num_gpu_blocks=100, queue_bound_kv_multiple=0)

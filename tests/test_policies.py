@@ -763,3 +763,19 @@ def test_goodput_urgent_interactive_before_one_past_its_first_token():
     served = req("s", tier=Tier.INTERACTIVE, predicted=1)
     served.first_token_time = 0.0
     assert p.sort_key(urgent, 0.0) < p.sort_key(served, 0.0)
+
+
+def test_goodput_prices_steps_at_the_measured_step_time_by_default():
+    # 100 tokens to go with 7 s to its deadline: at 0.16 s a step (this CPU) it can no longer make
+    # it; a fixed 0.05 s a step called it urgent with 2 s of slack.
+    p = GoodputPolicy(SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_urgent_slack_s=2.0,
+                                      aging_tokens_per_s=0.0))
+    r = req("s", arrival=0.0, predicted=100)
+    assert p.sort_key(r, 3.0)[1] == 1  # before any step: no cost known, 7 s of slack, can wait
+    p.on_step([r], [], 3.0, 0.16)
+    assert p.sort_key(r, 3.0)[1] == 2  # 7 - 16 s: past saving
+    p.on_step([r], [], 3.0, 0.05)
+    assert p.sort_key(r, 3.0)[:3] == (int(Tier.STANDARD), 0, pytest.approx(2.0))  # urgent again
+    fixed = goodput()  # a configured cost is kept whatever the steps measure
+    fixed.on_step([r], [], 3.0, 0.16)
+    assert fixed.sort_key(r, 3.0)[1] == 0

@@ -138,6 +138,22 @@ def power_of_two(text: str) -> int:
     return value
 
 
+def share_of_one(text: str) -> float:
+    """A share between 0 and 1, both included."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def share_above_zero(text: str) -> float:
+    """A share above 0, at most 1."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
+
+
 def tier_weights(text: str) -> list[float]:
     """Weights of the interactive, standard and batch tiers: three numbers >= 0, not all zero."""
     try:

@@ -26,8 +26,9 @@ from pathlib import Path
 # own workload (requests, arrivals, tiers, predictions), policies or report, which a replay takes
 # from the bench run or fixes, and --max-prompt-tokens/--max-output-tokens, whose sum the bench's
 # --max-model-len replaces.
-HONOURED = frozenset({"step_cost", "kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                      "preemption_mode", "aging_tokens_per_s", "aging_tokens_per_step", "admission"})
+# The scheduler's knobs (engine/scheduler_args.py) are all server configuration.
+SERVER_FLAGS = frozenset({"step_cost", "kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                          "preemption_mode", "admission"})
 
 
 def parse_sim_args(text: str) -> argparse.Namespace:
@@ -40,7 +41,10 @@ def parse_sim_args(text: str) -> argparse.Namespace:
     tokens = shlex.split(text)
     args = parser.parse_args(tokens)
     names = {token.split("=", 1)[0] for token in tokens if token.startswith("-")}
-    ignored = sorted(option for action in parser._actions if action.dest not in HONOURED
+    from engine.scheduler_args import KNOBS
+
+    honoured = SERVER_FLAGS | {knob.field for knob in KNOBS}
+    ignored = sorted(option for action in parser._actions if action.dest not in honoured
                      for option in action.option_strings if option in names)
     if ignored:
         print(f"replay_bench_in_sim.py: error: --sim-args {' '.join(ignored)}: not honoured by a replay "

@@ -42,6 +42,9 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["simulate", "--tier-mix", "junk"], "--tier-mix"), (["simulate", "--tier-mix", "0,0,0"], "--tier-mix"),
     (["simulate", "--block-size", "3"], "--block-size"), (["bench", "attention", "--block-size", "24"], "--block-size"),
     (["serve", "--allowed-origins"], "--allowed-origins"), (["serve", "--allowed-origins", "localhost:3000"], "--allowed-origins"),
+    (["serve", "--srpt-max-preempt-share", "1.5"], "--srpt-max-preempt-share"),
+    (["simulate", "--batch-shed-share", "0"], "--batch-shed-share"),
+    (["simulate", "--slo-e2e-standard", "nan"], "--slo-e2e-standard"),
 ])
 def test_values_that_can_be_checked_alone_are_usage_errors(capsys, argv, flag) -> None:
     err = usage_error(capsys, argv)
@@ -466,3 +469,12 @@ def test_an_output_location_is_checked_by_writing_and_nothing_is_made(tmp_path) 
     kept.write_text("old")
     check_output_location(kept, "--json", folder=False)
     assert kept.read_text() == "old"
+
+
+@pytest.mark.parametrize("knob", [["--max-queued-tokens", "100"], ["--batch-shed-share", "0.3"]])
+def test_an_admission_knob_without_admission_is_refused_not_ignored(capsys, tmp_path, knob) -> None:
+    for command in (["serve", "--predictor", "none"],
+                    ["simulate", "--predictions", "noisy-oracle", "--json", str(tmp_path / "sim.json")]):
+        err = one_line_error(capsys, [*command, *knob], command[0])
+        assert f"{knob[0]} needs --admission" in err
+    assert not (tmp_path / "sim.json").exists()

@@ -27,8 +27,9 @@ def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypat
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and "\n" not in err
     assert "--json --load --policies: not honoured" in err and "--max-num-seqs" not in err
-    honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission")
+    honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission --srpt-max-preempt-share 0.2")
     assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)
+    assert honoured.srpt_max_preempt_share == 0.2  # a scheduler knob, as the server takes it
 
 
 def test_replay_in_sim_needs_ignore_eos_before_loading(monkeypatch) -> None:

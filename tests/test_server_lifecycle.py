@@ -431,13 +431,34 @@ def test_serve_arguments_build_the_engine_config():
     serve_cli.add_arguments(parser)
     args = parser.parse_args(["--model", "m", "--policy", "sjf", "--max-num-seqs", "7",
                               "--kv-cache-memory", "0.25", "--admission", "--max-queued-tokens", "5000",
-                              "--attention-backend", "torch", "--aging-tokens-per-step", "0.5"])
+                              "--attention-backend", "torch", "--aging-tokens-per-step", "0.5",
+                              "--srpt-max-preempt-share", "0.3", "--slo-ttft-interactive", "0.2",
+                              "--slo-e2e-standard", "20", "--batch-shed-share", "0.25"])
     config = serve_cli.build_engine_config(args)
     assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "sjf", 7, 0.25)
     assert config.attention_backend == "torch" and config.predictor is None
     assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000,
-                                        "aging_tokens_per_step": 0.5}
+                                        "aging_tokens_per_step": 0.5, "srpt_max_preempt_share": 0.3,
+                                        "slo_ttft_interactive_s": 0.2, "slo_e2e_standard_s": 20.0,
+                                        "batch_shed_share": 0.25}
+    scheduler = config.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0)
+    assert (scheduler.slo_e2e_standard_s, scheduler.srpt_max_preempt_share) == (20.0, 0.3)
+    # Unset knobs keep the scheduler's own defaults.
+    plain = serve_cli.build_engine_config(parser.parse_args(["--model", "m"]))
+    assert plain.scheduler_options == {"enable_admission": False}
     assert args.host == "127.0.0.1" and args.port == 8000
+
+
+def test_a_length_policy_without_a_predictor_says_it_orders_by_max_tokens(caplog):
+    with caplog.at_level("WARNING", logger=serve_cli.logger.name):
+        for policy, predictor_path in (("fcfs", None), ("priority", None), ("sjf", "p"), ("srpt", "p")):
+            serve_cli.warn_if_ordering_without_predictor(policy, predictor_path)
+        assert not caplog.records
+        for policy in ("sjf", "srpt", "goodput"):
+            serve_cli.warn_if_ordering_without_predictor(policy, None)
+    assert [r.getMessage().split(" with")[0] for r in caplog.records] == ["--policy sjf", "--policy srpt",
+                                                                         "--policy goodput"]
+    assert "orders requests by max_tokens" in caplog.records[0].getMessage()
 
 
 def test_serve_offers_every_policy_but_the_oracle_which_needs_true_lengths(capsys):

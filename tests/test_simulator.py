@@ -237,6 +237,9 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
         assert {"mean_e2e_s", "p99_e2e_s", "p99_e2e_longest10pct_s", "max_wait_s", "output_tokens_per_s"} <= set(figures)
     assert "placeholder" in report["cost_model"]["source"]
     assert (tmp_path / "sim_cdf.png").exists()
+    # The loads 0.7 and 1.0 come with any run, beside --load, and their plot.
+    assert [entry["load"] for entry in report["sweep"]] == [0.7, 0.8, 1.0]
+    assert (tmp_path / "sim_vs_rate.png").exists()
     # Each policy saturated on its own order, and the goal reads the ratio.
     saturated = {name: figures["saturated_output_tokens_per_s"] for name, figures in report["policies"].items()}
     assert saturated["fcfs"] == report["saturated_output_tokens_per_s"] != saturated["sjf"]

@@ -18,9 +18,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engine.arg_types import (non_negative_float, non_negative_int, positive_float, positive_float_list, positive_int,
+from engine.arg_types import (non_negative_int, positive_float, positive_float_list, positive_int,
                               policy_list, power_of_two, prepare_output_file, tier_weights)
 from engine.config import DEFAULT_PREDICTOR, REPO_ROOT, EngineConfig
+from engine.scheduler_args import add_scheduler_arguments, scheduler_options
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -46,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=positive_int, default=2000)
     parser.add_argument("--load", type=positive_float, default=0.9,
                         help="offered load, share of saturated throughput")
-    parser.add_argument("--sweep-loads", type=positive_float_list, default=[],
-                        help="extra loads for the latency-vs-rate plot, e.g. 0.5,0.7,1.0")
+    parser.add_argument("--sweep-loads", type=positive_float_list, default=[0.7, 1.0],
+                        help="extra loads, reported beside --load and plotted against the arrival rate "
+                             "(default 0.7,1.0; '' for none)")
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     parser.add_argument("--arrival-cv", type=positive_float, default=2.0,
                         help="gamma arrivals: coefficient of variation")
@@ -68,12 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
     parser.add_argument("--max-output-tokens", type=positive_int, default=1024)
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    parser.add_argument("--aging-tokens-per-s", type=non_negative_float,
-                        default=SchedulerConfig.aging_tokens_per_s,
-                        help="fixed sjf/srpt aging rate (default: --aging-tokens-per-step per measured step)")
-    parser.add_argument("--aging-tokens-per-step", type=non_negative_float,
-                        default=SchedulerConfig.aging_tokens_per_step)
-    parser.add_argument("--admission", action="store_true", help="enable token admission control")
+    add_scheduler_arguments(parser)  # aging, srpt, SLOs, admission: the flags `serve` takes
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "simulate.json")
     parser.add_argument("--no-plots", action="store_true")
@@ -123,8 +120,7 @@ def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
         num_cpu_blocks=engine_host_blocks(kv_blocks) if args.preemption_mode == "swap" else 0,
-        aging_tokens_per_s=args.aging_tokens_per_s, aging_tokens_per_step=args.aging_tokens_per_step,
-        enable_admission=args.admission)
+        **scheduler_options(args))
 
 
 def saturated_throughput(config: SchedulerConfig, workload: list[SimRequest], cost: StepCostModel,
@@ -217,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
         "scheduler": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                       "max_model_len": config.max_model_len, "preemption_mode": config.preemption_mode,
                       "aging_tokens_per_s": config.aging_tokens_per_s,
-                      "aging_tokens_per_step": config.aging_tokens_per_step, "admission": config.enable_admission},
+                      "aging_tokens_per_step": config.aging_tokens_per_step,
+                      "srpt_max_preempt_share": config.srpt_max_preempt_share,
+                      "slo_ttft_interactive_s": config.slo_ttft_interactive_s,
+                      "slo_e2e_standard_s": config.slo_e2e_standard_s, "admission": config.enable_admission,
+                      "queued_token_bound": config.queued_token_bound if config.enable_admission else None},
         "sweep": sweep if len(sweep) > 1 else [],
     }
     args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -19,6 +19,7 @@ import uvicorn
 from engine.arg_types import (api_key, configure_serve_logging, cors_origin, non_negative_float, port_number,
                               positive_float, positive_int)
 from engine.config import REPO_ROOT
+from engine.scheduler_args import add_scheduler_arguments, scheduler_options
 from predictor.saved import SPEC_FILENAME
 
 logger = logging.getLogger("lengthwise.serve")
@@ -50,12 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    parser.add_argument("--admission", action="store_true",
-                        help="admission control: refuse (429) requests whose tier SLO cannot be met")
-    parser.add_argument("--max-queued-tokens", type=positive_int, default=None,
-                        help="bound on queued token work for admission control")
-    parser.add_argument("--aging-tokens-per-step", type=non_negative_float, default=None,
-                        help="sjf/srpt anti-starvation: predicted tokens forgiven per step waited (default 0.25)")
+    add_scheduler_arguments(parser)
     parser.add_argument("--api-key", type=api_key, default=None, help="require 'Authorization: Bearer <key>' on /v1")
     parser.add_argument("--allowed-origins", nargs="+", type=cors_origin, default=(), metavar="ORIGIN",
                         help="origins whose browser pages may call the API (CORS), or '*' for any; "
@@ -63,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=non_negative_float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def warn_if_ordering_without_predictor(policy: str, predictor_path: str | None) -> None:
+    """A length policy with no predictor orders by `max_tokens` (each request's only length): a
+    valid order, but not the one asked for, so it is said."""
+    from scheduler.policies import POLICIES, SJFPolicy
+
+    if predictor_path is None and issubclass(POLICIES[policy], SJFPolicy):
+        logger.warning("--policy %s with --predictor none orders requests by max_tokens, not by a "
+                       "predicted length", policy)
 
 
 def warn_if_probing_another_model(length_predictor, served_model: str) -> None:
@@ -84,13 +90,8 @@ def build_engine_config(args: argparse.Namespace):
         "dtype": args.dtype,
     }
     chosen = {name: value for name, value in overrides.items() if value is not None}
-    scheduler_options = {"enable_admission": bool(args.admission)}
-    if args.max_queued_tokens is not None:
-        scheduler_options["max_queued_tokens"] = args.max_queued_tokens
-    if args.aging_tokens_per_step is not None:
-        scheduler_options["aging_tokens_per_step"] = args.aging_tokens_per_step
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
-    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options, **chosen)
+    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options(args), **chosen)
 
 
 def predictor_folder(spec: str | None) -> str | None:
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_engine_config(args)
     predictor_path = predictor_folder(args.predictor)
+    warn_if_ordering_without_predictor(args.policy, predictor_path)
     check_model_dir(config.model)
     listening = listen_sockets(args.host, args.port)  # a taken port fails now, not after the model loads
     try:

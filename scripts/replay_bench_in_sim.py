@@ -88,14 +88,36 @@ def main(argv: list[str]) -> None:
                               max_tokens=None)
     config = replace(sim.scheduler_config(sim_args, calibration), max_model_len=bench_args.max_model_len)
     print(f"{len(items)} requests, {sum(item.max_tokens for item in items)} output tokens")
-    for name in ("fcfs", "sjf", "oracle"):
-        s = summarize(simulate(replace(config, policy=name), workload, cost))
-        line = (f"{name:7s} sim mean {s['mean_e2e_s']:.1f} p50 {s['p50_e2e_s']:.1f} p99 {s['p99_e2e_s']:.1f}"
+    print(ranking_taus(workload))
+    # sjf once more with every request capped at --max-output-tokens, as a client that does not
+    # know its reply's length sends it: the order then comes from the prediction alone.
+    capped = [replace(r, max_tokens=bench_args.max_output_tokens) for r in workload]
+    runs = (("fcfs", "fcfs", workload), ("sjf", "sjf", workload), ("oracle", "oracle", workload),
+            ("sjf, prediction alone", "sjf", capped))
+    for label, name, requests in runs:
+        s = summarize(simulate(replace(config, policy=name), requests, cost))
+        line = (f"{label:7s} sim mean {s['mean_e2e_s']:.1f} p50 {s['p50_e2e_s']:.1f} p99 {s['p99_e2e_s']:.1f}"
                 f" tok/s {s['output_tokens_per_s']:.1f}")
-        if name in real:
-            r = real[name]
+        if label in real:
+            r = real[label]
             line += f" | real mean {r['mean_e2e_s']:.1f} p50 {r['p50_e2e_s']:.1f} p99 {r['p99_e2e_s']:.1f}"
         print(line)
+
+
+def ranking_taus(workload) -> str:
+    """Kendall's tau against the true lengths of sjf's key and of the prediction alone. With
+    --ignore-eos each max_tokens is the true length, and the key, the prediction clamped to it,
+    carries that knowledge: the replay then measures the ordering near its best, not the predictor."""
+    from scipy import stats
+
+    from scheduler.policies import ranking_length
+
+    true = [r.output_tokens for r in workload]
+    key = [ranking_length(r.to_request()) for r in workload]
+    alone = [r.predicted_rank_len if r.predicted_rank_len is not None else r.predicted_len for r in workload]
+    return (f"Kendall's tau against the true lengths: sjf's key (prediction clamped to max_tokens) "
+            f"{stats.kendalltau(key, true).statistic:.3f}, the prediction alone "
+            f"{stats.kendalltau(alone, true).statistic:.3f}")
 
 
 if __name__ == "__main__":

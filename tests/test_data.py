@@ -180,3 +180,23 @@ def test_last_message_dedup_catches_a_train_message_after_another_history():
                                   chat("zq3 a message no train prompt has ever ended with 81x"),
                                   chat("continue")])
     assert seen.tolist() == [True, False, True]
+
+
+@pytest.mark.integration
+def test_committed_trace_holds_at_least_2000_served_model_lengths():
+    # The issue asks for a committed trace of at least 2,000 prompts, labels for `train --labels trace`.
+    from training import trace
+
+    table = trace.load_trace().to_pandas()
+    assert tuple(table.columns) == trace.TRACE_COLUMNS
+    assert len(table) >= 2000 and table["key"].is_unique
+    assert table["key"].tolist() == [trace.prompt_key(p) for p in table["prompt"]]
+    assert (table["output_tokens"] > 0).all() and (table["prompt_tokens"] > 0).all()
+    assert set(table["finish_reason"]) <= {"stop", "length"}
+    capped = table["finish_reason"] == "length"
+    assert capped.any() and table.loc[capped, "output_tokens"].nunique() == 1  # one cap for the whole trace
+    assert (table.loc[~capped, "output_tokens"] <= table.loc[capped, "output_tokens"].iloc[0]).all()
+    # Its splits are the ShareGPT table's: no conversation's prompt is traced in two splits.
+    assert set(table["split"]) == set(dataset.SPLITS)
+    assert (table.groupby("conversation_id")["split"].nunique() == 1).all()
+    assert (table["split"] == table["conversation_id"].map(dataset.split_of)).all()

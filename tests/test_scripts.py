@@ -196,3 +196,15 @@ def test_probe_variants_checks_its_json_before_computing_states(capsys, monkeypa
     with pytest.raises(SystemExit) as exited:
         variants.main(["--json", "/proc/variants.json"])
     assert exited.value.code == 2 and "--json /proc/variants.json: not writable" in capsys.readouterr().err
+
+
+def test_replay_in_sim_reports_what_the_max_tokens_clamp_adds_to_the_order() -> None:
+    # Predictions above every true length and in reverse order: alone they rank backwards, clamped
+    # to max_tokens (each request's true length, as with --ignore-eos) they rank perfectly.
+    from scheduler.simulation import SimRequest
+
+    replay = load_script("replay_bench_in_sim")
+    workload = [SimRequest(f"r{i}", 0.0, 8, true_len, predicted_len=1000.0 - true_len, max_tokens=None,
+                           predicted_rank_len=1000.0 - true_len) for i, true_len in enumerate((5, 50, 500))]
+    assert replay.ranking_taus(workload) == ("Kendall's tau against the true lengths: sjf's key (prediction "
+                                             "clamped to max_tokens) 1.000, the prediction alone -1.000")

@@ -198,3 +198,36 @@ def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rat
     assert result["ratios"]["mean_e2e_s_baseline_over_this"] == pytest.approx(2.0)
     other_slo = compare(summary, {**config, "goodput": ["e2el:10000"]}, requests, baseline, tmp_path / "fcfs.json")
     assert not other_slo["comparable"] and other_slo["not_comparable_reasons"][0].startswith("goodput:")
+
+
+def test_the_bench_serve_command_writes_its_json_plot_and_mlflow_run(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    # The whole command against a real server: ShareGPT prompts sampled, every reply exactly its
+    # max_tokens (--ignore-eos), and the JSON, the plot and the MLflow run with both as artifacts.
+    import json
+
+    import mlflow
+
+    from training import tracking
+    from training.cli import main
+
+    store = tmp_path / "mlruns"
+    monkeypatch.setattr(tracking, "default_store", lambda: store)
+    engine = tiny_engine(tiny_model_dir)
+    app = create_app(AsyncLLMEngine(engine), engine.tokenizer,
+                     ServerSettings(model_name=MODEL, max_model_len=1024, info=(("policy", "fcfs"),)))
+    with running_server(app) as (base_url, _):
+        assert main(["bench", "serve", "--base-url", base_url, "--num-prompts", "3", "--request-rate", "inf",
+                     "--ignore-eos", "--max-output-tokens", "3", "--max-model-len", "200",
+                     "--goodput", "e2el:3600000", "--result-dir", str(tmp_path / "runs")]) == 0
+    result = json.loads((tmp_path / "runs" / "fcfs-rateinf.json").read_text())
+    required = ("completed", "failed", "mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "p99_ttft_s", "goodput_rps",
+                "output_tokens_per_s")
+    assert all(result[key] is not None for key in required)
+    assert (result["completed"], result["failed"], result["short_outputs"]) == (3, 0, 0)
+    assert result["config"]["server_policy"] == "fcfs" and len(result["requests"]) == 3
+    assert (tmp_path / "runs" / "fcfs-rateinf.png").stat().st_size > 0
+    run_id = capsys.readouterr().out.split("MLflow run ")[1].split()[0]
+    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(store))
+    assert client.get_run(run_id).data.metrics["completed"] == 3.0
+    assert {a.path for a in client.list_artifacts(run_id)} == {"fcfs-rateinf.json", "fcfs-rateinf.png"}
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks

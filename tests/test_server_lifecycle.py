@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestAborted, StreamEnd
@@ -195,8 +196,12 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
             encoded_before = len(tokenizer.encoded)
             refused = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
             refused_chat = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60)
+            sdk = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+            with pytest.raises(openai.APIStatusError) as refused_sdk:  # what an OpenAI client sees
+                sdk.chat.completions.create(model=MODEL, messages=chat["messages"], max_tokens=4)
             health = httpx.get(base_url + "/health", timeout=60)
             rest = [line for line in lines if line]
+    assert refused_sdk.value.status_code == 503 and refused_sdk.value.code == "shutting_down"
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert refused_chat.status_code == 503 and refused_chat.json()["error"]["code"] == "shutting_down"
     assert len(tokenizer.encoded) == encoded_before  # refused before the tokenizer thread queued them

@@ -86,3 +86,33 @@ def test_prompts_scored_are_counted_beside_the_batch_latency():
     samples = samples_of(metrics)
     assert total(samples, "lengthwise:predictor_prompts_total") == 33
     assert total(samples, "lengthwise:predictor_latency_seconds_count") == 2
+
+
+def test_the_engine_state_gauges_read_the_schedulers_snapshot_stability_margin_included():
+    from engine.llm_engine import EngineStats
+    from scheduler.config import SchedulerConfig
+    from scheduler.request import Request, SamplingParams
+    from scheduler.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_num_seqs=2, max_num_batched_tokens=64))
+    for i in range(3):
+        scheduler.add_request(Request(f"r{i}", [1] * 20, SamplingParams(max_tokens=50), arrival_time=0.1 * i,
+                                      predicted_len=40.0), now=0.1 * i)
+    scheduler.schedule(0.3)
+    scheduler.record_step(0.5, 64, 0.2)
+    snapshot = scheduler.stats(0.5)
+    assert snapshot.stability_margin is not None and snapshot.stability_margin > 0
+    stats = EngineStats(snapshot, num_steps=1, step_time_s=0.2, forward_time_s=0.1, num_generated_tokens=0)
+    samples = samples_of(ServerMetrics(MODEL, lambda: stats))
+    expected = {"stability_margin": snapshot.stability_margin, "num_requests_running": snapshot.num_running,
+                "num_requests_waiting": snapshot.num_waiting, "num_requests_swapped": 0,
+                "kv_cache_usage_perc": snapshot.kv_usage, "num_preemptions_total": 0}
+    for name, value in expected.items():
+        assert total(samples, "lengthwise:" + name, model_name=MODEL) == pytest.approx(value), name
+    assert (snapshot.num_running, snapshot.num_waiting) == (2, 1) and 0 < snapshot.kv_usage < 1
+    # Nothing measured yet: the margin's gauge is left out, not reported as 0.
+    idle = Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats(0.0)
+    assert idle.stability_margin is None
+    idle_samples = samples_of(ServerMetrics(MODEL, lambda: EngineStats(idle, 0, 0.0, 0.0, 0)))
+    assert not any(name == "lengthwise:stability_margin" for name, _ in idle_samples)
+    assert total(idle_samples, "lengthwise:num_requests_waiting") == 0

@@ -479,3 +479,16 @@ def test_no_request_is_overtaken_beyond_its_aging_bound_even_after_preemption(mo
         violations += overtaken_beyond_bound(result.records, aging_bounds(policy, workload, result.records))
         preemptions += result.num_preemptions
     assert preemptions > 50 and violations == 0
+
+
+def test_simulated_arrivals_have_the_asked_rate_and_burstiness():
+    import statistics
+
+    from training.sim_workload import arrival_times
+
+    for process, cv in (("poisson", 1.0), ("gamma", 3.0), ("gamma", 0.5)):
+        times = arrival_times(20_000, 4.0, process, cv, seed=0)
+        gaps = [b - a for a, b in zip([0.0, *times], times)]
+        assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.05), process
+        assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv, rel=0.1), (process, cv)
+    assert arrival_times(5, 4.0, "gamma", 3.0, seed=1) == arrival_times(5, 4.0, "gamma", 3.0, seed=1)

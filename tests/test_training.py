@@ -563,3 +563,25 @@ def test_mae_log_reads_a_negative_point_as_zero() -> None:
     predictions = [Prediction(point=-0.5, p50=1.0, p90=2.0, score=0.0, rank_len=1.0),
                    Prediction(point=1.0, p50=1.0, p90=2.0, score=1.0, rank_len=2.0)]
     assert metrics.prediction_metrics([0, 1], predictions).mae_log == pytest.approx(0.0)
+
+
+def test_latency_per_prompt_is_the_median_call_time_over_the_batch_it_timed(monkeypatch):
+    # A fake clock: each predict() costs 2 ms per prompt plus 10 ms per call, so a batch of 32
+    # reads 2.3125 ms per prompt, and a batch larger than the prompts there are times what there is.
+    from training import evaluate
+
+    clock = {"now": 0.0}
+    sizes = []
+
+    class Model:
+        def predict(self, batch):
+            sizes.append(len(batch))
+            clock["now"] += 0.002 * len(batch) + 0.010
+
+    monkeypatch.setattr(evaluate.time, "perf_counter", lambda: clock["now"])
+    prompts = [f"p{i}" for i in range(40)]
+    assert evaluate.latency_ms_per_prompt(Model(), prompts, 32, calls=5) == pytest.approx(2.3125)
+    assert sizes == [32] * 6  # a warm-up call, then the five timed
+    sizes.clear()
+    assert evaluate.latency_ms_per_prompt(Model(), prompts[:8], 32, calls=3) == pytest.approx(2.0 + 10.0 / 8)
+    assert sizes == [8] * 4

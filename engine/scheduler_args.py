@@ -37,6 +37,8 @@ KNOBS = (
          "interactive tier's TTFT target in seconds (admission control, goodput policy)"),
     Knob("--slo-e2e-standard", "slo_e2e_standard_s", non_negative_float, "S",
          "standard tier's end-to-end target in seconds (admission control, goodput policy)"),
+    Knob("--goodput-urgent-slack", "goodput_urgent_slack_s", non_negative_float, "S",
+         "goodput policy: a request this close (seconds) to missing its SLO goes first"),
     Knob("--max-queued-tokens", "max_queued_tokens", positive_int, "N",
          "bound on queued token work (prompt + predicted output tokens) for every tier; default: a bound on "
          f"batch work only, {SchedulerConfig.queue_bound_kv_multiple:g} times the KV cache's tokens",

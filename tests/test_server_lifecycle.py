@@ -438,14 +438,14 @@ def test_serve_arguments_build_the_engine_config():
                               "--kv-cache-memory", "0.25", "--admission", "--max-queued-tokens", "5000",
                               "--attention-backend", "torch", "--aging-tokens-per-step", "0.5",
                               "--srpt-max-preempt-share", "0.3", "--slo-ttft-interactive", "0.2",
-                              "--slo-e2e-standard", "20", "--batch-shed-share", "0.25"])
+                              "--slo-e2e-standard", "20", "--batch-shed-share", "0.25", "--goodput-urgent-slack", "3"])
     config = serve_cli.build_engine_config(args)
     assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "sjf", 7, 0.25)
     assert config.attention_backend == "torch" and config.predictor is None
     assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000,
                                         "aging_tokens_per_step": 0.5, "srpt_max_preempt_share": 0.3,
                                         "slo_ttft_interactive_s": 0.2, "slo_e2e_standard_s": 20.0,
-                                        "batch_shed_share": 0.25}
+                                        "batch_shed_share": 0.25, "goodput_urgent_slack_s": 3.0}
     scheduler = config.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0)
     assert (scheduler.slo_e2e_standard_s, scheduler.srpt_max_preempt_share) == (20.0, 0.3)
     # Unset knobs keep the scheduler's own defaults.

@@ -91,6 +91,7 @@ def tier_figures(records: Sequence[RequestRecord], slo_ttft_s: float, slo_e2e_s:
             continue
         entry = {"count": len(served), "rejected": len(offered) - len(served),
                  "mean_e2e_s": mean([r.e2e_s for r in served]),
+                 "p50_ttft_s": percentile([r.ttft_s for r in served], 50),
                  "p99_ttft_s": percentile([r.ttft_s for r in served], 99)}
         if tier == Tier.INTERACTIVE:
             entry["slo_attainment"] = sum(r.ttft_s <= slo_ttft_s for r in served) / len(offered)

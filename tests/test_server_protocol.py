@@ -103,6 +103,26 @@ def test_a_nan_number_is_refused_as_not_finite(served):
     assert error["param"] == "temperature" and "finite number" in error["message"]
 
 
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_keeps_serving(served):
+    # Valid JSON ("\ud800" escaped), but not Unicode text: it was a 500 from the tokenizer, or a
+    # crash in the error handler when the model name echoed it, and the connection was dropped.
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    lone = "\\ud800"
+    cases = [("/v1/completions", '{"model": "%s", "prompt": "hi %s", "max_tokens": 2}' % (MODEL, lone), "prompt"),
+             ("/v1/completions", '{"model": "%s", "prompt": "hi %s", "stream": true}' % (MODEL, lone), "prompt"),
+             ("/v1/completions", '{"model": "%s", "prompt": "hi"}' % lone, "model"),
+             ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["a", "%s"]}' % (MODEL, lone), "stop"),
+             ("/v1/chat/completions",
+              '{"model": "%s", "messages": [{"role": "user", "content": "a%s"}]}' % (MODEL, lone), "messages")]
+    with httpx.Client(base_url=served[0], headers=headers, timeout=60) as http:  # one kept-alive connection
+        for path, body, field in cases:
+            error = error_of(http.post(path, content=body), 400)
+            assert error["param"] == field and "lone UTF-16 surrogate" in error["message"], body
+        pair = '{"model": "%s", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2}' % MODEL  # a valid pair
+        answer = http.post("/v1/completions", content=pair)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "stop_token_ids", [-1]), ("/v1/chat/completions", "stop_token_ids", [True]),
     ("/v1/completions", "prompt", [True, 5])])

@@ -30,6 +30,31 @@ def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
     return cls.model_fields[info.field_name].default if value is None else value
 
 
+def lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` holding a lone UTF-16 surrogate, or None.
+
+    JSON may escape one ("\\ud800"), and Python then holds a str that is not valid Unicode: the
+    tokenizer refuses it with a TypeError, and any error message echoing it cannot be encoded, so
+    it is refused at validation, as a 400 naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate_at(item, f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's usage on every chunk: not implemented, so only its neutral value is accepted.
@@ -63,6 +88,14 @@ class _Request(CompletionUnsupportedFields):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "priority", "top_k", mode="before")(classmethod(null_is_the_default))
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        where = lone_surrogate_at(value, info.field_name)
+        if where is not None:
+            raise ValueError(f"not valid Unicode text: a lone UTF-16 surrogate in {where}")
+        return value
 
     @field_validator("stream_options")
     @classmethod

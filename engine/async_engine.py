@@ -172,11 +172,6 @@ class AsyncLLMEngine:
         (self._to_predict if self.overlap_prediction else self._commands).put(submission)
         try:
             await asyncio.wrap_future(submission.admitted)
-            if submission.abandoned is not None:
-                # Aborted (or drained) while the engine thread was adding it: the Abort queued
-                # behind frees its blocks, and the caller gets the answer it would have had a
-                # moment sooner, not a stream that nothing will ever end.
-                raise submission.abandoned
         except BaseException as exc:
             # Rejected, or the client left while waiting: forget the stream; the engine thread skips
             # a cancelled submission, and the abort covers one it had already added.
@@ -191,6 +186,13 @@ class AsyncLLMEngine:
                 del self._pending[request_id]
         stream.prediction = submission.prediction
         self.listener.on_admitted(tier, len(prompt_token_ids))
+        if submission.abandoned is not None:
+            # Aborted (or drained) while the engine thread was adding it: admitted, so counted as
+            # an aborted request, as the engine counts it; the Abort queued behind frees its
+            # blocks, and the caller gets the answer it would have had a moment sooner, not a
+            # stream that nothing will ever end.
+            self._drop_aborted(request_id)
+            raise submission.abandoned
         return stream
 
     def abort(self, request_id: str) -> None:

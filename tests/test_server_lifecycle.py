@@ -592,3 +592,55 @@ def test_resolving_the_champion_logs_in_the_servers_format_first(monkeypatch) ->
     monkeypatch.setattr(serve_predictor, "champion_or_default", lambda: "none")
     serve_predictor.resolve_args(argparse.Namespace(predictor="champion", log_level="debug"))
     assert calls == ["debug"]
+
+
+class RecordingListener:
+    """Every listener event, in order, by name."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, name: str):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.events.append(name)
+
+
+@pytest.mark.parametrize("how, error", [("drain", EngineShuttingDown), ("abort", RequestAborted)])
+def test_a_request_ended_while_the_engine_adds_it_counts_as_admitted_and_aborted(engine, monkeypatch, how, error):
+    # The abort or the drain lands while the engine thread is inside add_request: the engine admits
+    # the request and then aborts it, so the listener (the metrics) must count it so too. A drain
+    # counted it nowhere: not admitted, not aborted, and not an admission rejection.
+    adding, release = threading.Event(), threading.Event()
+    add_request = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        adding.set()
+        assert release.wait(timeout=60)
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", slow_add)
+    listener = RecordingListener()
+    async_engine = AsyncLLMEngine(engine, listener=listener)
+
+    async def scenario():
+        await async_engine.start()
+        submitted = asyncio.ensure_future(async_engine.submit(
+            f"raced-{how}", prompt_ids(engine, "Hello"), "Hello", SamplingParams(max_tokens=4)))
+        assert await asyncio.to_thread(adding.wait, 60)
+        ending = asyncio.ensure_future(async_engine.drain(0.0)) if how == "drain" else None
+        if ending is None:
+            async_engine.abort(f"raced-{how}")
+        await asyncio.sleep(0.1)  # the drain's abort is sent while the add still runs
+        release.set()
+        with pytest.raises(error):
+            await submitted
+        if ending is not None:
+            await ending
+        await async_engine.shutdown()
+
+    asyncio.run(scenario())
+    assert sorted(e for e in listener.events if e != "on_prediction") == ["on_aborted", "on_admitted"]
+    assert not engine.has_unfinished_requests()
+    free, total = free_and_total(engine)
+    assert free == total

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             saturated if name == "fcfs" else saturated_throughput(config, base, cost, name))
     aging_bound = main["policies"].get("sjf", {}).get("aging_bound_s")
     sweep = [main]
-    for load in args.sweep_loads:
+    for load in sorted(set(args.sweep_loads) - {args.load}):  # --load 0.7 is not run twice
         sweep.append(run_load(config, base, cost, policies, load, saturated, args)[0])
     sweep.sort(key=lambda entry: entry["load"])
     report = {

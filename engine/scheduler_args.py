@@ -40,11 +40,13 @@ KNOBS = (
     Knob("--goodput-urgent-slack", "goodput_urgent_slack_s", non_negative_float, "S",
          "goodput policy: a request this close (seconds) to missing its SLO goes first"),
     Knob("--max-queued-tokens", "max_queued_tokens", positive_int, "N",
-         "bound on queued token work (prompt + predicted output tokens) for every tier; default: a bound on "
-         f"batch work only, {SchedulerConfig.queue_bound_kv_multiple:g} times the KV cache's tokens",
+         "bound on queued token work (prompt + predicted output tokens), checked for every tier; default: "
+         f"checked for batch requests only, at {SchedulerConfig.queue_bound_kv_multiple:g} times the KV "
+         "cache's tokens",
          needs_admission=True),
     Knob("--batch-shed-share", "batch_shed_share", share_above_zero, "SHARE",
-         "batch-tier requests are admitted only while queued work is below this share of the bound",
+         "batch-tier requests are admitted only while the work queued in every tier is below this share "
+         "of the bound",
          needs_admission=True),
 )
 

@@ -20,10 +20,10 @@ step's rate halves every `capacity_half_life_s` (600 s) unless a step matches it
 lone decode that outlasts any window does not make the server look slow, while a machine that
 really slowed down is believed within minutes.
 - batch: no latency SLO; it is shed first when the bounded queue fills, being admitted only while
-  queued work stays below `batch_shed_share` of the bound. Without `max_queued_tokens` the bound
-  holds batch work alone, at four KV caches' worth of tokens (`SchedulerConfig.queued_token_bound`):
-  a batch flood must not queue without limit, while a request with an SLO is refused only when
-  it would miss it.
+  queued work (of every tier) stays below `batch_shed_share` of the bound. Without
+  `max_queued_tokens` the bound is checked for batch requests alone, at four KV caches' worth of
+  tokens (`SchedulerConfig.queued_token_bound`): a batch flood must not queue without limit,
+  while a request with an SLO is refused only when it would miss it.
 
 Admission sheds load, so only work ahead of a request can get it rejected, and only when that work
 is what makes it miss: a request is admitted when nothing is ahead of it, or when its own work

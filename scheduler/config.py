@@ -64,10 +64,12 @@ class SchedulerConfig:
     enable_admission: bool = False
     slo_ttft_interactive_s: float = 0.5
     slo_e2e_standard_s: float = 10.0
-    # Bound on the token work waiting (prompt + predicted output tokens) for every tier; None: a
-    # bound on batch work only, the KV cache's tokens times `queue_bound_kv_multiple`. Batch work
-    # has no latency SLO and is held back by this bound alone, so it always has one: unbounded, a
-    # batch flood queued without limit while standard requests got 429s.
+    # Bound on the token work waiting (prompt + predicted output tokens), checked for every tier;
+    # None: checked for batch requests only, at the KV cache's tokens times
+    # `queue_bound_kv_multiple` (a batch request is admitted while the work queued in every tier
+    # stays below `batch_shed_share` of it). Batch work has no latency SLO and is held back by
+    # this bound alone, so it always has one: unbounded, a batch flood queued without limit while
+    # standard requests got 429s.
     max_queued_tokens: int | None = None
     queue_bound_kv_multiple: float = 4.0
     batch_shed_share: float = 0.5  # batch work is admitted only below this share of the bound

@@ -27,8 +27,10 @@ from scheduler.simulation import simulate  # noqa: E402
 from training import simulate as sim_cli  # noqa: E402
 from training.sim_workload import arrival_times  # noqa: E402
 
-# simulate's flags this script decides itself: it runs FCFS at --loads and reports no latencies.
-NOT_HONOURED = ("--policies", "--load", "--sweep-loads", "--no-plots")
+# simulate's flags this script decides itself: it runs FCFS at --loads and reports no latencies,
+# so the knobs of the length policies (aging, srpt, goodput) would change nothing.
+NOT_HONOURED = ("--policies", "--load", "--sweep-loads", "--no-plots", "--aging-tokens-per-step",
+                "--aging-tokens-per-s", "--srpt-max-preempt-share", "--goodput-urgent-slack")
 
 
 def quantile(values: list[float], q: float) -> float:

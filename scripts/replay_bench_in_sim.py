@@ -41,7 +41,7 @@ def parse_sim_args(text: str) -> argparse.Namespace:
     tokens = shlex.split(text)
     args = parser.parse_args(tokens)
     names = {token.split("=", 1)[0] for token in tokens if token.startswith("-")}
-    from engine.scheduler_args import KNOBS
+    from engine.scheduler_args import KNOBS, scheduler_options
 
     honoured = SERVER_FLAGS | {knob.field for knob in KNOBS}
     ignored = sorted(option for action in parser._actions if action.dest not in honoured
@@ -51,6 +51,11 @@ def parse_sim_args(text: str) -> argparse.Namespace:
               f"(it replays fcfs, sjf and oracle on the bench's workload; --predictor is the script's own)",
               file=sys.stderr)
         raise SystemExit(2)
+    try:
+        scheduler_options(args)  # an admission knob without --admission: refused before the workload
+    except ValueError as exc:
+        print(f"replay_bench_in_sim.py: error: --sim-args {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return args
 
 
@@ -96,7 +101,7 @@ def main(argv: list[str]) -> None:
             ("sjf, prediction alone", "sjf", capped))
     for label, name, requests in runs:
         s = summarize(simulate(replace(config, policy=name), requests, cost))
-        line = (f"{label:7s} sim mean {s['mean_e2e_s']:.1f} p50 {s['p50_e2e_s']:.1f} p99 {s['p99_e2e_s']:.1f}"
+        line = (f"{label:21s} sim mean {s['mean_e2e_s']:.1f} p50 {s['p50_e2e_s']:.1f} p99 {s['p99_e2e_s']:.1f}"
                 f" tok/s {s['output_tokens_per_s']:.1f}")
         if label in real:
             r = real[label]

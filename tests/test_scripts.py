@@ -30,6 +30,9 @@ def test_replay_in_sim_refuses_simulator_flags_it_would_ignore(capsys, monkeypat
     honoured = replay.parse_sim_args("--max-num-seqs 8 --kv-blocks=100 --admission --srpt-max-preempt-share 0.2")
     assert (honoured.max_num_seqs, honoured.kv_blocks, honoured.admission) == (8, 100, True)
     assert honoured.srpt_max_preempt_share == 0.2  # a scheduler knob, as the server takes it
+    with pytest.raises(SystemExit) as exited:  # refused before the workload, not after its predictions
+        replay.parse_sim_args("--max-queued-tokens 100")
+    assert exited.value.code == 2 and "--max-queued-tokens needs --admission" in capsys.readouterr().err
 
 
 def test_replay_in_sim_needs_ignore_eos_before_loading(monkeypatch) -> None:

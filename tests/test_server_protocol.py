@@ -491,3 +491,15 @@ def test_a_body_of_exactly_the_limit_passes_and_a_declared_larger_one_is_not_rea
     assert run_body_limit(10, b"x" * 10, declared=True)[1] == 200
     assert run_body_limit(10, b"x" * 10, declared=False)[1] == 200
     assert run_body_limit(10, b"x" * 11, declared=True) == (0, 413)
+
+
+def test_a_lone_surrogate_is_found_in_keys_and_nested_values_but_not_in_pairs_or_ids() -> None:
+    from engine.server.text_check import lone_surrogate_at
+
+    lone = "\ud800"
+    assert lone_surrogate_at({"properties": {lone: {}}}, "tools.0") == "tools.0.properties (a key)"
+    assert lone_surrogate_at([{"content": [{"type": "text", "text": "a" + lone}]}], "messages") == \
+        "messages.0.content.0.text"
+    assert lone_surrogate_at([[1, 2, 3], ["x", lone]], "prompt") == "prompt.1.1"
+    assert lone_surrogate_at("\U0001F600 a pair in JSON", "prompt") is None  # JSON's pair decodes to this
+    assert lone_surrogate_at(list(range(10)), "prompt") is None and lone_surrogate_at(7, "seed") is None

@@ -239,10 +239,12 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "sim_cdf.png").exists()
     # The loads 0.7 and 1.0 come with any run, beside --load, and their plot.
     assert [entry["load"] for entry in report["sweep"]] == [0.7, 0.8, 1.0]
+    assert (tmp_path / "sim_vs_rate.png").exists()
+    assert report["tier_mix"] == {"interactive": 0.0, "standard": 1.0, "batch": 0.0}
+    assert report["scheduler"]["goodput_urgent_slack_s"] == 2.0 and report["scheduler"]["queued_token_bound"] is None
     assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--load", "0.7", "--sweep-loads", "1.0,0.7",
                  "--predictions", "noisy-oracle", "--no-plots", "--json", str(out)]) == 0
     assert [entry["load"] for entry in json.loads(out.read_text())["sweep"]] == [0.7, 1.0]  # 0.7 run once
-    assert (tmp_path / "sim_vs_rate.png").exists()
     # Each policy saturated on its own order, and the goal reads the ratio.
     saturated = {name: figures["saturated_output_tokens_per_s"] for name, figures in report["policies"].items()}
     assert saturated["fcfs"] == report["saturated_output_tokens_per_s"] != saturated["sjf"]

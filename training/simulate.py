@@ -21,7 +21,7 @@ from pathlib import Path
 from engine.arg_types import (non_negative_int, positive_float, positive_float_list, positive_int,
                               policy_list, power_of_two, prepare_output_file, tier_weights)
 from engine.config import DEFAULT_PREDICTOR, REPO_ROOT, EngineConfig
-from engine.scheduler_args import add_scheduler_arguments, scheduler_options
+from engine.scheduler_args import KNOBS, add_scheduler_arguments, scheduler_options
 from scheduler.config import SchedulerConfig
 from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
@@ -123,6 +123,16 @@ def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) 
         **scheduler_options(args))
 
 
+def scheduler_report(config: SchedulerConfig) -> dict:
+    """The scheduler settings a run used: the step's limits and every knob the flags can set."""
+    report = {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+              "max_model_len": config.max_model_len, "preemption_mode": config.preemption_mode,
+              "admission": config.enable_admission,
+              "queued_token_bound": config.queued_token_bound if config.enable_admission else None}
+    report.update({knob.field: getattr(config, knob.field) for knob in KNOBS})
+    return report
+
+
 def saturated_throughput(config: SchedulerConfig, workload: list[SimRequest], cost: StepCostModel,
                          policy: str = "fcfs") -> float:
     """Output tokens per second with every request present at t=0 (FCFS's defines the load)."""
@@ -210,14 +220,8 @@ def run(args: argparse.Namespace) -> int:
                       "smollm2_fp32_gib": config.num_gpu_blocks * config.block_size
                       * KV_BYTES_PER_TOKEN_SMOLLM2_FP32 / 2**30},
         "cost_model": {**cost.to_dict(), "source": cost_source},
-        "scheduler": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                      "max_model_len": config.max_model_len, "preemption_mode": config.preemption_mode,
-                      "aging_tokens_per_s": config.aging_tokens_per_s,
-                      "aging_tokens_per_step": config.aging_tokens_per_step,
-                      "srpt_max_preempt_share": config.srpt_max_preempt_share,
-                      "slo_ttft_interactive_s": config.slo_ttft_interactive_s,
-                      "slo_e2e_standard_s": config.slo_e2e_standard_s, "admission": config.enable_admission,
-                      "queued_token_bound": config.queued_token_bound if config.enable_admission else None},
+        "scheduler": scheduler_report(config),
+        "tier_mix": dict(zip(("interactive", "standard", "batch"), args.tier_mix)),
         "sweep": sweep if len(sweep) > 1 else [],
     }
     args.json.write_text(json.dumps(report, indent=2) + "\n")

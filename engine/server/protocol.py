@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
+from engine.server.text_check import lone_surrogate_at
 from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
@@ -28,31 +29,6 @@ ServiceTier = Literal["auto", "default", "flex", "priority"]
 def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
     """A "before" validator: OpenAI's API (and its clients) take an explicit null as "not set"."""
     return cls.model_fields[info.field_name].default if value is None else value
-
-
-def lone_surrogate_at(value: Any, path: str) -> str | None:
-    """The path of the first string in `value` holding a lone UTF-16 surrogate, or None.
-
-    JSON may escape one ("\\ud800"), and Python then holds a str that is not valid Unicode: the
-    tokenizer refuses it with a TypeError, and any error message echoing it cannot be encoded, so
-    it is refused at validation, as a 400 naming the field."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = lone_surrogate_at(item, f"{path}.{key}")
-        if found is not None:
-            return found
-    return None
 
 
 class StreamOptions(BaseModel):

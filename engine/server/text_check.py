@@ -1,0 +1,42 @@
+"""Whether a request body holds text that is not Unicode.
+
+JSON may escape a lone UTF-16 surrogate ("\\ud800"), and Python then holds a str that is not valid
+Unicode: the tokenizer refuses it with a TypeError, and an error message echoing it cannot be
+encoded. protocol.py refuses such a body at validation, as a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` (a key too) holding a lone surrogate, or None.
+
+    Only strings, lists and dicts are walked: a prompt of token ids (millions of ints in a large
+    body) is passed over in one scan, not an element at a time."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _is_unicode(key):
+                return f"{path} (a key)"
+            found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        if all(type(item) is int for item in value):
+            return None
+        for index, item in enumerate(value):
+            found = lone_surrogate_at(item, f"{path}.{index}") if isinstance(item, (str, list, dict)) else None
+            if found is not None:
+                return found
+    return None

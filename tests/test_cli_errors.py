@@ -478,3 +478,17 @@ def test_an_admission_knob_without_admission_is_refused_not_ignored(capsys, tmp_
         err = one_line_error(capsys, [*command, *knob], command[0])
         assert f"{knob[0]} needs --admission" in err
     assert not (tmp_path / "sim.json").exists()
+
+
+def test_scheduler_knobs_parse_their_bounds_and_only_admission_knobs_need_admission() -> None:
+    import argparse
+
+    from engine.arg_types import share_of_one
+    from engine.scheduler_args import add_scheduler_arguments, scheduler_options
+
+    parser = argparse.ArgumentParser()
+    add_scheduler_arguments(parser)
+    assert scheduler_options(parser.parse_args(["--srpt-max-preempt-share", "0"])) == {
+        "enable_admission": False, "srpt_max_preempt_share": 0.0}  # 0 is a share: never preempt
+    assert (share_of_one("0"), share_of_one("1")) == (0.0, 1.0)
+    assert "(default 0.25)" in parser.format_help() and "(default 10)" in parser.format_help()

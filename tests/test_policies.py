@@ -779,3 +779,12 @@ def test_goodput_prices_steps_at_the_measured_step_time_by_default():
     fixed = goodput()  # a configured cost is kept whatever the steps measure
     fixed.on_step([r], [], 3.0, 0.16)
     assert fixed.sort_key(r, 3.0)[1] == 0
+
+
+def test_goodput_takes_a_zero_step_cost_refuses_a_negative_one_and_still_ages():
+    assert SchedulerConfig(num_gpu_blocks=64, goodput_s_per_token=0.0).goodput_s_per_token == 0.0
+    with pytest.raises(ValueError, match="goodput_s_per_token"):
+        SchedulerConfig(num_gpu_blocks=64, goodput_s_per_token=-1.0)
+    policy = GoodputPolicy(SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_step=0.25))
+    policy.on_step([req("w")], [], 0.0, 0.1)
+    assert policy.aging_rate == pytest.approx(2.5) and policy.step_time_s == pytest.approx(0.1)  # sjf's aging too

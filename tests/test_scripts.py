@@ -211,3 +211,16 @@ def test_replay_in_sim_reports_what_the_max_tokens_clamp_adds_to_the_order() -> 
                            predicted_rank_len=1000.0 - true_len) for i, true_len in enumerate((5, 50, 500))]
     assert replay.ranking_taus(workload) == ("Kendall's tau against the true lengths: sjf's key (prediction "
                                              "clamped to max_tokens) 1.000, the prediction alone -1.000")
+    # "Alone" is the ranking head the key is built from, not the point estimate beside it.
+    ranked = [SimRequest(f"r{i}", 0.0, 8, true_len, predicted_len=1.0 - i, max_tokens=None,
+                         predicted_rank_len=float(true_len)) for i, true_len in enumerate((5, 50, 500))]
+    assert replay.ranking_taus(ranked).endswith("the prediction alone 1.000")
+
+
+@pytest.mark.parametrize("flag", ["--aging-tokens-per-step", "--aging-tokens-per-s", "--srpt-max-preempt-share",
+                                  "--goodput-urgent-slack"])
+def test_margin_vs_load_refuses_the_length_policies_knobs_it_would_ignore(capsys, flag) -> None:
+    script = load_script("margin_vs_load")
+    with pytest.raises(SystemExit) as exited:
+        script.main([flag, "0.5"])
+    assert exited.value.code == 2 and f"{flag}: not used here" in capsys.readouterr().err

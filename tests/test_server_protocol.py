@@ -118,6 +118,7 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_keeps_ser
         for path, body, field in cases:
             error = error_of(http.post(path, content=body), 400)
             assert error["param"] == field and "lone UTF-16 surrogate" in error["message"], body
+            assert error["message"].split(" in ")[-1].startswith(field), error["message"]  # the path in it
         pair = '{"model": "%s", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2}' % MODEL  # a valid pair
         answer = http.post("/v1/completions", content=pair)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
@@ -503,3 +504,4 @@ def test_a_lone_surrogate_is_found_in_keys_and_nested_values_but_not_in_pairs_or
     assert lone_surrogate_at([[1, 2, 3], ["x", lone]], "prompt") == "prompt.1.1"
     assert lone_surrogate_at("\U0001F600 a pair in JSON", "prompt") is None  # JSON's pair decodes to this
     assert lone_surrogate_at(list(range(10)), "prompt") is None and lone_surrogate_at(7, "seed") is None
+    assert lone_surrogate_at([1, lone], "prompt") == "prompt.1"  # not all ids: every item is read

@@ -245,6 +245,15 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
     assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--load", "0.7", "--sweep-loads", "1.0,0.7",
                  "--predictions", "noisy-oracle", "--no-plots", "--json", str(out)]) == 0
     assert [entry["load"] for entry in json.loads(out.read_text())["sweep"]] == [0.7, 1.0]  # 0.7 run once
+    # The flags reach the scheduler and the report, with the tiers in their own order.
+    assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--sweep-loads", "", "--tier-mix", "3,1,0",
+                 "--aging-tokens-per-step", "0.5", "--admission", "--predictions", "noisy-oracle", "--no-plots",
+                 "--json", str(out)]) == 0
+    flagged = json.loads(out.read_text())
+    assert flagged["tier_mix"] == {"interactive": 3.0, "standard": 1.0, "batch": 0.0}
+    scheduler = flagged["scheduler"]
+    assert scheduler["aging_tokens_per_step"] == 0.5 and scheduler["admission"] is True
+    assert scheduler["queued_token_bound"] == 4 * flagged["kv_budget"]["tokens"]
     # Each policy saturated on its own order, and the goal reads the ratio.
     saturated = {name: figures["saturated_output_tokens_per_s"] for name, figures in report["policies"].items()}
     assert saturated["fcfs"] == report["saturated_output_tokens_per_s"] != saturated["sjf"]
@@ -284,6 +293,16 @@ def test_slo_attainment_counts_a_rejected_request_as_a_miss() -> None:
     figures = tier_figures([served, *rejected], slo_ttft_s=0.5, slo_e2e_s=10.0)["interactive"]
     assert (figures["count"], figures["rejected"]) == (1, 9)
     assert figures["slo_attainment"] == pytest.approx(0.1)
+
+
+def test_tier_figures_give_the_median_and_p99_ttft_of_the_served() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import tier_figures
+
+    served = [RequestRecord(f"s{i}", Tier.STANDARD, 0.0, 5, rejected=False, first_scheduled_time=0.0,
+                            first_token_time=ttft, finish_time=5.0) for i, ttft in enumerate((0.1, 0.2, 0.9))]
+    figures = tier_figures(served, slo_ttft_s=0.5, slo_e2e_s=10.0)["standard"]
+    assert figures["p50_ttft_s"] == pytest.approx(0.2) and figures["p99_ttft_s"] > 0.85
 
 
 def last_line_names(stderr: str, flag: str) -> bool:

@@ -224,3 +224,34 @@ def test_margin_vs_load_refuses_the_length_policies_knobs_it_would_ignore(capsys
     with pytest.raises(SystemExit) as exited:
         script.main([flag, "0.5"])
     assert exited.value.code == 2 and f"{flag}: not used here" in capsys.readouterr().err
+
+
+def test_replay_in_sim_runs_sjf_again_on_the_prediction_alone_and_compares_only_like_with_like(
+        tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    import scheduler.simulation
+    from training import bench_serve, sim_workload
+    from training.sim_workload import Predicted
+
+    replay = load_script("replay_bench_in_sim")
+    items = [bench_serve.WorkItem(i, f"prompt {i}", 20, true_len, "standard") for i, true_len in enumerate((300, 8, 60))]
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: items)
+    monkeypatch.setattr(sim_workload, "predictor_predictions",
+                        lambda turns, path: [Predicted(50.0, 50.0, 90.0, 50.0) for _ in turns])
+    runs, real_simulate = [], scheduler.simulation.simulate
+
+    def recording_simulate(config, requests, cost, *args, **kwargs):
+        runs.append((config.policy, [r.max_tokens for r in requests]))
+        return real_simulate(config, requests, cost, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.simulation, "simulate", recording_simulate)
+    (tmp_path / "sjf.json").write_text(json.dumps({"mean_e2e_s": 1.0, "p50_e2e_s": 1.0, "p99_e2e_s": 1.0,
+                                                   "requests": []}))
+    replay.main(["--result-dir", str(tmp_path), "--", "--num-prompts", "3", "--ignore-eos",
+                 "--max-output-tokens", "512", "--request-rate", "inf"])
+    assert [policy for policy, _ in runs] == ["fcfs", "sjf", "oracle", "sjf"]
+    assert runs[1][1] == [None, None, None] and runs[3][1] == [512, 512, 512]  # true lengths, then the cap
+    lines = capsys.readouterr().out.splitlines()
+    real = {line.split(" sim ")[0].strip(): "| real" in line for line in lines if " sim mean " in line}
+    assert real == {"fcfs": False, "sjf": True, "oracle": False, "sjf, prediction alone": False}

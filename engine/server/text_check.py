@@ -26,17 +26,15 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
     if isinstance(value, str):
         return None if _is_unicode(value) else path
     if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and not _is_unicode(key):
-                return f"{path} (a key)"
-            found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        if all(type(item) is int for item in value):
-            return None
-        for index, item in enumerate(value):
-            found = lone_surrogate_at(item, f"{path}.{index}") if isinstance(item, (str, list, dict)) else None
-            if found is not None:
-                return found
+        items = value.items()
+    elif isinstance(value, list) and not all(type(item) is int for item in value):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and not _is_unicode(key):
+            return f"{path} (a key)"
+        found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
+        if found is not None:
+            return found
     return None

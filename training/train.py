@@ -35,7 +35,10 @@ DEFAULT_LIMITS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(KINDS), required=True)
+    # The committed default predictor's kind, so `lengthwise train [--labels trace]` runs as the docs
+    # and issue 3 write it.
+    parser.add_argument("--model", choices=sorted(KINDS), default="embed_lgbm",
+                        help="the predictor kind (default embed_lgbm, the committed default's)")
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt",
                         help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
     parser.add_argument("--max-train", type=positive_int, default=None, help="train rows (default per model)")

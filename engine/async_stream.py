@@ -20,6 +20,7 @@ from scheduler.request import Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
+    from scheduler.output import TokenLogprobs
 
 
 class EngineState(enum.Enum):
@@ -65,6 +66,7 @@ class StreamEnd:
     # The request's text so far when the end replaced an output nobody had read yet, so the
     # reader can still send what was generated since its last read; "" otherwise.
     text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # likewise, the unread output's logprobs
 
 
 class RequestStream:
@@ -86,7 +88,7 @@ class RequestStream:
         if self._is_last(self._unread):
             return  # the end is already waiting to be read; nothing may replace it
         if isinstance(item, StreamEnd) and self._unread is not None:
-            item = replace(item, text=self._unread.text)  # keep the unread output's text
+            item = replace(item, text=self._unread.text, logprobs=self._unread.logprobs)  # keep what was unread
         self._unread = item
         self._ready.set()
 

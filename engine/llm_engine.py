@@ -30,7 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
-from scheduler.output import SchedulerOutput
+from scheduler.output import SchedulerOutput, TokenLogprobs
 from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
@@ -120,6 +120,7 @@ class LLMEngine:
             self.predictor = load_predictor(config.predictor)
         self._detokenizers: dict[str, DetokenizerState] = {}
         self._num_reported: dict[str, int] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # requests that asked for them
         self._num_steps, self._step_time_s, self._forward_time_s, self._num_generated = 0, 0.0, 0.0, 0
         self.last_step: StepRecord | None = None
         log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
@@ -189,6 +190,8 @@ class LLMEngine:
         self.scheduler.add_request(request, now)
         self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids)
         self._num_reported[request_id] = 0
+        if params.logprobs is not None:
+            self._logprobs[request_id] = []
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id, self.now())
@@ -198,6 +201,7 @@ class LLMEngine:
     def _release(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
         self._num_reported.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -216,7 +220,7 @@ class LLMEngine:
             self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)
-        outputs = [self._report(request, done) for request in progressed]
+        outputs = [self._report(request, done, runner_output.logprobs) for request in progressed]
         step_time = self.now() - start
         self._num_steps += 1
         self._step_time_s += step_time
@@ -230,10 +234,13 @@ class LLMEngine:
     def _sampling_params_of(self, request_id: str) -> SamplingParams:
         return self.scheduler.get_request(request_id).sampling_params
 
-    def _report(self, request: Request, now: float) -> RequestOutput:
+    def _report(self, request: Request, now: float, step_logprobs: dict[str, TokenLogprobs]) -> RequestOutput:
         request_id = request.request_id
         state = self._detokenizers[request_id]
         new_ids = request.output_token_ids[self._num_reported[request_id]:]
+        logprobs = self._logprobs.get(request_id)
+        if logprobs is not None and new_ids:
+            logprobs.append(_drawn_this_step(request_id, new_ids, step_logprobs))
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
         stops = request.sampling_params.stop
@@ -258,8 +265,18 @@ class LLMEngine:
             new_text=new_text, finished=request.is_finished, finish_reason=finish_reason,
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
-            finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now)
+            finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
+            logprobs=None if logprobs is None else tuple(logprobs))
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
                            self._forward_time_s, self._num_generated)
+
+
+def _drawn_this_step(request_id: str, new_ids: list[int], step_logprobs: dict[str, TokenLogprobs]) -> TokenLogprobs:
+    """The logprobs of the one token a request gained this step (a request samples at most one
+    token a step, and a recomputed request keeps the tokens, and so the logprobs, it had)."""
+    entry = step_logprobs.get(request_id)
+    if len(new_ids) != 1 or entry is None or entry.token_id != new_ids[0]:
+        raise RuntimeError(f"request {request_id} gained tokens {new_ids} without their logprobs")
+    return entry

@@ -20,7 +20,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from scheduler.output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from scheduler.request import SamplingParams
 
@@ -102,9 +102,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.sample_request_ids else None
         forwarded = self._clock()
         sampled: dict[str, int] = {}
+        logprobs = {}
         if logits is not None:
             params = [params_of(request_id) for request_id in batch.sample_request_ids]
             tokens = self.sampler.sample(logits, batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
+            asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}
         self.last_times = StepTimes(prepared - start, forwarded - prepared, self._clock() - forwarded)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

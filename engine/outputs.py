@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler.output import TokenLogprobs
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -24,3 +26,5 @@ class RequestOutput:
     finish_time: float | None
     num_preemptions: int = 0
     report_time: float | None = None  # engine clock at the end of the step that produced this output
+    # One per generated token (token_ids), when the request's SamplingParams asked for logprobs.
+    logprobs: tuple[TokenLogprobs, ...] | None = None

@@ -25,7 +25,11 @@ from typing import Sequence
 
 import torch
 
+from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
+
+# JSON has no -inf; vLLM reports a token the model rules out at this value too.
+LOGPROB_FLOOR = -9999.0
 
 
 _MASK64 = 2**64 - 1
@@ -71,6 +75,25 @@ class Sampler:
             uniforms = torch.stack([self._uniform(params[row], positions[row]) for row in random_rows])
             tokens[random_rows] = inverse_cdf(probs, uniforms.to(logits.device))
         return tokens.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
+                   counts: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of logits [R, vocab]: the log-probability of tokens[r] and the counts[r] likeliest
+    tokens, or None where counts[r] is None. Read from the raw logits, as vLLM's default reports
+    them and whatever the row's temperature or top-p: the model's distribution, not the sampler's."""
+    rows = [r for r, count in enumerate(counts) if count is not None]
+    results: list[TokenLogprobs | None] = [None] * len(counts)
+    if not rows:
+        return results
+    logprobs = logits[rows].float().log_softmax(dim=-1).clamp(min=LOGPROB_FLOOR)
+    chosen = logprobs.gather(-1, torch.tensor([[tokens[r]] for r in rows], device=logits.device)).squeeze(-1)
+    widest = max(counts[r] for r in rows)
+    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
+    for index, row in enumerate(rows):
+        top = tuple(zip(top_ids[index, :counts[row]].tolist(), top_values[index, :counts[row]].tolist()))
+        results[row] = TokenLogprobs(tokens[row], float(chosen[index]), top)
+    return results
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Plain frozen dataclasses: the scheduler never touches tensors, the runner never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,18 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the likeliest alternatives at its position, under
+    the model's own distribution (before temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), likeliest first; as many as asked
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     # One sampled token per request whose chunk had sample=True.
     sampled_token_ids: dict[str, int]
+    # For the sampled requests that asked for logprobs; the scheduler ignores them.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

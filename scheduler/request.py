@@ -49,6 +49,9 @@ PRIORITY_LIMIT = 2**63
 # Temperatures below this sample greedily (as in vLLM): dividing float32 logits by a denormal or
 # zero temperature gives inf, softmax NaN, and the draw a meaningless token.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Most alternatives a request may ask logprobs for, per token (vLLM's default max_logprobs, and
+# OpenAI's bound on chat's top_logprobs).
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -78,6 +81,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no logprobs. N >= 0: each generated token's log-probability under the model, with the
+    # N likeliest alternatives at that position.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
@@ -96,6 +102,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")

@@ -36,3 +36,14 @@ def stop_string_past_the_middle(text: str, length: int) -> str:
         if candidate.strip() and text.find(candidate) == start:
             return candidate
     raise AssertionError(f"no stop string of {length} characters first occurs past the middle of {text!r}")
+
+
+def hf_logprobs(model_dir, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """Reference log-probabilities [len(generated), vocab]: HF eager attention over prompt and
+    generated tokens at once (teacher forcing); row i is the distribution generated[i] came from."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+    return logits.float().log_softmax(dim=-1)

@@ -500,11 +500,13 @@ def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path):
 def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
     from engine.async_stream import RequestStream
     from engine.outputs import RequestOutput
+    from scheduler.output import TokenLogprobs
     from scheduler.request import Tier
 
     def output(n: int, finished: bool = False) -> RequestOutput:
+        logprobs = tuple(TokenLogprobs(i, -1.0, ()) for i in range(n))
         return RequestOutput("r", (1,), tuple(range(n)), (n - 1,), "x" * n, "x", finished,
-                             "length" if finished else None, 0.0, 0.0, 0.0, None)
+                             "length" if finished else None, 0.0, 0.0, 0.0, None, logprobs=logprobs)
 
     async def scenario():
         stream = RequestStream("r", Tier.STANDARD)
@@ -524,11 +526,12 @@ def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
         stream.put(output(2))
         await stream.__anext__()
         stream.put(output(5))
-        stream.put(StreamEnd("abort"))  # replaces the unread output, but keeps its text
+        stream.put(StreamEnd("abort"))  # replaces the unread output, but keeps its text and logprobs
         return [item async for item in stream]
 
     (end,) = asyncio.run(aborted_before_the_last_read())
     assert isinstance(end, StreamEnd) and end.reason == "abort" and end.text == "xxxxx"
+    assert [entry.token_id for entry in end.logprobs] == [0, 1, 2, 3, 4]
 
 
 def test_a_call_queued_behind_the_stop_command_is_refused_not_left_waiting(engine):

@@ -2,7 +2,7 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (n > 1, logprobs, penalties, logit_bias, tools and functions, JSON
+fields the server cannot honour (n > 1, prompt logprobs, penalties, logit_bias, tools and functions, JSON
 mode and guided decoding, beam search, echo, chat-template switches, non-text content or output)
 are refused with a 400 unless they carry their neutral value, rather than silently dropped: a
 client would otherwise get other output than it asked for, and no signal.
@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
+from engine.server.logprobs import ChatLogprobs, CompletionLogprobs
 from engine.server.text_check import lone_surrogate_at
 from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
-from scheduler.request import PRIORITY_LIMIT, SEED_MAX, SEED_MIN
+from scheduler.request import MAX_LOGPROBS, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 64
 
@@ -52,7 +53,6 @@ class _Request(CompletionUnsupportedFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    logprobs: bool | int | None = None
     service_tier: ServiceTier | None = None
     user: str | None = None
     # vLLM extras.
@@ -80,14 +80,6 @@ class _Request(CompletionUnsupportedFields):
             raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM answer
         return options
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        # `is`, not ==: a completions logprobs of 0 still asks for the sampled token's logprob.
-        if value is not None and value is not False:
-            raise ValueError("logprobs are not supported by this server")
-        return value
-
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -104,6 +96,10 @@ class _Request(CompletionUnsupportedFields):
         """(the field the client set the output limit with, its value)."""
         return "max_tokens", self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None for none, else how many alternatives per token."""
+        raise NotImplementedError
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -118,6 +114,28 @@ class CompletionRequest(_Request):
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
     max_tokens: int = Field(default=16, ge=1)
     suffix: Literal[""] | None = None
+    # The legacy API's form: a count of alternatives per token (0: the sampled token's alone).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Any = None  # chat's field: refused here, so it is not silently ignored
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value: Any) -> Any:
+        if value is False:
+            return None  # clients send the chat form's "off" here too
+        if value is True:
+            raise ValueError(f"completions take logprobs as a count of alternatives, 0 to {MAX_LOGPROBS}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_is_chats(cls, value: Any) -> Any:
+        if value not in (None, 0):
+            raise ValueError("top_logprobs is a chat field; completions take logprobs: N")
+        return value
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -197,6 +215,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request, ChatUnsupportedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    _null_is_false = field_validator("logprobs", mode="before")(classmethod(null_is_the_default))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # as OpenAI and vLLM answer
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -241,7 +272,7 @@ class _ResponseHead(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -258,7 +289,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -275,7 +306,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -24,6 +24,7 @@ from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown,
                                  StreamEnd)
 from engine.server import errors
 from engine.server.limits import check_text_length, longest_token_lengths
+from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
@@ -34,6 +35,10 @@ from scheduler.request import SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
+    from scheduler.output import TokenLogprobs
+
+    # A stream chunk from its new text, finish reason and new tokens' logprobs (None: not asked).
+    ChunkMaker = Callable[[str, "str | None", "Sequence[TokenLogprobs] | None"], BaseModel]
 
 SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
                  "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
@@ -70,6 +75,7 @@ class OpenAIServing:
         self.policy = policy or SchedulingPolicy()  # the scheduler's: does it read the integer priority?
         # Characters bound a text before it is tokenized; bytes bound the request body.
         self.max_token_chars, self.max_token_bytes = longest_token_lengths(tokenizer)
+        self.logprobs = LogprobsFormatter(tokenizer)
         # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
         # every other stream. One thread, because a HF fast tokenizer shared between threads can
         # fail with "Already borrowed" while it sets its padding and truncation state.
@@ -98,9 +104,14 @@ class OpenAIServing:
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
         head = self._head("cmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
+        text_offset = 0  # where the next stream chunk's first token starts in the completion
 
-        def chunk(text: str, finish: str | None) -> CompletionResponse:
-            return CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=finish)])
+        def chunk(text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None) -> CompletionResponse:
+            nonlocal text_offset
+            logprobs = None if entries is None else self.logprobs.completion(entries, text_offset)
+            text_offset = end_of_text_offset(logprobs, text_offset)
+            return CompletionResponse(**head, choices=[CompletionChoice(text=text, logprobs=logprobs,
+                                                                        finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -108,8 +119,9 @@ class OpenAIServing:
                                   lambda usage: CompletionResponse(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
+        logprobs = None if final.logprobs is None else await asyncio.to_thread(self.logprobs.completion, final.logprobs)
         return CompletionResponse(**head, usage=_usage(final), choices=[
-            CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
+            CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=final.finish_reason)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_accepting()
@@ -119,9 +131,10 @@ class OpenAIServing:
         head = self._head("chatcmpl", body)
         stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
-        def chunk(text: str, finish: str | None) -> ChatCompletionChunk:
+        def chunk(text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None) -> ChatCompletionChunk:
+            logprobs = None if entries is None else self.logprobs.chat(entries)
             return ChatCompletionChunk(**head, choices=[
-                ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish)])
+                ChatChunkChoice(delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -131,8 +144,10 @@ class OpenAIServing:
                                   lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
             return self._streaming(stream, events)
         final = await self._collect(stream, raw)
+        logprobs = None if final.logprobs is None else await asyncio.to_thread(self.logprobs.chat, final.logprobs)
         return ChatCompletionResponse(**head, usage=_usage(final), choices=[
-            ChatChoice(message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason)])
+            ChatChoice(message=ChatMessageOut(content=final.text), logprobs=logprobs,
+                       finish_reason=final.finish_reason)])
 
     def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
@@ -196,7 +211,8 @@ class OpenAIServing:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, stop=body.stop_strings(),
-                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                    logprobs=body.requested_logprobs())
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]
@@ -240,23 +256,27 @@ class OpenAIServing:
             raise errors.engine_failed(final.message)
         return final
 
-    async def _events(self, stream: RequestStream, chunk: Callable[[str, str | None], BaseModel],
-                      opening: BaseModel | None, include_usage: bool,
-                      usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, chunk: ChunkMaker, opening: BaseModel | None,
+                      include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
         if opening is not None:
             yield chunk_event(opening, include_usage)
-        sent = 0
+        sent = sent_logprobs = 0
         async for item in stream:
             if isinstance(item, StreamEnd):
                 if item.reason == "abort":  # with any text generated since the last read
-                    yield chunk_event(chunk(item.text[sent:], "abort"), include_usage)
+                    entries = None if item.logprobs is None else item.logprobs[sent_logprobs:]
+                    yield chunk_event(chunk(item.text[sent:], "abort", entries), include_usage)
                 else:
                     yield sse(errors.engine_failed(item.message).response_body())
                 break
             delta, sent = item.text[sent:], max(sent, len(item.text))
-            if delta or item.finished:
+            # A token's logprobs go out with the step that made it, though its text may wait (an
+            # unfinished character, or the start of a possible stop string).
+            entries = None if item.logprobs is None else item.logprobs[sent_logprobs:]
+            sent_logprobs += len(entries or ())
+            if delta or item.finished or entries:
                 finish = item.finish_reason if item.finished else None
-                yield chunk_event(chunk(delta, finish), include_usage)
+                yield chunk_event(chunk(delta, finish, entries or None), include_usage)
             if item.finished and include_usage:
                 yield chunk_event(usage_chunk(_usage(item)), include_usage)
         yield "data: [DONE]\n\n"

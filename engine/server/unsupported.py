@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 # model declares it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}), "top_logprobs": (None, 0),
+    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -43,7 +43,6 @@ class CompletionUnsupportedFields(BaseModel):
     min_tokens: int | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
     tools: list[dict[str, Any]] | None = None

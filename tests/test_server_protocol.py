@@ -68,7 +68,7 @@ def client(served) -> openai.OpenAI:
 
 # ---- validation ------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 2), ("stop", [""]), ("stop", ["x"] * 65),
+    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 0), ("n", 17), ("stop", [""]), ("stop", ["x"] * 65),
     ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
     ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
     # Fields that would change the output in ways this server does not implement: refused, not ignored.

@@ -2,7 +2,7 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (n > 1, prompt logprobs, penalties, logit_bias, tools and functions, JSON
+fields the server cannot honour (best_of, prompt logprobs, penalties, logit_bias, tools and functions, JSON
 mode and guided decoding, beam search, echo, chat-template switches, non-text content or output)
 are refused with a 400 unless they carry their neutral value, rather than silently dropped: a
 client would otherwise get other output than it asked for, and no signal.
@@ -22,6 +22,9 @@ from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupport
 from scheduler.request import MAX_LOGPROBS, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 64
+# Choices per request: each is an engine request of its own, so the bound keeps one request from
+# filling the seats (OpenAI allows 128).
+MAX_CHOICES = 16
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
@@ -52,7 +55,7 @@ class _Request(CompletionUnsupportedFields):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # 64 bits, signed or not
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     service_tier: ServiceTier | None = None
     user: str | None = None
     # vLLM extras.

@@ -3,22 +3,24 @@
 Per request: refuse a text too long to fit the context however it tokenizes, tokenize the rest
 on a worker thread (chat template for chat), check the context length, build SamplingParams and
 the tier, submit to the async engine (admission answers here: 429, 503, 400), then either collect
-the final output while watching for a client disconnect, or stream one SSE chunk per engine step
+the final outputs while watching for a client disconnect, or stream SSE chunks (streaming.py)
 ending in `data: [DONE]`. Every object of one response shares its id, `created`, model name and
 service tier. A request whose client leaves is aborted, which frees its KV blocks at the engine's
 next step boundary.
+
+A request for `n` choices is `n` engine requests with one prompt, submitted together and refused
+together: if admission refuses one, those already admitted are aborted. With a seed, choice i
+draws with seed + i (as vLLM's parallel sampling does), so the choices differ and each repeats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
@@ -28,7 +30,8 @@ from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                     ChatMessageOut, CompletionChoice, CompletionRequest,
-                                    CompletionResponse, UsageInfo, new_id, now_s)
+                                    CompletionResponse, new_id, now_s)
+from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import SamplingParams, Tier
@@ -37,32 +40,9 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
 
-    # A stream chunk from its new text, finish reason and new tokens' logprobs (None: not asked).
-    ChunkMaker = Callable[[str, "str | None", "Sequence[TokenLogprobs] | None"], BaseModel]
-
 SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
                  "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
-    """One SSE event for a stream chunk, shaped as OpenAI sends them.
-
-    "usage" appears (null until the last chunk) only when stream_options.include_usage is on;
-    a chat delta carries only the keys that changed.
-    """
-    payload = chunk.model_dump(mode="json")
-    if not include_usage:
-        payload.pop("usage", None)
-    if payload.get("service_tier", "") is None:
-        payload.pop("service_tier")
-    for choice in payload.get("choices", ()):
-        if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return sse(payload)
+SEED_MASK = 2**64 - 1  # a choice's seed + i wraps within the 64 bits a seed has
 
 
 class OpenAIServing:
@@ -103,25 +83,26 @@ class OpenAIServing:
             prompt_ids = list(body.prompt)
             prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
         head = self._head("cmpl", body)
-        stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
-        text_offset = 0  # where the next stream chunk's first token starts in the completion
+        streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
+        text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
 
-        def chunk(text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None) -> CompletionResponse:
-            nonlocal text_offset
-            logprobs = None if entries is None else self.logprobs.completion(entries, text_offset)
-            text_offset = end_of_text_offset(logprobs, text_offset)
-            return CompletionResponse(**head, choices=[CompletionChoice(text=text, logprobs=logprobs,
+        def chunk(index: int, text: str, finish: str | None,
+                  entries: Sequence[TokenLogprobs] | None) -> CompletionResponse:
+            logprobs = None if entries is None else self.logprobs.completion(entries, text_offsets[index])
+            text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
+            return CompletionResponse(**head, choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                                         finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(stream, chunk, None, include_usage,
-                                  lambda usage: CompletionResponse(**head, choices=[], usage=usage))
-            return self._streaming(stream, events)
-        final = await self._collect(stream, raw)
-        logprobs = None if final.logprobs is None else await asyncio.to_thread(self.logprobs.completion, final.logprobs)
-        return CompletionResponse(**head, usage=_usage(final), choices=[
-            CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=final.finish_reason)])
+            events = stream_events(streams, chunk, (), include_usage,
+                                   lambda usage: CompletionResponse(**head, choices=[], usage=usage))
+            return self._streaming(streams, events)
+        finals = await self._collect(streams, raw)
+        logprobs = await self._logprobs_of(finals, self.logprobs.completion)
+        return CompletionResponse(**head, usage=usage_of(finals), choices=[
+            CompletionChoice(index=index, text=final.text, logprobs=logprobs[index], finish_reason=final.finish_reason)
+            for index, final in enumerate(finals)])
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_accepting()
@@ -129,25 +110,37 @@ class OpenAIServing:
         messages = [m.for_template() for m in body.messages]
         prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages, body.tools or None)
         head = self._head("chatcmpl", body)
-        stream = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
+        streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
-        def chunk(text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None) -> ChatCompletionChunk:
+        def chunk(index: int, text: str, finish: str | None,
+                  entries: Sequence[TokenLogprobs] | None) -> ChatCompletionChunk:
             logprobs = None if entries is None else self.logprobs.chat(entries)
-            return ChatCompletionChunk(**head, choices=[
-                ChatChunkChoice(delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
+            return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+                index=index, delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            opening = ChatCompletionChunk(**head, choices=[
-                ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
-            events = self._events(stream, chunk, opening, include_usage,
-                                  lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
-            return self._streaming(stream, events)
-        final = await self._collect(stream, raw)
-        logprobs = None if final.logprobs is None else await asyncio.to_thread(self.logprobs.chat, final.logprobs)
-        return ChatCompletionResponse(**head, usage=_usage(final), choices=[
-            ChatChoice(message=ChatMessageOut(content=final.text), logprobs=logprobs,
-                       finish_reason=final.finish_reason)])
+            openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+                index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
+                for index in range(len(streams))]
+            events = stream_events(streams, chunk, openings, include_usage,
+                                   lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
+            return self._streaming(streams, events)
+        finals = await self._collect(streams, raw)
+        logprobs = await self._logprobs_of(finals, self.logprobs.chat)
+        return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[
+            ChatChoice(index=index, message=ChatMessageOut(content=final.text), logprobs=logprobs[index],
+                       finish_reason=final.finish_reason)
+            for index, final in enumerate(finals)])
+
+    @staticmethod
+    async def _logprobs_of(finals: Sequence[RequestOutput], form: Callable[[Sequence[TokenLogprobs]], Any]) -> list:
+        """Each choice's logprobs in the response's form (None where not asked for), formatted off
+        the event loop: a long reply's tokens and alternatives take milliseconds to decode."""
+        if all(final.logprobs is None for final in finals):
+            return [None] * len(finals)
+        return await asyncio.to_thread(lambda: [None if final.logprobs is None else form(final.logprobs)
+                                                for final in finals])
 
     def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
@@ -203,7 +196,8 @@ class OpenAIServing:
         return max_tokens
 
     async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                      prompt_ids: list[int], prompt_text: str, prompt_param: str) -> RequestStream:
+                      prompt_ids: list[int], prompt_text: str, prompt_param: str) -> list[RequestStream]:
+        """One stream per choice: request_id itself for one, request_id-i for choice i of several."""
         if not prompt_ids:
             raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
         max_tokens_param, max_tokens = body.requested_max_tokens()
@@ -216,15 +210,32 @@ class OpenAIServing:
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier,
-                                            priority=body.priority)
+            for index in range(body.n):
+                choice_id = request_id if body.n == 1 else f"{request_id}-{index}"
+                streams.append(await self._submit_one(choice_id, prompt_ids, prompt_text, _choice_params(params, index),
+                                                      tier, body.priority))
+        except errors.APIError:
+            self._abort_unfinished(streams)  # refused together: no choice runs for nobody
+            raise
+        return streams
+
+    async def _submit_one(self, request_id: str, prompt_ids: list[int], prompt_text: str, params: SamplingParams,
+                          tier: Tier, priority: int) -> RequestStream:
+        try:
+            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier, priority=priority)
         except AdmissionRejected as exc:
             raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
         except (EngineShuttingDown, EngineDead) as exc:
             raise errors.engine_state_error(exc) from exc
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
+
+    def _abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
 
     def _check_accepting(self) -> None:
         """503 while draining, 500 after an engine failure, before the prompt is tokenized: the
@@ -236,9 +247,9 @@ class OpenAIServing:
             raise errors.engine_state_error(exc) from exc
 
     # ---- results -----------------------------------------------------------------------------
-    async def _collect(self, stream: RequestStream, raw: Request) -> RequestOutput:
-        """The finished output; aborts the request if the client disconnects first."""
-        consume = asyncio.ensure_future(_last(stream))
+    async def _collect(self, streams: Sequence[RequestStream], raw: Request) -> list[RequestOutput]:
+        """Every choice's finished output; aborts them all if the client disconnects first."""
+        consume = asyncio.ensure_future(asyncio.gather(*(_last(stream) for stream in streams)))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
         try:
             await asyncio.wait({consume, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,71 +257,26 @@ class OpenAIServing:
             disconnect.cancel()
             if not consume.done():
                 consume.cancel()
-                self.engine.abort(stream.request_id)
+                self._abort_unfinished(streams)
         if not consume.done() or consume.cancelled():
             raise errors.APIError(499, "client disconnected")  # nobody is listening any more
-        final = consume.result()
-        if isinstance(final, StreamEnd):
-            if final.reason == "abort":
-                raise errors.aborted_at_shutdown()
-            raise errors.engine_failed(final.message)
-        return final
+        finals = consume.result()
+        for final in finals:
+            if isinstance(final, StreamEnd):
+                if final.reason == "abort":
+                    raise errors.aborted_at_shutdown()
+                raise errors.engine_failed(final.message)
+        return finals
 
-    async def _events(self, stream: RequestStream, chunk: ChunkMaker, opening: BaseModel | None,
-                      include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
-        if opening is not None:
-            yield chunk_event(opening, include_usage)
-        sent = sent_logprobs = 0
-        async for item in stream:
-            if isinstance(item, StreamEnd):
-                if item.reason == "abort":  # with any text generated since the last read
-                    entries = None if item.logprobs is None else item.logprobs[sent_logprobs:]
-                    yield chunk_event(chunk(item.text[sent:], "abort", entries), include_usage)
-                else:
-                    yield sse(errors.engine_failed(item.message).response_body())
-                break
-            delta, sent = item.text[sent:], max(sent, len(item.text))
-            # A token's logprobs go out with the step that made it, though its text may wait (an
-            # unfinished character, or the start of a possible stop string).
-            entries = None if item.logprobs is None else item.logprobs[sent_logprobs:]
-            sent_logprobs += len(entries or ())
-            if delta or item.finished or entries:
-                finish = item.finish_reason if item.finished else None
-                yield chunk_event(chunk(delta, finish, entries or None), include_usage)
-            if item.finished and include_usage:
-                yield chunk_event(usage_chunk(_usage(item)), include_usage)
-        yield "data: [DONE]\n\n"
-
-    def _streaming(self, stream: RequestStream, events: AsyncIterator[str]) -> StreamingResponse:
-        def abort_unless_finished() -> None:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
-
-        return AbortingStreamingResponse(events, abort_unless_finished, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+    def _streaming(self, streams: Sequence[RequestStream], events: AsyncIterator[str]) -> AbortingStreamingResponse:
+        return AbortingStreamingResponse(events, lambda: self._abort_unfinished(streams),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class AbortingStreamingResponse(StreamingResponse):
-    """A streaming response that runs `on_close` however sending ends: the last event, an error,
-    or a client that left. The abort lives here, not in the event generator's `finally`: a
-    generator that never started runs no `finally`, and whether it starts after an early hang-up
-    depends on the ASGI server (uvicorn's ASGI 2.3 send returns quietly once disconnected, so the
-    generator starts and meets the cancellation; under ASGI 2.4 Starlette's first send raises
-    before it starts)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _usage(output: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(output.prompt_token_ids), len(output.token_ids))
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) & SEED_MASK)
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

@@ -1,0 +1,145 @@
+"""Server-sent events for one response whose choices stream from one engine request each.
+
+A request with `n` choices runs as `n` engine requests; their outputs interleave on one event
+stream, each chunk naming its choice by index, as OpenAI sends them. Per choice the stream keeps
+what it has sent (text and logprobs), so a reader that fell behind sends everything new in one
+chunk. The usage chunk, when asked for, follows the last choice's end; an engine failure ends the
+whole stream with an error event. However sending ends, every choice still running is aborted,
+which frees its KV blocks at the engine's next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from engine.async_stream import RequestStream, StreamEnd
+from engine.server import errors
+from engine.server.protocol import UsageInfo
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+    from scheduler.output import TokenLogprobs
+
+    # A stream chunk from its choice's index, new text, finish reason and new tokens' logprobs
+    # (None: not asked for, or none new).
+    ChunkMaker = Callable[[int, str, "str | None", "Sequence[TokenLogprobs] | None"], BaseModel]
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
+    """One SSE event for a stream chunk, shaped as OpenAI sends them.
+
+    "usage" appears (null until the last chunk) only when stream_options.include_usage is on;
+    a chat delta carries only the keys that changed.
+    """
+    payload = chunk.model_dump(mode="json")
+    if not include_usage:
+        payload.pop("usage", None)
+    if payload.get("service_tier", "") is None:
+        payload.pop("service_tier")
+    for choice in payload.get("choices", ()):
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse(payload)
+
+
+def usage_of(finals: Sequence[RequestOutput]) -> UsageInfo:
+    """One prompt, counted once, and every choice's generated tokens."""
+    return UsageInfo.of(len(finals[0].prompt_token_ids), sum(len(final.token_ids) for final in finals))
+
+
+@dataclass
+class _Sent:
+    """What one choice has sent so far."""
+
+    text: int = 0  # characters
+    logprobs: int = 0  # entries
+
+    def new_logprobs(self, logprobs: tuple[TokenLogprobs, ...] | None) -> Sequence[TokenLogprobs] | None:
+        if logprobs is None:
+            return None
+        entries = logprobs[self.logprobs:]
+        self.logprobs += len(entries)
+        return entries or None
+
+
+async def _interleave(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | StreamEnd]]:
+    """(choice index, item) from every stream as items arrive, until each has ended."""
+    if len(streams) == 1:  # the common case, without a task per stream
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for item in stream:
+            await queue.put((index, item))
+
+    tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            remaining -= isinstance(item, StreamEnd) or item.finished  # a stream's last item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, openings: Sequence[BaseModel],
+                        include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
+    for opening in openings:
+        yield chunk_event(opening, include_usage)
+    sent = [_Sent() for _ in streams]
+    finals: dict[int, RequestOutput] = {}
+    async for index, item in _interleave(streams):
+        cursor = sent[index]
+        if isinstance(item, StreamEnd):
+            if item.reason != "abort":
+                yield sse(errors.engine_failed(item.message).response_body())
+                break
+            # With any text generated since the last read.
+            yield chunk_event(chunk(index, item.text[cursor.text:], "abort", cursor.new_logprobs(item.logprobs)),
+                              include_usage)
+            continue
+        delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
+        # A token's logprobs go out with the step that made it, though its text may wait (an
+        # unfinished character, or the start of a possible stop string).
+        entries = cursor.new_logprobs(item.logprobs)
+        if delta or item.finished or entries:
+            yield chunk_event(chunk(index, delta, item.finish_reason if item.finished else None, entries),
+                              include_usage)
+        if item.finished:
+            finals[index] = item
+    if include_usage and len(finals) == len(streams):
+        yield chunk_event(usage_chunk(usage_of([finals[i] for i in range(len(streams))])), include_usage)
+    yield "data: [DONE]\n\n"
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A streaming response that runs `on_close` however sending ends: the last event, an error,
+    or a client that left. The abort lives here, not in the event generator's `finally`: a
+    generator that never started runs no `finally`, and whether it starts after an early hang-up
+    depends on the ASGI server (uvicorn's ASGI 2.3 send returns quietly once disconnected, so the
+    generator starts and meets the cancellation; under ASGI 2.4 Starlette's first send raises
+    before it starts)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,130 @@
+"""`n` choices over HTTP, with the official openai client against a real uvicorn server: each
+choice is an engine request of its own, greedy choices equal the one-choice answer, seeded choice
+i draws as a one-choice request with seed + i would, usage counts the prompt once, streams
+interleave the choices by index, and admission refuses the choices together, leaving none running.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.server.app import ServerSettings, create_app
+from predictor.base import Prediction
+from scheduler.request import SamplingParams
+from test_server import (API_KEY, MAX_MODEL_LEN, MODEL, aborted_count, engine_idle_and_intact, error_of, post,
+                         running_server, slow_steps, tiny_engine, wait_until)
+
+MAX_QUEUED_TOKENS = 600
+PROMPT_IDS = [1, 504, 3458, 314, 253, 1345, 28, 2071, 30]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
+                         slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
+    async_engine = AsyncLLMEngine(engine, None)
+    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
+    with running_server(create_app(async_engine, engine.tokenizer, settings)) as (base_url, _):
+        yield base_url, async_engine
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_greedy_choices_equal_the_one_choice_answer(served, client) -> None:
+    one = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    three = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [choice.index for choice in three.choices] == [0, 1, 2]
+    assert [choice.text for choice in three.choices] == [one.choices[0].text] * 3
+    assert three.usage.prompt_tokens == len(PROMPT_IDS) and three.usage.completion_tokens == 18
+    engine_idle_and_intact(served[1])
+
+
+def test_seeded_choice_i_draws_with_seed_plus_i(client) -> None:
+    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    texts = [choice.text for choice in client.completions.create(n=3, seed=41, **kwargs).choices]
+    assert len(set(texts)) == 3  # a random model at temperature 1: three different draws
+    assert texts == [client.completions.create(seed=41 + i, **kwargs).choices[0].text for i in range(3)]
+    assert [choice.text for choice in client.completions.create(n=3, seed=41, **kwargs).choices] == texts
+
+
+def test_a_streamed_chat_interleaves_its_choices_by_index(client) -> None:
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, n=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    texts, roles, finishes, usage = defaultdict(str), defaultdict(list), {}, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            roles[choice.index] += [choice.delta.role] if choice.delta.role else []
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == {0: ["assistant"], 1: ["assistant"]}  # each choice opens once
+    assert dict(texts) == {choice.index: choice.message.content for choice in whole.choices}
+    assert finishes == {0: "length", 1: "length"}
+    assert usage.completion_tokens == whole.usage.completion_tokens == 10
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def fill_every_seat(async_engine) -> list[str]:
+    """Eight long requests, added on the engine thread, take the eight seats. Each is predicted
+    one token long, so the queue bound never counts them as much work."""
+    ids = [f"seat{i}" for i in range(8)]
+    short = Prediction(point=1.0, p50=1.0, p90=1.0, score=0.0, rank_len=1.0)
+
+    def add(engine):
+        for request_id in ids:
+            params = SamplingParams(max_tokens=MAX_MODEL_LEN - 8, temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, [1, 2, 3, 4, 5, 6, 7, 8], params, prediction=short)
+
+    async_engine.call_in_engine(add).result(timeout=60)
+    return ids
+
+
+def test_admission_refuses_the_choices_together(served) -> None:
+    # Behind full seats the first choice queues (350 tokens of work); the second would take the
+    # queue past 600 and is refused, so the first is aborted: a 429, and nothing left waiting.
+    seats = fill_every_seat(served[1])
+    try:
+        body = {"model": MODEL, "prompt": [5] * 250, "max_tokens": 100, "n": 2}
+        error = error_of(post(served[0], "/v1/completions", body), 429)
+        assert "queue full" in error["message"]
+        waiting = served[1].call_in_engine(lambda engine: engine.scheduler.stats(engine.now()).num_waiting)
+        assert waiting.result(timeout=60) == 0
+    finally:
+        served[1].call_in_engine(lambda engine: [engine.abort_request(i) for i in seats]).result(timeout=60)
+    engine_idle_and_intact(served[1])
+
+
+def test_a_disconnect_mid_stream_aborts_every_choice(served, client) -> None:
+    base_url, async_engine = served
+    before = aborted_count(base_url)
+    stream = client.completions.create(model=MODEL, prompt="Tell me a long story", max_tokens=500, n=3,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # hangs up mid-stream
+    wait_until(lambda: aborted_count(base_url) - before == 3)
+    engine_idle_and_intact(async_engine)
+
+
+def test_a_disconnect_while_waiting_for_whole_replies_aborts_every_choice(served, monkeypatch) -> None:
+    base_url, async_engine = served
+    slow_steps(monkeypatch, async_engine.engine, 0.005)  # 900 steps outlast the 0.5 s read anywhere
+    before = aborted_count(base_url)
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+        httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=0.5))
+    wait_until(lambda: aborted_count(base_url) - before == 2)
+    engine_idle_and_intact(async_engine)

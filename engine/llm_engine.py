@@ -211,7 +211,7 @@ class LLMEngine:
         start = self.now()
         output: SchedulerOutput = self.scheduler.schedule(start)
         try:
-            runner_output = self.runner.execute(output, self._sampling_params_of)
+            runner_output = self.runner.execute(output, self.scheduler.get_request)
             done = self.now()
             # Inside the guard too: an interrupt while tokens are appended leaves some requests
             # with every token computed and none sampled, which no later step would schedule.
@@ -230,9 +230,6 @@ class LLMEngine:
             sum(c.start_position + len(c.token_ids) for c in output.chunks), step_time,
             self.runner.last_times.forward_s)
         return outputs
-
-    def _sampling_params_of(self, request_id: str) -> SamplingParams:
-        return self.scheduler.get_request(request_id).sampling_params
 
     def _report(self, request: Request, now: float, step_logprobs: dict[str, TokenLogprobs]) -> RequestOutput:
         request_id = request.request_id

@@ -4,7 +4,9 @@ Per step: apply the swap copies (out before in; the scheduler never swaps in dur
 swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one
 [N] token batch with positions and slot mapping, build the AttentionMetadata once (every layer
 shares it), run the forward, and compute logits only at the last row of each chunk that samples.
-Tensors are built from a handful of vectorised ops per step, never per token or per layer.
+Those rows are penalized (penalties.py) where their requests ask, then sampled; logprobs, where
+asked for, come from the raw logits. Tensors are built from a handful of vectorised ops per step,
+never per token or per layer.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
+from engine.penalties import apply_penalties
 from engine.sampler import Sampler, token_logprobs
 from scheduler.output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from scheduler.request import SamplingParams
+from scheduler.request import Request
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,9 @@ class ModelRunner:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput,
-                params_of: Callable[[str], SamplingParams]) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, request_of: Callable[[str], Request]) -> ModelRunnerOutput:
+        """`request_of` reads a scheduled request (its sampling parameters and, for penalties, its
+        tokens); the runner never changes it."""
         start = self._clock()
         self.kv_cache.swap_out(output.swap_out)
         self.kv_cache.swap_in(output.swap_in)
@@ -104,8 +108,10 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         logprobs = {}
         if logits is not None:
-            params = [params_of(request_id) for request_id in batch.sample_request_ids]
-            tokens = self.sampler.sample(logits, batch.sample_positions, params)
+            requests = [request_of(request_id) for request_id in batch.sample_request_ids]
+            params = [request.sampling_params for request in requests]
+            histories = [(request.prompt_token_ids, request.output_token_ids) for request in requests]
+            tokens = self.sampler.sample(apply_penalties(logits, params, histories), batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}

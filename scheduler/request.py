@@ -52,6 +52,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # Most alternatives a request may ask logprobs for, per token (vLLM's default max_logprobs, and
 # OpenAI's bound on chat's top_logprobs).
 MAX_LOGPROBS = 20
+# OpenAI's range for presence and frequency penalties.
+PENALTY_LIMIT = 2.0
 
 
 def _is_int(value: object) -> bool:
@@ -84,6 +86,12 @@ class SamplingParams:
     # None: no logprobs. N >= 0: each generated token's log-probability under the model, with the
     # N likeliest alternatives at that position.
     logprobs: int | None = None
+    # As OpenAI and vLLM define them: presence and frequency penalties subtract from the logit of
+    # every token already generated (once, or once per occurrence); the repetition penalty (HF's,
+    # over prompt and output) divides a positive logit and multiplies a negative one.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
@@ -104,6 +112,7 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        self._check_penalties()
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
@@ -113,9 +122,22 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
+        value = self.repetition_penalty
+        if not _is_real(value) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {value!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass

@@ -47,3 +47,24 @@ def hf_logprobs(model_dir, prompt: list[int], generated: list[int]) -> torch.Ten
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
     return logits.float().log_softmax(dim=-1)
+
+
+def hf_greedy_penalized(model_dir, prompt: list[int], num_tokens: int, *, repetition: float = 1.0,
+                        frequency: float = 0.0, presence: float = 0.0) -> list[int]:
+    """Reference greedy tokens under penalties: HF's own repetition-penalty processor over prompt
+    and output, then OpenAI's frequency and presence penalties over the output, counted here."""
+    from transformers import LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    repeat = RepetitionPenaltyLogitsProcessor(repetition) if repetition != 1.0 else None
+    ids, output = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            scores = model(torch.tensor([ids])).logits[:, -1].float()
+            if repeat is not None:
+                scores = repeat(torch.tensor([ids]), scores)
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=scores.shape[-1]).float()
+            scores = scores - frequency * counts - presence * (counts > 0).float()
+            output.append(int(scores[0].argmax()))
+            ids.append(output[-1])
+    return output

@@ -2,10 +2,10 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (best_of, prompt logprobs, penalties, logit_bias, tools and functions, JSON
-mode and guided decoding, beam search, echo, chat-template switches, non-text content or output)
-are refused with a 400 unless they carry their neutral value, rather than silently dropped: a
-client would otherwise get other output than it asked for, and no signal.
+fields the server cannot honour (best_of, prompt logprobs, min_p, min_tokens, logit_bias, tools
+and functions, JSON mode and guided decoding, beam search, echo, chat-template switches, non-text
+content or output) are refused with a 400 unless they carry their neutral value, rather than
+silently dropped: a client would otherwise get other output than it asked for, and no signal.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 from engine.server.logprobs import ChatLogprobs, CompletionLogprobs
 from engine.server.text_check import lone_surrogate_at
 from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
-from scheduler.request import MAX_LOGPROBS, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
+from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 64
 # Choices per request: each is an engine request of its own, so the bound keeps one request from
@@ -56,6 +56,9 @@ class _Request(CompletionUnsupportedFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extra, HF's definition
     service_tier: ServiceTier | None = None
     user: str | None = None
     # vLLM extras.
@@ -66,7 +69,8 @@ class _Request(CompletionUnsupportedFields):
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
-                                           "priority", "top_k", mode="before")(classmethod(null_is_the_default))
+                                           "priority", "top_k", "presence_penalty", "frequency_penalty",
+                                           "repetition_penalty", mode="before")(classmethod(null_is_the_default))
 
     @field_validator("*", mode="before")
     @classmethod

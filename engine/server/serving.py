@@ -206,7 +206,9 @@ class OpenAIServing:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    logprobs=body.requested_logprobs())
+                                    logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
+                                    frequency_penalty=body.frequency_penalty,
+                                    repetition_penalty=body.repetition_penalty)
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]

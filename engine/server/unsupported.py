@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 # Field -> the values that change nothing. A field is checked on every endpoint whose request
 # model declares it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "min_p": (0,),
     "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
@@ -36,9 +36,6 @@ class CompletionUnsupportedFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
     best_of: int | None = None

@@ -1,0 +1,102 @@
+"""Presence, frequency and repetition penalties: the engine's greedy tokens under them equal a
+reference loop over HF transformers (its own repetition-penalty processor), alone, batched and
+after preemption; logprobs stay the raw model's; bad values are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.penalties import apply_penalties
+from hf_reference import hf_greedy_penalized, hf_logprobs, random_prompts
+from scheduler.request import SamplingParams
+
+NUM_TOKENS = 10
+LENGTHS = [30, 45, 3, 60]
+# A random model rarely repeats a token within ten, so a penalty against repeats barely moves its
+# greedy path; a repetition penalty below 1 and negative ones favour repeats, and do.
+PENALTIES = [dict(repetition=0.3), dict(frequency=-2.0), dict(presence=-1.5),
+             dict(repetition=1.6, frequency=0.7, presence=0.4)]
+
+
+def params_for(penalties: dict, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
+                          repetition_penalty=penalties.get("repetition", 1.0),
+                          frequency_penalty=penalties.get("frequency", 0.0),
+                          presence_penalty=penalties.get("presence", 0.0), **extra)
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    plain = SamplingParams()
+    penalized = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, [penalized, plain], [([0], [1, 3, 3]), ([0], [1])])
+    # token 0: in the prompt only; 1: output once (negative: multiplied); 3: output twice; 2, 4: unseen
+    assert out[0].tolist() == pytest.approx([1.0, -2.0 - 0.5 - 0.25, 0.5, 1.5 - 1.0 - 0.25, -2.0])
+    assert out[1].tolist() == logits[1].tolist() and logits[0, 0] == 2.0  # other rows, and the input, untouched
+    assert apply_penalties(logits, [plain, plain], [([], []), ([], [])]) is logits
+
+
+def test_sampling_params_bound_the_penalties() -> None:
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-2.1), dict(repetition_penalty=0.0),
+                dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")), dict(frequency_penalty="1")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert not SamplingParams().penalized and SamplingParams(presence_penalty=-2.0).penalized
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(LENGTHS, seed=5)
+
+
+@pytest.mark.parametrize("setting", ["batched", "recompute"])
+def test_penalized_greedy_tokens_match_hf(tiny_model_dir, prompts, setting) -> None:
+    tight = {"num_gpu_blocks": 7, "preemption_mode": "recompute"} if setting == "recompute" else {}
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, max_num_batched_tokens=64, **tight)
+    # One request per penalty setting, all in one batch, with an unpenalized twin of each.
+    params = [params_for(p) for p in PENALTIES] + [params_for({})] * len(PENALTIES)
+    outputs = llm.generate(prompts + prompts, params)
+    assert (llm.engine.stats().scheduler.num_preemptions > 0) == (setting == "recompute")
+    changed = 0
+    for prompt, penalties, output, twin in zip(prompts, PENALTIES, outputs, outputs[len(prompts):]):
+        assert list(output.token_ids) == hf_greedy_penalized(tiny_model_dir, prompt, NUM_TOKENS, **penalties)
+        changed += output.token_ids != twin.token_ids
+    assert changed >= 2  # the penalties moved the greedy path: the comparison means something
+
+
+def test_logprobs_stay_the_raw_models_under_penalties(tiny_model_dir, prompts) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    (output,) = llm.generate(prompts[:1], params_for(PENALTIES[0], logprobs=1))
+    reference = hf_logprobs(tiny_model_dir, prompts[0], list(output.token_ids))
+    for row, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+        assert entry.logprob == pytest.approx(float(reference[row, token]), abs=1e-4)
+
+
+def test_the_server_applies_the_penalties_it_is_sent(tiny_model_dir) -> None:
+    import openai
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server.app import ServerSettings, create_app
+    from test_server import API_KEY, MAX_MODEL_LEN, MODEL, error_of, post, running_server, tiny_engine
+
+    engine = tiny_engine(tiny_model_dir)
+    chat = [{"role": "user", "content": "Name three colours."}]
+    text = engine.apply_chat_template(chat)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    penalties = dict(repetition=0.3, frequency=-1.0, presence=0.5)
+    offline = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
+    (expected,) = offline.generate([ids], params_for(penalties))
+    (plain,) = offline.generate([ids], params_for({}))
+    assert expected.text != plain.text
+    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
+    with running_server(create_app(AsyncLLMEngine(engine, None), engine.tokenizer, settings)) as (base_url, _):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=NUM_TOKENS, temperature=0, frequency_penalty=-1.0,
+            presence_penalty=0.5, extra_body={"repetition_penalty": 0.3, "ignore_eos": True})
+        assert reply.choices[0].message.content == expected.text
+        for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+            body = {"model": MODEL, "messages": chat, "max_tokens": 2, field: value}
+            assert error_of(post(base_url, "/v1/chat/completions", body), 400)["param"] == field

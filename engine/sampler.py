@@ -1,7 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
 Rows with a temperature below 1e-5 take the argmax. The other rows are scaled by their
-temperature, then top-k and top-p are applied together on one descending sort (top-p keeps the
+temperature; min-p then drops the tokens less likely than min_p times the likeliest (as vLLM
+orders them), and top-k and top-p are applied together on one descending sort (top-p keeps the
 smallest prefix whose mass reaches p, and always the first token). A token is drawn by inverse
 CDF: one uniform number per row, located in the row's cumulative probabilities. (The exponential
 race, argmax of p / E with E ~ Exp(1), needs a random number per vocabulary entry: about 1 ms a
@@ -109,10 +110,14 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, [R, vocab]."""
+    """Probabilities after temperature, min-p, top-k and top-p, [R, vocab]."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
     logits = logits / temperature
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        ratio = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        logits = logits.masked_fill(probs < ratio * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):

@@ -79,6 +79,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 (or vLLM's -1, stored as 0) = disabled
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -102,6 +103,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0, or -1 (disabled), got {self.top_k!r}")
         if self.top_k == -1:

@@ -74,7 +74,7 @@ def test_logprobs_stay_the_raw_models_under_penalties(tiny_model_dir, prompts) -
         assert entry.logprob == pytest.approx(float(reference[row, token]), abs=1e-4)
 
 
-def test_the_server_applies_the_penalties_it_is_sent(tiny_model_dir) -> None:
+def test_the_server_applies_the_penalties_and_min_p_it_is_sent(tiny_model_dir) -> None:
     import openai
 
     from engine.async_engine import AsyncLLMEngine
@@ -97,6 +97,11 @@ def test_the_server_applies_the_penalties_it_is_sent(tiny_model_dir) -> None:
             model=MODEL, messages=chat, max_tokens=NUM_TOKENS, temperature=0, frequency_penalty=-1.0,
             presence_penalty=0.5, extra_body={"repetition_penalty": 0.3, "ignore_eos": True})
         assert reply.choices[0].message.content == expected.text
+        # min_p 1 keeps only the likeliest token: sampling at temperature 1 gives the greedy reply.
+        kwargs = dict(model=MODEL, messages=chat, max_tokens=NUM_TOKENS, extra_body={"ignore_eos": True})
+        greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
+        kwargs["extra_body"]["min_p"] = 1.0
+        assert client.chat.completions.create(temperature=1.0, seed=3, **kwargs).choices[0].message.content == greedy
         for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
             body = {"model": MODEL, "messages": chat, "max_tokens": 2, field: value}
             assert error_of(post(base_url, "/v1/chat/completions", body), 400)["param"] == field

@@ -1,4 +1,4 @@
-"""Sampler filters (top-k, top-p, temperature) and draws against exact distributions."""
+"""Sampler filters (top-k, top-p, min-p, temperature) and draws against exact distributions."""
 
 from __future__ import annotations
 
@@ -29,6 +29,22 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # The most likely token always survives.
     probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.1)])
     torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    # 0.15 and 0.05 fall below 0.4 * 0.5 = 0.2; the rest is renormalized.
+    probs = _filtered_probs(LOGITS, [SamplingParams(min_p=0.4)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # After temperature, as vLLM orders them: at temperature 2 the share is read from sqrt(p).
+    probs = _filtered_probs(LOGITS, [SamplingParams(min_p=0.5, temperature=2.0)])
+    assert (probs[0] > 0).tolist() == [True, True, True, False]  # sqrt(.15 / .5) = 0.55 > 0.5 > sqrt(.1)
+    assert _filtered_probs(LOGITS, [SamplingParams(min_p=1.0)])[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_min_p_is_bounded():
+    for bad in (-0.1, 1.5, "0.1"):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)
 
 
 def test_temperature_scales_logits():

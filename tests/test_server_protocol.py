@@ -71,9 +71,9 @@ def client(served) -> openai.OpenAI:
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("n", 0), ("n", 17), ("stop", [""]), ("stop", ["x"] * 65),
     ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
     ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
     # Fields that would change the output in ways this server does not implement: refused, not ignored.
-    ("min_p", 0.1), ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("top_logprobs", 2),
+    ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("top_logprobs", 2),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
     # vLLM's and OpenAI's newer output-changing fields, refused rather than silently ignored.

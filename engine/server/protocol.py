@@ -2,7 +2,7 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (best_of, prompt logprobs, min_p, min_tokens, logit_bias, tools
+fields the server cannot honour (best_of, prompt logprobs, min_tokens, logit_bias, tools
 and functions, JSON mode and guided decoding, beam search, echo, chat-template switches, non-text
 content or output) are refused with a 400 unless they carry their neutral value, rather than
 silently dropped: a client would otherwise get other output than it asked for, and no signal.
@@ -51,6 +51,7 @@ class _Request(CompletionUnsupportedFields):
     max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context (chat)
     temperature: float = Field(default=1.0, ge=0.0)  # no upper bound, as vLLM (OpenAI stops at 2)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # 64 bits, signed or not
     stream: bool = False
@@ -69,7 +70,7 @@ class _Request(CompletionUnsupportedFields):
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
-                                           "priority", "top_k", "presence_penalty", "frequency_penalty",
+                                           "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", mode="before")(classmethod(null_is_the_default))
 
     @field_validator("*", mode="before")

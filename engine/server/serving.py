@@ -204,7 +204,7 @@ class OpenAIServing:
         max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param, max_tokens_param)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, seed=body.seed, stop=body.stop_strings(),
+                                    top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
                                     frequency_penalty=body.frequency_penalty,

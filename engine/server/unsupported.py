@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 # Field -> the values that change nothing. A field is checked on every endpoint whose request
 # model declares it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "min_p": (0,),
     "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
@@ -36,7 +35,6 @@ class CompletionUnsupportedFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    min_p: float | None = None
     min_tokens: int | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None

@@ -32,7 +32,7 @@ from engine.arrival_predictor import ArrivalPredictor
 from engine.engine_commands import Abort, Call, Stop, Submission
 from engine.engine_worker import EngineWorker
 from predictor.base import Predictor
-from scheduler.request import SamplingParams, Tier
+from scheduler.request import ChoiceGroup, SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -149,7 +149,7 @@ class AsyncLLMEngine:
     # ---- requests (event loop) ---------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str,
                      params: SamplingParams, *, tier: Tier = Tier.STANDARD, priority: int = 0,
-                     arrival_time: float | None = None) -> RequestStream:
+                     arrival_time: float | None = None, group: ChoiceGroup | None = None) -> RequestStream:
         """Queue a request and wait until the engine admits it.
 
         `arrival_time` is on the engine's clock (`engine.now()`, monotonic); it defaults to now,
@@ -164,7 +164,7 @@ class AsyncLLMEngine:
             # would take over the first request's outputs, and its rejection would drop them.
             raise ValueError(f"request id {request_id!r} is already in use")
         submission = Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
-                                 self.engine.now() if arrival_time is None else arrival_time)
+                                 self.engine.now() if arrival_time is None else arrival_time, group)
         stream = RequestStream(request_id, tier)
         self._streams[request_id] = stream
         self._no_streams.clear()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from predictor.base import Prediction
-from scheduler.request import SamplingParams, Tier
+from scheduler.request import ChoiceGroup, SamplingParams, Tier
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Submission:
     tier: Tier
     priority: int
     arrival_time: float
+    group: ChoiceGroup | None = None
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     prediction: Prediction | None = None
     # Set when the request is aborted before the engine thread has it (it may still be with the

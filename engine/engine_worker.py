@@ -107,7 +107,7 @@ class EngineWorker:
             self.engine.add_request(
                 submission.request_id, submission.prompt_token_ids, submission.params,
                 tier=submission.tier, priority=submission.priority,
-                arrival_time=submission.arrival_time, prediction=submission.prediction)
+                arrival_time=submission.arrival_time, prediction=submission.prediction, group=submission.group)
         except Exception as exc:  # noqa: BLE001 - ValueError, AdmissionRejected: the caller's answer
             submission.admitted.set_exception(exc)
             return

@@ -31,7 +31,7 @@ from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
 from scheduler.output import SchedulerOutput, TokenLogprobs
-from scheduler.request import Request, RequestStatus, SamplingParams, Tier
+from scheduler.request import ChoiceGroup, Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
 
@@ -168,8 +168,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     tier: Tier = Tier.STANDARD, priority: int = 0, arrival_time: float | None = None,
-                    prediction: Prediction | None = None, true_len: int | None = None) -> None:
-        """Queue a request; ValueError on bad input (AdmissionRejected when shed by admission control)."""
+                    prediction: Prediction | None = None, true_len: int | None = None,
+                    group: ChoiceGroup | None = None) -> None:
+        """Queue a request; ValueError on bad input (AdmissionRejected when shed by admission control).
+        `group`: the API request whose choices it is one of (admission judges them together)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_ids(prompt)
@@ -186,7 +188,7 @@ class LLMEngine:
             predicted_len=None if prediction is None else prediction.point,
             predicted_p50=None if prediction is None else prediction.p50,
             predicted_p90=None if prediction is None else prediction.p90,
-            predicted_rank_len=None if prediction is None else prediction.rank_len)
+            predicted_rank_len=None if prediction is None else prediction.rank_len, group=group)
         self.scheduler.add_request(request, now)
         self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids)
         self._num_reported[request_id] = 0
@@ -237,7 +239,7 @@ class LLMEngine:
         new_ids = request.output_token_ids[self._num_reported[request_id]:]
         logprobs = self._logprobs.get(request_id)
         if logprobs is not None and new_ids:
-            logprobs.append(_drawn_this_step(request_id, new_ids, step_logprobs))
+            logprobs = self._add_logprobs(request_id, new_ids, step_logprobs)
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
         stops = request.sampling_params.stop
@@ -265,15 +267,22 @@ class LLMEngine:
             finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
             logprobs=None if logprobs is None else tuple(logprobs))
 
+    def _add_logprobs(self, request_id: str, new_ids: list[int],
+                      step_logprobs: dict[str, TokenLogprobs]) -> list[TokenLogprobs] | None:
+        """The request's logprobs with those of the one token it gained this step (a request samples
+        at most one token a step, and a recomputed request keeps its tokens and so their logprobs).
+        Should that ever not hold, the request goes on without logprobs, not the engine down."""
+        logprobs = self._logprobs[request_id]
+        entry = step_logprobs.get(request_id)
+        if len(new_ids) == 1 and entry is not None and entry.token_id == new_ids[0]:
+            logprobs.append(entry)
+            return logprobs
+        log.error("request %s gained tokens %s without their logprobs; it reports none from now on",
+                  request_id, new_ids)
+        del self._logprobs[request_id]
+        return None
+
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
                            self._forward_time_s, self._num_generated)
 
-
-def _drawn_this_step(request_id: str, new_ids: list[int], step_logprobs: dict[str, TokenLogprobs]) -> TokenLogprobs:
-    """The logprobs of the one token a request gained this step (a request samples at most one
-    token a step, and a recomputed request keeps the tokens, and so the logprobs, it had)."""
-    entry = step_logprobs.get(request_id)
-    if len(new_ids) != 1 or entry is None or entry.token_id != new_ids[0]:
-        raise RuntimeError(f"request {request_id} gained tokens {new_ids} without their logprobs")
-    return entry

@@ -91,9 +91,11 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
     chosen = logprobs.gather(-1, torch.tensor([[tokens[r]] for r in rows], device=logits.device)).squeeze(-1)
     widest = max(counts[r] for r in rows)
     top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
+    # One copy to the host per tensor (on a GPU, one sync each), then plain lists.
+    chosen_list, value_rows, id_rows = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     for index, row in enumerate(rows):
-        top = tuple(zip(top_ids[index, :counts[row]].tolist(), top_values[index, :counts[row]].tolist()))
-        results[row] = TokenLogprobs(tokens[row], float(chosen[index]), top)
+        top = tuple(zip(id_rows[index][:counts[row]], value_rows[index][:counts[row]]))
+        results[row] = TokenLogprobs(tokens[row], chosen_list[index], top)
     return results
 
 

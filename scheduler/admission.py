@@ -211,9 +211,13 @@ class AdmissionController:
 
     # ---- the decision ------------------------------------------------------------------------
     def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request]) -> None:
-        """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full."""
-        waiting, running = list(waiting), list(running)
-        own_work = request.num_prompt_tokens + predicted_output_tokens(request)
+        """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full.
+
+        The choices of one API request are judged as one unit, the same for each: their work
+        together, behind what is queued outside the group."""
+        waiting = [r for r in waiting if not request.shares_group_with(r)]
+        running = [r for r in running if not request.shares_group_with(r)]
+        own_work = (request.num_prompt_tokens + predicted_output_tokens(request)) * request.group_size
         throughput = self.capacity_tokens_per_s
         self._check_queue_bound(request, own_work, waiting, throughput)
         if throughput is None:
@@ -222,12 +226,12 @@ class AdmissionController:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
             ahead = sum(prompt_tokens_left(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
-            own_s = request.num_prompt_tokens / throughput
+            own_s = request.num_prompt_tokens * request.group_size / throughput  # the last choice's prefill
             self._check_slo(ahead / throughput, own_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
             ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
-            own_decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)
-            own_s = request.num_prompt_tokens / throughput + own_decode_s
+            own_decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # side by side
+            own_s = request.num_prompt_tokens * request.group_size / throughput + own_decode_s
             self._check_slo(ahead / throughput, own_s, self.config.slo_e2e_standard_s, "end-to-end latency",
                             request)
 

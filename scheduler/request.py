@@ -143,6 +143,19 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True)
+class ChoiceGroup:
+    """The choices of one API request (its `n`), each a request of its own: admission decides on
+    them as one unit, so no choice counts as work ahead of its siblings."""
+
+    group_id: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.size) or self.size < 1:
+            raise ValueError(f"a choice group has at least one member, got {self.size!r}")
+
+
 @dataclass
 class Request:
     """Owned and mutated by the scheduler only; the engine reads it."""
@@ -173,12 +186,21 @@ class Request:
     # The predictor's ranking length in output tokens: what sjf and srpt order by (see
     # predictor.base.Prediction.rank_len).
     predicted_rank_len: float | None = None
+    group: ChoiceGroup | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must lie in [-2**63, 2**63), got {self.priority!r}")
+
+    def shares_group_with(self, other: Request) -> bool:
+        """Whether both are choices of one API request (a request shares its group with itself)."""
+        return self.group is not None and other.group == self.group
+
+    @property
+    def group_size(self) -> int:
+        return 1 if self.group is None else self.group.size
 
     @property
     def requeued_wait_s(self) -> float:

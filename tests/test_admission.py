@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.admission import AdmissionController, AdmissionRejected
 from scheduler.config import SchedulerConfig
-from scheduler.request import Request, SamplingParams, Tier
+from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 
 
@@ -407,3 +407,33 @@ def test_the_default_bound_scales_with_the_kv_cache() -> None:
     assert SchedulerConfig(num_gpu_blocks=100, max_queued_tokens=7).queued_token_bound == 7
     with pytest.raises(ValueError, match="queue_bound_kv_multiple"):
         SchedulerConfig(num_gpu_blocks=100, queue_bound_kv_multiple=0)
+
+
+def choice(index: int, predicted: float, group: ChoiceGroup) -> Request:
+    return Request(f"{group.group_id}-{index}", [1] * 200, SamplingParams(max_tokens=1000), arrival_time=0.0,
+                   predicted_len=predicted, group=group)
+
+
+def test_the_choices_of_one_request_share_one_queue_bound_decision() -> None:
+    ctl = controller(max_queued_tokens=1000)
+    group = ChoiceGroup("cmpl-1", 3)
+    first, second = choice(0, 100, group), choice(1, 100, group)
+    # Its siblings are not work ahead of it: with only them queued it is judged as on an empty
+    # queue, and admitted whatever the group's size.
+    ctl.check(second, [first], [])
+    # With 200 tokens queued outside the group, the group's 3 x 300 overflow the bound of 1000,
+    # so every choice is refused alike, where one alone would be admitted.
+    outside = req("w", 100, 100)
+    for member in (first, second):
+        with pytest.raises(AdmissionRejected, match="200 queued tokens \\+ 900 exceed"):
+            ctl.check(member, [outside, first], [])
+    ctl.check(req("alone", 200, 100), [outside], [])
+
+
+def test_the_slo_counts_every_choices_prefill_and_one_decode() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, 0.1 s a step
+    outside = req("w", 100, 400)  # 0.5 s of work ahead
+    # Three prefills of 200 (0.6 s) and 90 steps side by side (9 s): 10.1 s with the work ahead.
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 10.10s"):
+        ctl.check(choice(0, 90, ChoiceGroup("cmpl-2", 3)), [outside], [])
+    ctl.check(choice(0, 90, ChoiceGroup("cmpl-3", 1)), [outside], [])  # one choice: 9.7 s

@@ -85,3 +85,19 @@ def test_sampled_tokens_report_the_models_distribution_not_the_samplers(tiny_mod
     outputs = llm.generate(prompts[:2], [sampled, plain])
     check_against_hf(tiny_model_dir, prompts[0], outputs[0])
     assert outputs[1].logprobs is None  # not asked for
+
+
+def test_a_token_without_its_logprobs_drops_the_requests_logprobs_not_the_engine(tiny_model_dir, caplog) -> None:
+    # No legal path gets here (one token a step, kept through preemption); should one, the
+    # request goes on without logprobs and every other request is untouched.
+    from scheduler.output import TokenLogprobs
+
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    engine = llm.engine
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))
+    assert engine._add_logprobs("r", [5], {"r": TokenLogprobs(6, -1.0, ())}) is None
+    assert "without their logprobs" in caplog.text
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].logprobs is None

@@ -1,7 +1,8 @@
 """`n` choices over HTTP, with the official openai client against a real uvicorn server: each
 choice is an engine request of its own, greedy choices equal the one-choice answer, seeded choice
 i draws as a one-choice request with seed + i would, usage counts the prompt once, streams
-interleave the choices by index, and admission refuses the choices together, leaving none running.
+interleave the choices by index, and admission judges the choices as one unit, refusing them
+together or admitting them together.
 """
 
 from __future__ import annotations
@@ -77,33 +78,50 @@ def test_a_streamed_chat_interleaves_its_choices_by_index(client) -> None:
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def fill_every_seat(async_engine) -> list[str]:
-    """Eight long requests, added on the engine thread, take the eight seats. Each is predicted
-    one token long, so the queue bound never counts them as much work."""
-    ids = [f"seat{i}" for i in range(8)]
+def fill_every_seat_and_queue(async_engine, queued_prompt: list[int]) -> list[str]:
+    """Eight long requests take the eight seats and a ninth waits with `queued_prompt`, all added
+    on the engine thread. Each is predicted one token long, so the queue bound counts the ninth
+    as its prompt plus one token."""
+    ids = [f"seat{i}" for i in range(9)]
     short = Prediction(point=1.0, p50=1.0, p90=1.0, score=0.0, rank_len=1.0)
 
     def add(engine):
         for request_id in ids:
-            params = SamplingParams(max_tokens=MAX_MODEL_LEN - 8, temperature=0.0, ignore_eos=True)
-            engine.add_request(request_id, [1, 2, 3, 4, 5, 6, 7, 8], params, prediction=short)
+            prompt = queued_prompt if request_id == ids[-1] else [1, 2, 3, 4, 5, 6, 7, 8]
+            params = SamplingParams(max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, prompt, params, prediction=short)
 
     async_engine.call_in_engine(add).result(timeout=60)
     return ids
 
 
-def test_admission_refuses_the_choices_together(served) -> None:
-    # Behind full seats the first choice queues (350 tokens of work); the second would take the
-    # queue past 600 and is refused, so the first is aborted: a 429, and nothing left waiting.
-    seats = fill_every_seat(served[1])
+def waiting_ids(async_engine) -> list[str]:
+    return async_engine.call_in_engine(lambda e: [r.request_id for r in e.scheduler.waiting]).result(timeout=60)
+
+
+def test_admission_refuses_the_choices_as_one_unit(served) -> None:
+    # 300 tokens queued ahead: one choice of 200 (150 prompt + 50 output) fits under the bound of
+    # 600, two do not, so both are refused, neither left waiting, and one choice alone is admitted.
+    fillers = fill_every_seat_and_queue(served[1], [5] * 300)
     try:
-        body = {"model": MODEL, "prompt": [5] * 250, "max_tokens": 100, "n": 2}
+        body = {"model": MODEL, "prompt": [5] * 150, "max_tokens": 50, "n": 2}
         error = error_of(post(served[0], "/v1/completions", body), 429)
-        assert "queue full" in error["message"]
-        waiting = served[1].call_in_engine(lambda engine: engine.scheduler.stats(engine.now()).num_waiting)
-        assert waiting.result(timeout=60) == 0
+        assert "queue full: 301 queued tokens + 400 exceed" in error["message"]
+        assert waiting_ids(served[1]) == [fillers[-1]]
+        with httpx.stream("POST", served[0] + "/v1/completions", json={**body, "n": 1, "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as one:
+            assert one.status_code == 200  # admitted; it waits for a seat, and leaving aborts it
     finally:
-        served[1].call_in_engine(lambda engine: [engine.abort_request(i) for i in seats]).result(timeout=60)
+        served[1].call_in_engine(lambda engine: [engine.abort_request(i) for i in fillers]).result(timeout=60)
+    engine_idle_and_intact(served[1])
+
+
+def test_a_choice_is_never_refused_for_its_siblings(served, client) -> None:
+    # Two choices of 350 tokens each exceed the bound of 600 together, but nothing is queued
+    # ahead of them: admitted, as one request of 700 tokens would be, and both served.
+    reply = client.completions.create(model=MODEL, prompt=[5] * 250, max_tokens=100, n=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [choice.finish_reason for choice in reply.choices] == ["length", "length"]
     engine_idle_and_intact(served[1])
 
 
@@ -128,3 +146,36 @@ def test_a_disconnect_while_waiting_for_whole_replies_aborts_every_choice(served
                    timeout=httpx.Timeout(60, read=0.5))
     wait_until(lambda: aborted_count(base_url) - before == 2)
     engine_idle_and_intact(async_engine)
+
+
+def test_a_slow_reader_of_several_choices_gets_each_ones_newest_output() -> None:
+    # The stream keeps only the newest unread output per choice, as for one choice: a reader that
+    # falls 200 steps behind gets a handful of items, not 200 per choice held in memory.
+    import asyncio
+
+    from engine.async_stream import RequestStream
+    from engine.outputs import RequestOutput
+    from engine.server.streaming import _interleave
+    from scheduler.request import Tier
+
+    def output(n: int) -> RequestOutput:
+        return RequestOutput("r", (1,), tuple(range(n)), (n - 1,), "x" * n, "x", n == 200,
+                             "length" if n == 200 else None, 0.0, 0.0, 0.0, None)
+
+    async def scenario():
+        streams = [RequestStream(f"r{i}", Tier.STANDARD) for i in range(2)]
+        items = _interleave(streams)
+        streams[0].put(output(1))
+        first = await items.__anext__()
+        for n in range(2, 201):
+            for stream in streams:
+                stream.put(output(n))
+            await asyncio.sleep(0)  # the engine's outputs arrive while the reader is stalled
+        rest = [item async for item in items]
+        return first, rest
+
+    first, rest = asyncio.run(scenario())
+    assert first[0] == 0 and first[1].text == "x"
+    assert len(rest) <= 4
+    last = {index: item for index, item in rest}
+    assert last.keys() == {0, 1} and all(item.finished and item.text == "x" * 200 for item in last.values())

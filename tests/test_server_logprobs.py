@@ -133,13 +133,73 @@ def test_no_logprobs_unless_asked(client) -> None:
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "top_logprobs", 2),  # without logprobs: true
-    ("/v1/chat/completions", "top_logprobs", 21),
+    ("/v1/chat/completions", "top_logprobs", 21), ("/v1/chat/completions", "top_logprobs", True),
+    ("/v1/completions", "n", True),
     ("/v1/completions", "logprobs", 21), ("/v1/completions", "logprobs", -1),
     ("/v1/completions", "logprobs", True), ("/v1/completions", "top_logprobs", 2),
 ])
 def test_bad_logprobs_fields_are_400s_naming_them(served, path, field, value) -> None:
     body = {"model": MODEL, "max_tokens": 2, field: value}
-    body.update({"messages": CHAT, "logprobs": field != "top_logprobs" or value > 20} if "chat" in path
-                else {"prompt": "Hi"})
+    body.update({"messages": CHAT, "logprobs": value is True or value > 20} if "chat" in path else {"prompt": "Hi"})
     error = error_of(post(served[0], path, body), 400)
     assert error["param"] == field and error["message"].startswith(f"{field}: ")
+
+
+def test_bytes_rebuild_a_character_split_over_tokens(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.server.logprobs import LogprobsFormatter
+    from scheduler.output import TokenLogprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Hi 你好 there<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = [TokenLogprobs(i, -1.0, ((i, -1.0),)) for i in ids]
+    content = LogprobsFormatter(tokenizer).chat(entries)["content"]
+    assert "\ufffd" in [item["token"] for item in content]  # a token holding part of a character
+    assert bytes(b for item in content for b in item["bytes"]).decode("utf-8") == text
+    assert [top["bytes"] for item in content for top in item["top_logprobs"]] == [item["bytes"] for item in content]
+
+
+def test_completion_top_logprobs_keep_the_likelier_of_two_tokens_with_one_text(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.server.logprobs import LogprobsFormatter
+    from scheduler.output import TokenLogprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first, second = tokenizer.encode("你", add_special_tokens=False)[:2]  # both decode to U+FFFD alone
+    top = LogprobsFormatter(tokenizer).completion([TokenLogprobs(second, -3.0, ((first, -1.0),))])["top_logprobs"]
+    assert top == [{"\ufffd": -1.0}]
+
+
+class DecodeThreads:
+    """The real tokenizer, noting the thread of every decode the server makes."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.threads = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def decode(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return self._tokenizer.decode(*args, **kwargs)
+
+
+def test_a_whole_reply_with_logprobs_is_built_off_the_event_loop(tiny_model_dir) -> None:
+    # Thousands of tokens with their alternatives take seconds to format and encode: on the event
+    # loop they would stall every other stream. asyncio.to_thread's workers are "asyncio_N".
+    engine = tiny_engine(tiny_model_dir)
+    tokenizer = DecodeThreads(engine.tokenizer)
+    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
+    with running_server(create_app(AsyncLLMEngine(engine, None), tokenizer, settings)) as (base_url, _):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NUM_TOKENS, logprobs=True,
+                                       top_logprobs=TOP, extra_body={"ignore_eos": True})
+    assert tokenizer.threads and all(name.startswith("asyncio") for name in tokenizer.threads)

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-from engine.server.logprobs import ChatLogprobs, CompletionLogprobs
 from engine.server.text_check import lone_surrogate_at
 from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
@@ -33,6 +32,13 @@ ServiceTier = Literal["auto", "default", "flex", "priority"]
 def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
     """A "before" validator: OpenAI's API (and its clients) take an explicit null as "not set"."""
     return cls.model_fields[info.field_name].default if value is None else value
+
+
+def not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
+    """A "before" validator for a count: JSON true is not 1 (pydantic's lax mode would take it)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{info.field_name} must be an integer, not {str(value).lower()}")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -72,6 +78,7 @@ class _Request(CompletionUnsupportedFields):
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", mode="before")(classmethod(null_is_the_default))
+    _n_is_a_count = field_validator("n", mode="before")(classmethod(not_a_bool))
 
     @field_validator("*", mode="before")
     @classmethod
@@ -226,6 +233,7 @@ class ChatCompletionRequest(_Request, ChatUnsupportedFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     _null_is_false = field_validator("logprobs", mode="before")(classmethod(null_is_the_default))
+    _top_logprobs_is_a_count = field_validator("top_logprobs", mode="before")(classmethod(not_a_bool))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -280,7 +288,7 @@ class _ResponseHead(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: dict[str, Any] | None = None  # engine/server/logprobs.py gives its shape
     finish_reason: str | None = None
 
 
@@ -297,7 +305,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -314,7 +322,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 

@@ -8,9 +8,11 @@ ending in `data: [DONE]`. Every object of one response shares its id, `created`,
 service tier. A request whose client leaves is aborted, which frees its KV blocks at the engine's
 next step boundary.
 
-A request for `n` choices is `n` engine requests with one prompt, submitted together and refused
-together: if admission refuses one, those already admitted are aborted. With a seed, choice i
-draws with seed + i (as vLLM's parallel sampling does), so the choices differ and each repeats.
+A request for `n` choices is `n` engine requests with one prompt, submitted at once as one
+ChoiceGroup, which admission judges as a unit (their work together, behind what is queued outside
+the group); should one choice still be refused (the queue moved between them), the admitted ones
+are aborted. With a seed, choice i draws with seed + i (as vLLM's parallel sampling does), so the
+choices differ and each repeats.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
@@ -34,7 +38,7 @@ from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionC
 from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import SamplingParams, Tier
+from scheduler.request import ChoiceGroup, SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -99,10 +103,14 @@ class OpenAIServing:
                                    lambda usage: CompletionResponse(**head, choices=[], usage=usage))
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
-        logprobs = await self._logprobs_of(finals, self.logprobs.completion)
-        return CompletionResponse(**head, usage=usage_of(finals), choices=[
-            CompletionChoice(index=index, text=final.text, logprobs=logprobs[index], finish_reason=final.finish_reason)
-            for index, final in enumerate(finals)])
+
+        def reply() -> CompletionResponse:
+            return CompletionResponse(**head, usage=usage_of(finals), choices=[CompletionChoice(
+                index=index, text=final.text, finish_reason=final.finish_reason,
+                logprobs=None if final.logprobs is None else self.logprobs.completion(final.logprobs))
+                for index, final in enumerate(finals)])
+
+        return await _json_reply(reply, finals)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_accepting()
@@ -127,20 +135,14 @@ class OpenAIServing:
                                    lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
-        logprobs = await self._logprobs_of(finals, self.logprobs.chat)
-        return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[
-            ChatChoice(index=index, message=ChatMessageOut(content=final.text), logprobs=logprobs[index],
-                       finish_reason=final.finish_reason)
-            for index, final in enumerate(finals)])
 
-    @staticmethod
-    async def _logprobs_of(finals: Sequence[RequestOutput], form: Callable[[Sequence[TokenLogprobs]], Any]) -> list:
-        """Each choice's logprobs in the response's form (None where not asked for), formatted off
-        the event loop: a long reply's tokens and alternatives take milliseconds to decode."""
-        if all(final.logprobs is None for final in finals):
-            return [None] * len(finals)
-        return await asyncio.to_thread(lambda: [None if final.logprobs is None else form(final.logprobs)
-                                                for final in finals])
+        def reply() -> ChatCompletionResponse:
+            return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[ChatChoice(
+                index=index, message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason,
+                logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
+                for index, final in enumerate(finals)])
+
+        return await _json_reply(reply, finals)
 
     def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
@@ -212,21 +214,30 @@ class OpenAIServing:
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]
-        streams: list[RequestStream] = []
+        if body.n == 1:
+            return [await self._submit_one(request_id, prompt_ids, prompt_text, params, tier, body.priority)]
+        # Submitted at once, so they reach the engine (and the predictor) in one batch.
+        group = ChoiceGroup(request_id, body.n)
+        tasks = [asyncio.ensure_future(self._submit_one(f"{request_id}-{index}", prompt_ids, prompt_text,
+                                                        _choice_params(params, index), tier, body.priority, group))
+                 for index in range(body.n)]
         try:
-            for index in range(body.n):
-                choice_id = request_id if body.n == 1 else f"{request_id}-{index}"
-                streams.append(await self._submit_one(choice_id, prompt_ids, prompt_text, _choice_params(params, index),
-                                                      tier, body.priority))
-        except errors.APIError:
-            self._abort_unfinished(streams)  # refused together: no choice runs for nobody
-            raise
-        return streams
+            await asyncio.wait(tasks)
+        finally:  # also when this handler is cancelled: no admitted choice is left running unread
+            refused = [task for task in tasks if not task.done() or task.cancelled() or task.exception()]
+            if refused:
+                for task in tasks:
+                    task.cancel()
+                self._abort_unfinished([task.result() for task in tasks if task not in refused])
+        if refused:
+            raise refused[0].exception()
+        return [task.result() for task in tasks]
 
     async def _submit_one(self, request_id: str, prompt_ids: list[int], prompt_text: str, params: SamplingParams,
-                          tier: Tier, priority: int) -> RequestStream:
+                          tier: Tier, priority: int, group: ChoiceGroup | None = None) -> RequestStream:
         try:
-            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier, priority=priority)
+            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier, priority=priority,
+                                            group=group)
         except AdmissionRejected as exc:
             raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
         except (EngineShuttingDown, EngineDead) as exc:
@@ -273,6 +284,18 @@ class OpenAIServing:
     def _streaming(self, streams: Sequence[RequestStream], events: AsyncIterator[str]) -> AbortingStreamingResponse:
         return AbortingStreamingResponse(events, lambda: self._abort_unfinished(streams),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOutput]) -> Response:
+    """The reply as JSON. One with logprobs is built and serialized on a worker thread: thousands of
+    tokens with their alternatives take a while, and on the event loop they would stall every
+    other stream (FastAPI would also encode the object in Python there, slower still)."""
+    def render() -> Response:
+        return Response(reply().model_dump_json(), media_type="application/json")
+
+    if all(final.logprobs is None for final in finals):
+        return render()
+    return await asyncio.to_thread(render)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

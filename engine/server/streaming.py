@@ -73,27 +73,27 @@ class _Sent:
 
 
 async def _interleave(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | StreamEnd]]:
-    """(choice index, item) from every stream as items arrive, until each has ended."""
+    """(choice index, item) from every stream as items arrive, until each has ended.
+
+    At most one read is outstanding per stream, and a stream is read again only after its item
+    went out: a stream keeps just its newest unread output, so a client that reads slowly costs
+    one output per choice, as it does with one choice, not every step's output queued here."""
     if len(streams) == 1:  # the common case, without a task per stream
         async for item in streams[0]:
             yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        async for item in stream:
-            await queue.put((index, item))
-
-    tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+    reads = {asyncio.ensure_future(stream.__anext__()): index for index, stream in enumerate(streams)}
     try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            remaining -= isinstance(item, StreamEnd) or item.finished  # a stream's last item
-            yield index, item
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=reads.__getitem__):
+                index = reads.pop(read)
+                yield index, read.result()
+                if not streams[index].finished:
+                    reads[asyncio.ensure_future(streams[index].__anext__())] = index
     finally:
-        for task in tasks:
-            task.cancel()
+        for read in reads:
+            read.cancel()  # an unread item stays in its stream
 
 
 async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, openings: Sequence[BaseModel],

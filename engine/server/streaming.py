@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
@@ -102,25 +103,26 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
         yield chunk_event(opening, include_usage)
     sent = [_Sent() for _ in streams]
     finals: dict[int, RequestOutput] = {}
-    async for index, item in _interleave(streams):
-        cursor = sent[index]
-        if isinstance(item, StreamEnd):
-            if item.reason != "abort":
-                yield sse(errors.engine_failed(item.message).response_body())
-                break
-            # With any text generated since the last read.
-            yield chunk_event(chunk(index, item.text[cursor.text:], "abort", cursor.new_logprobs(item.logprobs)),
-                              include_usage)
-            continue
-        delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
-        # A token's logprobs go out with the step that made it, though its text may wait (an
-        # unfinished character, or the start of a possible stop string).
-        entries = cursor.new_logprobs(item.logprobs)
-        if delta or item.finished or entries:
-            yield chunk_event(chunk(index, delta, item.finish_reason if item.finished else None, entries),
-                              include_usage)
-        if item.finished:
-            finals[index] = item
+    async with aclosing(_interleave(streams)) as items:  # its reads end with the stream, however it ends
+        async for index, item in items:
+            cursor = sent[index]
+            if isinstance(item, StreamEnd):
+                if item.reason != "abort":
+                    yield sse(errors.engine_failed(item.message).response_body())
+                    break
+                # With any text generated since the last read.
+                entries = cursor.new_logprobs(item.logprobs)
+                yield chunk_event(chunk(index, item.text[cursor.text:], "abort", entries), include_usage)
+                continue
+            delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
+            # A token's logprobs go out with the step that made it, though its text may wait (an
+            # unfinished character, or the start of a possible stop string).
+            entries = cursor.new_logprobs(item.logprobs)
+            if delta or item.finished or entries:
+                yield chunk_event(chunk(index, delta, item.finish_reason if item.finished else None, entries),
+                                  include_usage)
+            if item.finished:
+                finals[index] = item
     if include_usage and len(finals) == len(streams):
         yield chunk_event(usage_chunk(usage_of([finals[i] for i in range(len(streams))])), include_usage)
     yield "data: [DONE]\n\n"

@@ -75,11 +75,7 @@ def test_logprobs_stay_the_raw_models_under_penalties(tiny_model_dir, prompts) -
 
 
 def test_the_server_applies_the_penalties_and_min_p_it_is_sent(tiny_model_dir) -> None:
-    import openai
-
-    from engine.async_engine import AsyncLLMEngine
-    from engine.server.app import ServerSettings, create_app
-    from test_server import API_KEY, MAX_MODEL_LEN, MODEL, error_of, post, running_server, tiny_engine
+    from test_server import MAX_MODEL_LEN, MODEL, error_of, openai_client, post, serving, tiny_engine
 
     engine = tiny_engine(tiny_model_dir)
     chat = [{"role": "user", "content": "Name three colours."}]
@@ -90,9 +86,8 @@ def test_the_server_applies_the_penalties_and_min_p_it_is_sent(tiny_model_dir) -
     (expected,) = offline.generate([ids], params_for(penalties))
     (plain,) = offline.generate([ids], params_for({}))
     assert expected.text != plain.text
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
-    with running_server(create_app(AsyncLLMEngine(engine, None), engine.tokenizer, settings)) as (base_url, _):
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with serving(engine) as (base_url, _):
+        client = openai_client(base_url)
         reply = client.chat.completions.create(
             model=MODEL, messages=chat, max_tokens=NUM_TOKENS, temperature=0, frequency_penalty=-1.0,
             presence_penalty=0.5, extra_body={"repetition_penalty": 0.3, "ignore_eos": True})

@@ -68,6 +68,20 @@ def running_server(app):
         sock.close()
 
 
+@contextmanager
+def serving(engine: LLMEngine, predictor=None, tokenizer=None, **settings):
+    """`engine` behind a real server (the tiny model's settings, the test key); yields
+    (base_url, async engine)."""
+    async_engine = AsyncLLMEngine(engine, predictor)
+    settings = ServerSettings(**{"model_name": MODEL, "max_model_len": MAX_MODEL_LEN, "api_key": API_KEY, **settings})
+    with running_server(create_app(async_engine, tokenizer or engine.tokenizer, settings)) as (base_url, _):
+        yield base_url, async_engine
+
+
+def openai_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
 class ThreadRecordingTokenizer:
     """The real tokenizer, noting which thread each encode or chat template ran on, and whether
     each encode asked for special tokens."""
@@ -107,18 +121,15 @@ def special_tokens_asked() -> list:
 def served(tiny_model_dir, tokenize_threads, special_tokens_asked):
     engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
-    async_engine = AsyncLLMEngine(engine, chars_predictor())
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
-                              info=(("policy", "fcfs"),), allowed_origins=(BROWSER_ORIGIN,))
-    app = create_app(async_engine, ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads, special_tokens_asked),
-                     settings)
-    with running_server(app) as (base_url, _):
-        yield base_url, async_engine
+    tokenizer = ThreadRecordingTokenizer(engine.tokenizer, tokenize_threads, special_tokens_asked)
+    with serving(engine, chars_predictor(), tokenizer, info=(("policy", "fcfs"),),
+                 allowed_origins=(BROWSER_ORIGIN,)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(served[0])
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,10 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
-from engine.server.app import ServerSettings, create_app
 from predictor.base import Prediction
 from scheduler.request import SamplingParams
-from test_server import (API_KEY, MAX_MODEL_LEN, MODEL, aborted_count, engine_idle_and_intact, error_of, post,
-                         running_server, slow_steps, tiny_engine, wait_until)
+from test_server import (API_KEY, MAX_MODEL_LEN, MODEL, aborted_count, engine_idle_and_intact, error_of, openai_client,
+                         post, serving, slow_steps, tiny_engine, wait_until)
 
 MAX_QUEUED_TOKENS = 600
 PROMPT_IDS = [1, 504, 3458, 314, 253, 1345, 28, 2071, 30]
@@ -29,15 +27,13 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 def served(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, enable_admission=True, max_queued_tokens=MAX_QUEUED_TOKENS,
                          slo_ttft_interactive_s=1e9, slo_e2e_standard_s=1e9)
-    async_engine = AsyncLLMEngine(engine, None)
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
-    with running_server(create_app(async_engine, engine.tokenizer, settings)) as (base_url, _):
-        yield base_url, async_engine
+    with serving(engine) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(served[0])
 
 
 def test_greedy_choices_equal_the_one_choice_answer(served, client) -> None:

@@ -8,11 +8,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
 from engine.llm import LLM
-from engine.server.app import ServerSettings, create_app
 from scheduler.request import SamplingParams
-from test_server import API_KEY, MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, post, running_server, tiny_engine
+from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
 
 TOP = 2
 NUM_TOKENS = 8
@@ -23,16 +21,13 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir)
-    async_engine = AsyncLLMEngine(engine, None)
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
-    with running_server(create_app(async_engine, engine.tokenizer, settings)) as (base_url, _):
-        yield base_url, async_engine
+    with serving(tiny_engine(tiny_model_dir)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(served[0])
 
 
 @pytest.fixture(scope="module")
@@ -197,9 +192,7 @@ def test_a_whole_reply_with_logprobs_is_built_off_the_event_loop(tiny_model_dir)
     # loop they would stall every other stream. asyncio.to_thread's workers are "asyncio_N".
     engine = tiny_engine(tiny_model_dir)
     tokenizer = DecodeThreads(engine.tokenizer)
-    settings = ServerSettings(model_name=MODEL, max_model_len=MAX_MODEL_LEN, api_key=API_KEY)
-    with running_server(create_app(AsyncLLMEngine(engine, None), tokenizer, settings)) as (base_url, _):
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NUM_TOKENS, logprobs=True,
+    with serving(engine, tokenizer=tokenizer) as (base_url, _):
+        openai_client(base_url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NUM_TOKENS, logprobs=True,
                                        top_logprobs=TOP, extra_body={"ignore_eos": True})
     assert tokenizer.threads and all(name.startswith("asyncio") for name in tokenizer.threads)

@@ -285,4 +285,3 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
                            self._forward_time_s, self._num_generated)
-

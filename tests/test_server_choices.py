@@ -102,8 +102,8 @@ def test_admission_refuses_the_choices_as_one_unit(served) -> None:
     try:
         body = {"model": MODEL, "prompt": [5] * 150, "max_tokens": 50, "n": 2}
         error = error_of(post(served[0], "/v1/completions", body), 429)
-        assert "queue full: 301 queued tokens + 400 exceed" in error["message"]
-        assert waiting_ids(served[1]) == [fillers[-1]]
+        assert "queue full" in error["message"] and "+ 400 exceed" in error["message"]  # the group's work
+        assert not [i for i in waiting_ids(served[1]) if i.startswith("cmpl-")]  # no choice left waiting
         with httpx.stream("POST", served[0] + "/v1/completions", json={**body, "n": 1, "stream": True},
                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as one:
             assert one.status_code == 200  # admitted; it waits for a seat, and leaving aborts it

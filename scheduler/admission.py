@@ -214,28 +214,32 @@ class AdmissionController:
         """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full.
 
         The choices of one API request are judged as one unit, the same for each: their work
-        together, behind what is queued outside the group."""
+        together, behind what is queued outside the group. Whether a request is too large to
+        refuse (see the module docstring) is read from one choice, so that asking for more
+        choices never makes admission easier."""
         waiting = [r for r in waiting if not request.shares_group_with(r)]
         running = [r for r in running if not request.shares_group_with(r)]
-        own_work = (request.num_prompt_tokens + predicted_output_tokens(request)) * request.group_size
+        one_work = request.num_prompt_tokens + predicted_output_tokens(request)
         throughput = self.capacity_tokens_per_s
-        self._check_queue_bound(request, own_work, waiting, throughput)
+        self._check_queue_bound(request, one_work, waiting, throughput)
         if throughput is None:
             return  # nothing measured yet: no basis for a delay estimate
+        n = request.group_size
         if request.tier == Tier.INTERACTIVE:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
             ahead = sum(prompt_tokens_left(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
-            own_s = request.num_prompt_tokens * request.group_size / throughput  # the last choice's prefill
-            self._check_slo(ahead / throughput, own_s, self.config.slo_ttft_interactive_s, "TTFT", request)
+            one_s = request.num_prompt_tokens / throughput  # the last choice's TTFT waits for n prefills
+            self._check_slo(ahead / throughput, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
+                            request)
         elif request.tier == Tier.STANDARD:
             ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
-            own_decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # side by side
-            own_s = request.num_prompt_tokens * request.group_size / throughput + own_decode_s
-            self._check_slo(ahead / throughput, own_s, self.config.slo_e2e_standard_s, "end-to-end latency",
-                            request)
+            decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # choices side by side
+            prefill_s = request.num_prompt_tokens / throughput
+            self._check_slo(ahead / throughput, prefill_s + decode_s, n * prefill_s + decode_s,
+                            self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
-    def _check_queue_bound(self, request: Request, own_work: float, waiting: list[Request],
+    def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],
                            throughput: float | None) -> None:
         if self.config.max_queued_tokens is None and request.tier != Tier.BATCH:
             return  # no bound set: the tiers with an SLO are bounded by it, batch by the default
@@ -243,18 +247,22 @@ class AdmissionController:
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
         limit = bound * share
+        own_work = one_work * request.group_size
         # A request larger than the limit on its own would fit only an empty queue, which steady
         # traffic never leaves (every retry refused): it is refused only while the queue is full.
-        overflows = queued >= limit if own_work > limit else queued + own_work > limit
+        overflows = queued >= limit if one_work > limit else queued + own_work > limit
         if queued > 0 and overflows:  # an empty queue is never full
             excess = queued + min(own_work, limit) - limit
             retry = min(excess, queued) / throughput if throughput else MIN_RETRY_AFTER_S
             self._reject(f"queue full: {queued:.0f} queued tokens + {own_work:.0f} exceed the "
                          f"{request.tier.name.lower()} bound {bound * share:.0f}", retry)
 
-    def _check_slo(self, ahead_s: float, own_s: float, slo: float, what: str, request: Request) -> None:
+    def _check_slo(self, ahead_s: float, alone_s: float, own_s: float, slo: float, what: str,
+                   request: Request) -> None:
+        """`alone_s`: one choice's own time, which decides whether the work ahead is why it misses;
+        `own_s`: the group's, in the estimate."""
         estimate = ahead_s + own_s
-        if ahead_s > 0 and own_s <= slo < estimate:  # the work ahead, not its own, makes it miss
+        if ahead_s > 0 and alone_s <= slo < estimate:  # the work ahead, not its own, makes it miss
             self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
                          f"SLO of {slo:.2f}s", min(estimate - slo, ahead_s))
 

@@ -437,3 +437,22 @@ def test_the_slo_counts_every_choices_prefill_and_one_decode() -> None:
     with pytest.raises(AdmissionRejected, match="end-to-end latency 10.10s"):
         ctl.check(choice(0, 90, ChoiceGroup("cmpl-2", 3)), [outside], [])
     ctl.check(choice(0, 90, ChoiceGroup("cmpl-3", 1)), [outside], [])  # one choice: 9.7 s
+
+
+def refused(ctl: AdmissionController, request: Request, waiting: list[Request]) -> bool:
+    try:
+        ctl.check(request, waiting, [])
+    except AdmissionRejected:
+        return True
+    return False
+
+
+def test_more_choices_never_make_admission_easier() -> None:
+    # A group larger than the queue bound, or slower than the SLO, is not "one request too large
+    # to refuse": that exemption is read from one choice, so refusals only grow with n.
+    bound = controller(max_queued_tokens=1000)
+    by_bound = [refused(bound, choice(0, 100, ChoiceGroup(f"b{n}", n)), [req("w", 100, 100)]) for n in range(1, 17)]
+    assert by_bound == [False, False] + [True] * 14  # 200 queued + n x 300 against 1000
+    slo = controller(slo_e2e_standard_s=10.0)
+    by_slo = [refused(slo, choice(0, 90, ChoiceGroup(f"s{n}", n)), [req("w", 100, 400)]) for n in range(1, 17)]
+    assert by_slo == [False, False] + [True] * 14  # 0.5 s ahead + n x 0.2 s of prefill + 9 s of decode

@@ -175,3 +175,39 @@ def test_a_slow_reader_of_several_choices_gets_each_ones_newest_output() -> None
     assert len(rest) <= 4
     last = {index: item for index, item in rest}
     assert last.keys() == {0, 1} and all(item.finished and item.text == "x" * 200 for item in last.values())
+
+
+def test_a_handler_cancelled_as_its_last_choice_is_admitted_leaves_none_running(tiny_model_dir) -> None:
+    # Uvicorn cancels handlers at the end of a graceful shutdown: one cancelled after every choice
+    # was admitted, before it could return their streams, must abort them all.
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving import OpenAIServing
+
+    engine = tiny_engine(tiny_model_dir)
+
+    async def scenario() -> list[str]:
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        handlers = OpenAIServing(async_engine, engine.tokenizer, MODEL, MAX_MODEL_LEN)
+        admit, admitted = handlers._submit_one, []
+
+        async def admit_then_cancel_on_the_last(*args, **kwargs):
+            admitted.append(await admit(*args, **kwargs))
+            if len(admitted) == 3:
+                submit.cancel()
+            return admitted[-1]
+
+        handlers._submit_one = admit_then_cancel_on_the_last
+        body = CompletionRequest(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=900, n=3, ignore_eos=True)
+        submit = asyncio.ensure_future(handlers._submit("cmpl-x", body, [1, 2, 3, 4], "x", "prompt"))
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        live = lambda e: [r.request_id for r in e.scheduler.running + e.scheduler.waiting]  # noqa: E731
+        remaining = await asyncio.wrap_future(async_engine.call_in_engine(live))
+        await async_engine.shutdown(1.0)
+        return remaining
+
+    assert asyncio.run(scenario()) == []

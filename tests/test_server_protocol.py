@@ -72,6 +72,7 @@ def client(served) -> openai.OpenAI:
     ("service_tier", "gold"), ("priority", "high"), ("messages", []), ("top_k", -2),
     ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
+    ("min_p", True), ("presence_penalty", True), ("repetition_penalty", False),
     # Fields that would change the output in ways this server does not implement: refused, not ignored.
     ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("top_logprobs", 2),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -35,9 +35,9 @@ def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
 
 
 def not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
-    """A "before" validator for a count: JSON true is not 1 (pydantic's lax mode would take it)."""
+    """A "before" validator for a number: JSON true is not 1 (pydantic's lax mode would take it)."""
     if isinstance(value, bool):
-        raise ValueError(f"{info.field_name} must be an integer, not {str(value).lower()}")
+        raise ValueError(f"{info.field_name} takes a number, not {str(value).lower()}")
     return value
 
 
@@ -78,7 +78,8 @@ class _Request(CompletionUnsupportedFields):
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", mode="before")(classmethod(null_is_the_default))
-    _n_is_a_count = field_validator("n", mode="before")(classmethod(not_a_bool))
+    _numbers_are_not_bools = field_validator("n", "min_p", "presence_penalty", "frequency_penalty",
+                                             "repetition_penalty", mode="before")(classmethod(not_a_bool))
 
     @field_validator("*", mode="before")
     @classmethod

@@ -223,15 +223,22 @@ class OpenAIServing:
                  for index in range(body.n)]
         try:
             await asyncio.wait(tasks)
-        finally:  # also when this handler is cancelled: no admitted choice is left running unread
-            refused = [task for task in tasks if not task.done() or task.cancelled() or task.exception()]
-            if refused:
-                for task in tasks:
-                    task.cancel()
-                self._abort_unfinished([task.result() for task in tasks if task not in refused])
-        if refused:
-            raise refused[0].exception()
+        except BaseException:  # this handler cancelled, before or after the last admission
+            self._roll_back(tasks)
+            raise
+        failed = next((task for task in tasks if task.cancelled() or task.exception() is not None), None)
+        if failed is not None:
+            self._roll_back(tasks)
+            raise asyncio.CancelledError() if failed.cancelled() else failed.exception()
         return [task.result() for task in tasks]
+
+    def _roll_back(self, submissions: Sequence[asyncio.Future]) -> None:
+        """No choice of a refused or abandoned request runs for nobody: the pending submissions are
+        cancelled (AsyncLLMEngine.submit aborts each), the admitted ones aborted."""
+        for submission in submissions:
+            submission.cancel()
+        self._abort_unfinished([submission.result() for submission in submissions if submission.done()
+                                and not submission.cancelled() and submission.exception() is None])
 
     async def _submit_one(self, request_id: str, prompt_ids: list[int], prompt_text: str, params: SamplingParams,
                           tier: Tier, priority: int, group: ChoiceGroup | None = None) -> RequestStream:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai

@@ -3,14 +3,23 @@ module)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.lru_cache(maxsize=2)
+def hf_model(model_dir):
+    """The checkpoint in HF transformers, eager attention, float32: loaded once per folder (the
+    references only read it)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     """Reference tokens: HF eager attention, one prompt at a time, eos ignored."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = hf_model(model_dir)
     results = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -41,9 +50,7 @@ def stop_string_past_the_middle(text: str, length: int) -> str:
 def hf_logprobs(model_dir, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """Reference log-probabilities [len(generated), vocab]: HF eager attention over prompt and
     generated tokens at once (teacher forcing); row i is the distribution generated[i] came from."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = hf_model(model_dir)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
     return logits.float().log_softmax(dim=-1)
@@ -53,9 +60,9 @@ def hf_greedy_penalized(model_dir, prompt: list[int], num_tokens: int, *, repeti
                         frequency: float = 0.0, presence: float = 0.0) -> list[int]:
     """Reference greedy tokens under penalties: HF's own repetition-penalty processor over prompt
     and output, then OpenAI's frequency and presence penalties over the output, counted here."""
-    from transformers import LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
+    from transformers import RepetitionPenaltyLogitsProcessor
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = hf_model(model_dir)
     repeat = RepetitionPenaltyLogitsProcessor(repetition) if repetition != 1.0 else None
     ids, output = list(prompt), []
     with torch.inference_mode():

@@ -9,6 +9,8 @@ import openai
 import pytest
 
 from engine.llm import LLM
+from engine.server.logprobs import LogprobsFormatter
+from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
 from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
 
@@ -28,6 +30,11 @@ def served(tiny_model_dir):
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
     return openai_client(served[0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return served[1].engine.tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +147,7 @@ def test_bad_logprobs_fields_are_400s_naming_them(served, path, field, value) ->
     assert error["param"] == field and error["message"].startswith(f"{field}: ")
 
 
-def test_bytes_rebuild_a_character_split_over_tokens(tiny_model_dir) -> None:
-    from transformers import AutoTokenizer
-
-    from engine.server.logprobs import LogprobsFormatter
-    from scheduler.output import TokenLogprobs
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_bytes_rebuild_a_character_split_over_tokens(tokenizer) -> None:
     text = "Hi 你好 there<|im_end|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
     entries = [TokenLogprobs(i, -1.0, ((i, -1.0),)) for i in ids]
@@ -156,13 +157,7 @@ def test_bytes_rebuild_a_character_split_over_tokens(tiny_model_dir) -> None:
     assert [top["bytes"] for item in content for top in item["top_logprobs"]] == [item["bytes"] for item in content]
 
 
-def test_completion_top_logprobs_keep_the_likelier_of_two_tokens_with_one_text(tiny_model_dir) -> None:
-    from transformers import AutoTokenizer
-
-    from engine.server.logprobs import LogprobsFormatter
-    from scheduler.output import TokenLogprobs
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_completion_top_logprobs_keep_the_likelier_of_two_tokens_with_one_text(tokenizer) -> None:
     first, second = tokenizer.encode("你", add_special_tokens=False)[:2]  # both decode to U+FFFD alone
     top = LogprobsFormatter(tokenizer).completion([TokenLogprobs(second, -3.0, ((first, -1.0),))])["top_logprobs"]
     assert top == [{"\ufffd": -1.0}]

@@ -38,7 +38,7 @@ from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionC
 from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import ChoiceGroup, SamplingParams, Tier
+from scheduler.request import SEED_MAX, ChoiceGroup, SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
                  "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
-SEED_MASK = 2**64 - 1  # a choice's seed + i wraps within the 64 bits a seed has
 
 
 class OpenAIServing:
@@ -308,7 +307,7 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or params.seed is None:
         return params
-    return replace(params, seed=(params.seed + index) & SEED_MASK)
+    return replace(params, seed=(params.seed + index) & SEED_MAX)  # wrapped within a seed's 64 bits
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

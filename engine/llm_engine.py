@@ -166,6 +166,20 @@ class LLMEngine:
                              f"shorter than max_model_len {self.config.max_model_len}")
         return ids
 
+    def _check_sampler_token_ids(self, params: SamplingParams) -> None:
+        """The token ids logit_bias and allowed_token_ids name must index the logits, and an
+        allowed set must hold a token that min_tokens lets the model generate."""
+        vocab = self.arch.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = sorted({t for t in ids if t >= vocab})
+            if outside:
+                raise ValueError(f"{name} names token ids outside the vocabulary of {vocab}: {outside[:5]}")
+        if params.allowed_token_ids and params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+            if stops.issuperset(params.allowed_token_ids):
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens rules out")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     tier: Tier = Tier.STANDARD, priority: int = 0, arrival_time: float | None = None,
                     prediction: Prediction | None = None, true_len: int | None = None,
@@ -177,6 +191,7 @@ class LLMEngine:
         token_ids = self._prompt_ids(prompt)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
+        self._check_sampler_token_ids(params)
         if prediction is None and self.predictor is not None:
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
             prediction = self.predictor.predict([text])[0]
@@ -248,7 +263,10 @@ class LLMEngine:
         # FINISHED_STOPPED here means a stop token.
         stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids
         text_ids = new_ids[:-1] if stopped_by_token else new_ids
-        stop_string_found = advance(self.tokenizer, state, text_ids, stops, final=request.is_finished)
+        # As in vLLM, stop strings are searched for only once the output is past min_tokens (the
+        # held-back tail below still counts every stop string).
+        searched = stops if request.num_output_tokens > request.sampling_params.min_tokens else ()
+        stop_string_found = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished)
         if stop_string_found and not request.is_finished:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
         # A stop string that came with the last allowed token cut the text as one found earlier

@@ -4,8 +4,9 @@ Per step: apply the swap copies (out before in; the scheduler never swaps in dur
 swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one
 [N] token batch with positions and slot mapping, build the AttentionMetadata once (every layer
 shares it), run the forward, and compute logits only at the last row of each chunk that samples.
-Those rows are penalized (penalties.py) where their requests ask, then sampled; logprobs, where
-asked for, come from the raw logits. Tensors are built from a handful of vectorised ops per step,
+Those rows pass the logits processors their requests ask for (logits_processors.py: allowed
+tokens, min_tokens, logit bias, penalties), then are sampled; logprobs, where asked for, come
+from the raw logits. Tensors are built from a handful of vectorised ops per step,
 never per token or per layer.
 """
 
@@ -22,7 +23,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.penalties import apply_penalties
+from engine.logits_processors import process_logits
 from engine.sampler import Sampler, token_logprobs
 from scheduler.output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from scheduler.request import Request
@@ -90,8 +91,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, request_of: Callable[[str], Request]) -> ModelRunnerOutput:
-        """`request_of` reads a scheduled request (its sampling parameters and, for penalties, its
-        tokens); the runner never changes it."""
+        """`request_of` reads a scheduled request (its sampling parameters and, for the logits
+        processors, its tokens); the runner never changes it."""
         start = self._clock()
         self.kv_cache.swap_out(output.swap_out)
         self.kv_cache.swap_in(output.swap_in)
@@ -110,8 +111,7 @@ class ModelRunner:
         if logits is not None:
             requests = [request_of(request_id) for request_id in batch.sample_request_ids]
             params = [request.sampling_params for request in requests]
-            histories = [(request.prompt_token_ids, request.output_token_ids) for request in requests]
-            tokens = self.sampler.sample(apply_penalties(logits, params, histories), batch.sample_positions, params)
+            tokens = self.sampler.sample(process_logits(logits, requests), batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}

@@ -94,7 +94,7 @@ def ranking_length(request: Request) -> float:
     """The length to order by: the predictor's ranking length when known (its best-ranking head in
     tokens; unlike a lambdarank score, aging can be added to it), else the point."""
     if request.predicted_rank_len is not None:
-        return max(1.0, min(request.predicted_rank_len, request.sampling_params.max_tokens))
+        return request.sampling_params.clamp_length(request.predicted_rank_len)
     return request.predicted_total
 
 
@@ -192,8 +192,7 @@ def refined_remaining(request: Request) -> float:
     mu, log_g = math.log(estimate), math.log(max(generated, 1))
     b = (log_g - mu) / sigma
     expected = math.exp(mu + sigma * sigma / 2.0) * _upper_tail_ratio(b - sigma, b)
-    limit = request.sampling_params.max_tokens
-    return max(1.0, min(expected, limit) - generated)
+    return max(1.0, request.sampling_params.clamp_length(expected) - generated)
 
 
 class SRPTPolicy(SJFPolicy):

@@ -54,6 +54,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's range for presence and frequency penalties.
 PENALTY_LIMIT = 2.0
+# OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -93,6 +95,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's: no end of sequence, stop token or stop string ends the output before this many tokens.
+    min_tokens: int = 0
+    # OpenAI's: (token id, bias) pairs added to the logits before sampling (a dict is taken too).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: when set, only these token ids can be generated.
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
@@ -116,6 +124,14 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         self._check_penalties()
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed or any(not _is_int(i) or i < 0 for i in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
@@ -141,6 +157,24 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def clamp_length(self, length: float) -> float:
+        """A predicted output length within what these parameters allow: [max(1, min_tokens), max_tokens]."""
+        return max(1.0, float(self.min_tokens), min(length, float(self.max_tokens)))
+
+
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """A logit bias as sorted (token id, bias) pairs, each bias clamped to +-LOGIT_BIAS_LIMIT."""
+    pairs = tuple(bias.items()) if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
+    clean = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        token, value = pair
+        if not _is_int(token) or token < 0 or not _is_real(value) or not math.isfinite(value):
+            raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
+        clean[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+    return tuple(sorted(clean.items()))
 
 
 @dataclass(frozen=True)
@@ -220,10 +254,10 @@ class Request:
 
     @property
     def predicted_total(self) -> float:
-        """The first point estimate of output length within [1, max_tokens]; max_tokens when
-        nothing was predicted."""
-        limit = self.sampling_params.max_tokens
-        return float(limit) if self.predicted_len is None else max(1.0, min(self.predicted_len, limit))
+        """The first point estimate of output length within [max(1, min_tokens), max_tokens];
+        max_tokens when nothing was predicted."""
+        params = self.sampling_params
+        return params.clamp_length(params.max_tokens if self.predicted_len is None else self.predicted_len)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -77,9 +77,12 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
 def stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """The finished status a just-sampled token puts the request in, if any."""
     params = request.sampling_params
-    if token == request.eos_token_id and not params.ignore_eos:
+    # Before min_tokens the sampler rules stop tokens out; one it could not (every allowed token
+    # a stop token) does not stop the request either, as in vLLM.
+    may_stop = request.num_output_tokens > params.min_tokens
+    if may_stop and token == request.eos_token_id and not params.ignore_eos:
         return RequestStatus.FINISHED_STOPPED
-    if token in params.stop_token_ids:
+    if may_stop and token in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH

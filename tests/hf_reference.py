@@ -75,3 +75,29 @@ def hf_greedy_penalized(model_dir, prompt: list[int], num_tokens: int, *, repeti
             output.append(int(scores[0].argmax()))
             ids.append(output[-1])
     return output
+
+
+def hf_greedy_processed(model_dir, prompt: list[int], num_tokens: int, *, stop_ids: list[int],
+                        min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
+                        allowed: list[int] | None = None) -> list[int]:
+    """Reference greedy tokens through HF's own logits processors: allowed tokens (prefix
+    constrained), the minimum new tokens before any of `stop_ids`, a per-token bias; the output
+    ends at the first stop id generated (kept, as the engine keeps it) or after num_tokens."""
+    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                              PrefixConstrainedLogitsProcessor, SequenceBiasLogitsProcessor)
+
+    processors = LogitsProcessorList()
+    if allowed is not None:
+        processors.append(PrefixConstrainedLogitsProcessor(lambda batch_id, ids: allowed, num_beams=1))
+    if min_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, stop_ids))
+    if logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[token], bias] for token, bias in logit_bias.items()]))
+    model = hf_model(model_dir)
+    ids, output = list(prompt), []
+    with torch.inference_mode():
+        while len(output) < num_tokens and not (output and output[-1] in stop_ids):
+            scores = processors(torch.tensor([ids]), model(torch.tensor([ids])).logits[:, -1].float())
+            output.append(int(scores[0].argmax()))
+            ids.append(output[-1])
+    return output

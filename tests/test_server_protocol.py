@@ -74,14 +74,17 @@ def client(served) -> openai.OpenAI:
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
     ("min_p", True), ("presence_penalty", True), ("repetition_penalty", False),
     # Fields that would change the output in ways this server does not implement: refused, not ignored.
-    ("min_tokens", 3), ("best_of", 2), ("logit_bias", {"1": 100}), ("top_logprobs", 2),
+    ("min_tokens", -1), ("min_tokens", True), ("min_tokens", 3), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"1": True}), ("logit_bias", {"49152": 1}), ("logit_bias", [1]),
+    ("allowed_token_ids", []), ("allowed_token_ids", [49152]),
+    ("best_of", 2), ("top_logprobs", 2),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
     # vLLM's and OpenAI's newer output-changing fields, refused rather than silently ignored.
     ("include_stop_str_in_output", True), ("add_generation_prompt", False), ("continue_final_message", True),
     ("skip_special_tokens", False), ("echo", True), ("use_beam_search", True), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"regex": "a+"}), ("allowed_token_ids", [1, 2]), ("functions", [{"name": "f"}]),
+    ("structured_outputs", {"regex": "a+"}), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("bad_words", ["x"]), ("truncate_prompt_tokens", 8), ("prompt_logprobs", 1), ("length_penalty", 0.5),
@@ -127,6 +130,8 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_keeps_ser
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "stop_token_ids", [-1]), ("/v1/chat/completions", "stop_token_ids", [True]),
+    ("/v1/chat/completions", "allowed_token_ids", [-1]), ("/v1/completions", "allowed_token_ids", [True]),
+    ("/v1/completions", "logit_bias", {"1": "big"}),
     ("/v1/completions", "prompt", [True, 5])])
 def test_token_ids_are_strict_integers(served, path, field, value):
     # Before, a negative stop id got a 400 naming no field, and JSON true was taken as token id 1.
@@ -160,7 +165,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
     neutral = {"include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,
                "skip_special_tokens": True, "echo": False, "use_beam_search": False, "guided_json": None,
                "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-               "allowed_token_ids": None, "functions": [], "function_call": "none", "prediction": None,
+               "functions": [], "function_call": "none", "prediction": None,
                "audio": None, "modalities": ["text"], "bad_words": [], "truncate_prompt_tokens": None,
                "prompt_logprobs": None, "length_penalty": 1.0, "spaces_between_special_tokens": True,
                "chat_template": None, "chat_template_kwargs": {}}

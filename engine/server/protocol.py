@@ -2,7 +2,7 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (best_of, prompt logprobs, min_tokens, logit_bias, tools
+fields the server cannot honour (best_of, prompt logprobs, tools
 and functions, JSON mode and guided decoding, beam search, echo, chat-template switches, non-text
 content or output) are refused with a 400 unless they carry their neutral value, rather than
 silently dropped: a client would otherwise get other output than it asked for, and no signal.
@@ -75,11 +75,36 @@ class _Request(CompletionUnsupportedFields):
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)  # no stop before this many tokens
+    # Token ids the model may generate (the engine checks them against the vocabulary).
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
+    logit_bias: dict[str, float] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                                           "repetition_penalty", mode="before")(classmethod(null_is_the_default))
+                                           "repetition_penalty", "min_tokens",
+                                           mode="before")(classmethod(null_is_the_default))
     _numbers_are_not_bools = field_validator("n", "min_p", "presence_penalty", "frequency_penalty",
-                                             "repetition_penalty", mode="before")(classmethod(not_a_bool))
+                                             "repetition_penalty", "min_tokens", mode="before")(classmethod(not_a_bool))
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases_are_numbers(cls, bias: Any) -> Any:
+        if isinstance(bias, dict) and any(isinstance(value, bool) for value in bias.values()):
+            raise ValueError("logit_bias maps token ids to numbers, not to true or false")
+        return bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        return bias
+
+    def token_logit_bias(self) -> dict[int, float]:
+        """SamplingParams.logit_bias: the bias keyed by token id."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     @field_validator("*", mode="before")
     @classmethod

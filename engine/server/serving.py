@@ -181,6 +181,17 @@ class OpenAIServing:
         if any(not 0 <= i < vocab for i in ids):
             raise errors.invalid_field("prompt", f"prompt: token ids must lie in [0, {vocab})")
 
+    def _check_sampler_fields(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                              max_tokens_param: str) -> None:
+        """The checks that need the output limit or the vocabulary, each naming its field."""
+        if body.min_tokens > max_tokens:
+            raise errors.invalid_field("min_tokens", f"min_tokens: {body.min_tokens} is more than the "
+                                       f"{max_tokens} tokens {max_tokens_param} allows")
+        vocab = len(self.tokenizer)
+        for field, ids in (("logit_bias", body.token_logit_bias()), ("allowed_token_ids", body.allowed_token_ids or ())):
+            if any(i >= vocab for i in ids):
+                raise errors.invalid_field(field, f"{field}: token ids must lie in [0, {vocab})")
+
     def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
                        max_tokens_param: str) -> int:
         """The max_tokens to use; raises context_length_exceeded when prompt + output cannot fit."""
@@ -203,13 +214,16 @@ class OpenAIServing:
             raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
         max_tokens_param, max_tokens = body.requested_max_tokens()
         max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param, max_tokens_param)
+        self._check_sampler_fields(body, max_tokens, max_tokens_param)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
                                     frequency_penalty=body.frequency_penalty,
-                                    repetition_penalty=body.repetition_penalty)
+                                    repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                                    logit_bias=body.token_logit_bias(),
+                                    allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids))
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]

@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 # Field -> the values that change nothing. A field is checked on every endpoint whose request
 # model declares it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "min_tokens": (0,), "best_of": (None, 1), "logit_bias": (None, {}),
+    "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
     # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
@@ -35,9 +35,7 @@ class CompletionUnsupportedFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    min_tokens: int | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
     tools: list[dict[str, Any]] | None = None
@@ -54,7 +52,6 @@ class CompletionUnsupportedFields(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
 

@@ -1,0 +1,174 @@
+"""Logits processors (allowed_token_ids, min_tokens, logit_bias): each edits only the rows that
+ask for it, as defined; the engine's greedy tokens under them equal HF's own processors, batched
+beside unprocessed requests and after recompute preemption; stop strings wait for min_tokens;
+bad values are refused; the server applies what it is sent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.logits_processors import DEFAULT_PROCESSORS, AllowedTokenIds, LogitBias, MinTokens, process_logits
+from hf_reference import hf_greedy, hf_greedy_processed, random_prompts
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.step import stop_status
+
+EOS = 2
+NUM_TOKENS = 8
+
+
+def request_with(params: SamplingParams, output: list[int] = ()) -> Request:
+    request = Request("r", [5, 6], params, arrival_time=0.0, eos_token_id=EOS)
+    request.output_token_ids = list(output)
+    return request
+
+
+# ---- definitions, on a six-token vocabulary --------------------------------------------------
+def test_each_processor_edits_its_rows_and_nothing_else() -> None:
+    logits = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    plain = request_with(SamplingParams())
+    assert process_logits(logits, [plain, plain]) is logits
+    rows = [request_with(SamplingParams(allowed_token_ids=(1, 4))), plain]
+    out = process_logits(logits, rows)
+    assert out[0].tolist() == [-math.inf, 1.0, -math.inf, -math.inf, 4.0, -math.inf]
+    assert out[1].tolist() == logits[1].tolist() and logits[0, 0] == 0.0  # the other row, and the input, untouched
+    biased = request_with(SamplingParams(logit_bias={3: -2.5, 0: 250.0}))  # 250 is clamped to 100
+    assert process_logits(logits, [plain, biased])[1].tolist() == [106.0, 7.0, 8.0, 6.5, 10.0, 11.0]
+
+
+def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> None:
+    logits = torch.zeros(1, 6)
+    params = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(4, 99))  # 99: beyond the vocabulary
+    for output, masked in (([], [EOS, 4]), ([3], [EOS, 4]), ([3, 3], [])):
+        out = process_logits(logits, [request_with(params, output)])
+        assert [t for t in range(6) if out[0, t] == -math.inf] == masked, output
+    no_eos = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(4,), ignore_eos=True)
+    out = process_logits(logits, [request_with(no_eos)])
+    assert [t for t in range(6) if out[0, t] == -math.inf] == [4]
+    # And a stop token that slips through (every allowed token a stop) does not stop it early.
+    early = request_with(params, [EOS])
+    assert stop_status(early, EOS, max_model_len=100) is None
+    assert stop_status(request_with(params, [3, 3, EOS]), EOS, max_model_len=100) is RequestStatus.FINISHED_STOPPED
+
+
+def test_the_processors_run_in_vllms_order() -> None:
+    order = [type(p).__name__ for p in DEFAULT_PROCESSORS]
+    assert order[:3] == [AllowedTokenIds.__name__, MinTokens.__name__, LogitBias.__name__]
+    assert order[3] == "Penalties"
+
+
+def test_sampling_params_check_the_new_fields() -> None:
+    for bad, field in ((dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
+                       (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(logit_bias={1: math.nan}), "logit_bias"),
+                       (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
+                       (dict(logit_bias=[(1,)]), "logit_bias"), (dict(allowed_token_ids=()), "allowed_token_ids"),
+                       (dict(allowed_token_ids=[1, -2]), "allowed_token_ids")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    params = SamplingParams(logit_bias={7: -300, 2: 1}, allowed_token_ids=[3, 1])
+    assert params.logit_bias == ((2, 1.0), (7, -100.0)) and params.allowed_token_ids == (3, 1)
+    assert SamplingParams(logit_bias=[[2, 1.0], [7, -300]]) == params.__class__(logit_bias={2: 1, 7: -100})
+
+
+def test_min_tokens_floors_the_length_the_policies_rank_by() -> None:
+    request = request_with(SamplingParams(max_tokens=50, min_tokens=20))
+    request.predicted_len = 3.0
+    assert request.predicted_total == 20.0
+    request.predicted_len = 80.0
+    assert request.predicted_total == 50.0
+
+
+# ---- against HF's processors on the tiny model -------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts([30, 46, 14], seed=11)  # each two tokens short of a block boundary
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_model_dir, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_model_dir, prompts, NUM_TOKENS)
+
+
+def cases(prompts, plain_greedy) -> list[tuple[list[int], dict, dict]]:
+    """(prompt, SamplingParams extras, hf_greedy_processed extras): each aimed at tokens the plain
+    greedy path takes, so that it must change that path."""
+    (g0, g1, g2) = plain_greedy
+    allowed = sorted({*range(100, 160)} - set(g0))
+    return [
+        # The second greedy token is a stop token: min_tokens 4 keeps it out of the first four.
+        (prompts[1], dict(stop_token_ids=(g1[1],), min_tokens=4), dict(stop_ids=[g1[1]], min_tokens=4)),
+        (prompts[0], dict(allowed_token_ids=allowed), dict(stop_ids=[], allowed=allowed)),
+        (prompts[2], dict(logit_bias={g2[0]: -100.0, g2[3]: 3.0}), dict(stop_ids=[], logit_bias={g2[0]: -100.0, g2[3]: 3.0})),
+    ]
+
+
+@pytest.mark.parametrize("setting", ["batched", "recompute"])
+def test_processed_greedy_tokens_match_hf(tiny_model_dir, prompts, plain_greedy, setting) -> None:
+    tight = {"num_gpu_blocks": 7, "preemption_mode": "recompute"} if setting == "recompute" else {}
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, max_num_batched_tokens=64, **tight)
+    chosen = cases(prompts, plain_greedy)
+    base = dict(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    # The processed requests share their batches with unprocessed twins.
+    params = [SamplingParams(**base, **extra) for _, extra, _ in chosen] + [SamplingParams(**base)] * len(chosen)
+    outputs = llm.generate([p for p, _, _ in chosen] * 2, params)
+    assert (llm.engine.stats().scheduler.num_preemptions > 0) == (setting == "recompute")
+    for (prompt, _, reference), output, twin in zip(chosen, outputs, outputs[len(chosen):]):
+        expected = hf_greedy_processed(tiny_model_dir, prompt, NUM_TOKENS, **reference)
+        assert list(output.token_ids) == expected
+        assert list(twin.token_ids) == plain_greedy[prompts.index(prompt)]
+        assert expected != list(twin.token_ids)  # the processor changed the path: the comparison means something
+    min_tokens_output = outputs[0]
+    assert len(min_tokens_output.token_ids) > 4 and min_tokens_output.finish_reason in ("stop", "length")
+
+
+def test_stop_strings_are_searched_only_past_min_tokens(tiny_model_dir, prompts) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    base = dict(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    (plain,) = llm.generate([prompts[0]], SamplingParams(**base))
+    stop = llm.engine.tokenizer.decode(plain.token_ids[1:2]).strip()
+    assert stop and plain.text.count(stop) == 1
+    (early,) = llm.generate([prompts[0]], SamplingParams(**base, stop=(stop,)))
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    (late,) = llm.generate([prompts[0]], SamplingParams(**base, stop=(stop,), min_tokens=3))
+    # Its logits are untouched (no stop token ids): the plain path, the stop string kept in the text.
+    assert late.token_ids == plain.token_ids and late.text == plain.text and late.finish_reason == "length"
+
+
+def test_the_engine_refuses_token_ids_it_cannot_honour(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    for params, message in ((SamplingParams(logit_bias={49152: 1.0}), "logit_bias names token ids outside"),
+                            (SamplingParams(allowed_token_ids=(3, 49999)), "allowed_token_ids names token ids outside"),
+                            (SamplingParams(allowed_token_ids=(EOS,), min_tokens=2), "only stop tokens")):
+        with pytest.raises(ValueError, match=message):
+            llm.engine.add_request("x", [5, 6, 7], params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# ---- through the server ------------------------------------------------------------------------
+def test_the_server_applies_bias_allowed_ids_and_min_tokens(tiny_model_dir) -> None:
+    from test_server import MODEL, error_of, openai_client, post, serving, tiny_engine
+
+    engine = tiny_engine(tiny_model_dir)
+    tokenizer = engine.tokenizer
+    favourite = tokenizer.encode(" blue", add_special_tokens=False)[0]
+    with serving(engine) as (base_url, _):
+        client = openai_client(base_url)
+        kwargs = dict(model=MODEL, prompt="Colours:", max_tokens=3, temperature=0)
+        biased = client.completions.create(logit_bias={str(favourite): 100}, extra_body={"ignore_eos": True}, **kwargs)
+        assert biased.choices[0].text == tokenizer.decode([favourite] * 3)
+        allowed = client.completions.create(extra_body={"allowed_token_ids": [favourite], "ignore_eos": True}, **kwargs)
+        assert allowed.choices[0].text == biased.choices[0].text
+        # The favoured token is a stop token: it ends the reply at once, or after min_tokens others.
+        stopping = {"stop_token_ids": [favourite], "ignore_eos": True}
+        kwargs["max_tokens"] = 8
+        at_once = client.completions.create(logit_bias={str(favourite): 100}, extra_body=stopping, **kwargs)
+        assert at_once.usage.completion_tokens == 1 and at_once.choices[0].finish_reason == "stop"
+        later = client.completions.create(logit_bias={str(favourite): 100}, extra_body={**stopping, "min_tokens": 3}, **kwargs)
+        assert later.usage.completion_tokens == 4 and later.choices[0].finish_reason == "stop"
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}
+        assert error_of(post(base_url, "/v1/completions", body), 400)["param"] == "min_tokens"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "min_tokens": 5}
+        assert "max_completion_tokens allows" in error_of(post(base_url, "/v1/chat/completions", chat), 400)["message"]

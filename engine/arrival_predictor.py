@@ -27,17 +27,21 @@ class ArrivalPredictor:
         self.max_batch = max_batch
 
     def predict_batch(self, batch: list[Submission]) -> None:
-        """Set each submission's prediction; on a predictor failure leave them unset."""
+        """Set each submission's prediction; on a predictor failure leave them unset.
+
+        Each distinct prompt is scored once: the n choices of one request share theirs, and so do
+        repeats of a popular prompt that arrive together."""
+        prompts = list(dict.fromkeys(s.prompt_text for s in batch))
         started = time.perf_counter()
         try:
-            predictions = self.predictor.predict([s.prompt_text for s in batch])
-            self.on_prediction(time.perf_counter() - started, len(batch))
+            predictions = dict(zip(prompts, self.predictor.predict(prompts)))
+            self.on_prediction(time.perf_counter() - started, len(prompts))
         except BaseException:  # noqa: BLE001 - on a worker thread, a SystemExit too must not strand the batch
             # Serving goes on without a prediction; the policy treats the length as unknown.
-            logger.exception("predictor failed on a batch of %d prompts", len(batch))
+            logger.exception("predictor failed on a batch of %d prompts", len(prompts))
             return
-        for submission, prediction in zip(batch, predictions):
-            submission.prediction = prediction
+        for submission in batch:
+            submission.prediction = predictions[submission.prompt_text]
 
     def run(self, arrivals: queue.SimpleQueue, commands: queue.SimpleQueue) -> None:
         """Score what arrives, up to `max_batch` at a time, and pass it on, until a None arrives.

@@ -13,13 +13,14 @@ import httpx
 import openai
 import pytest
 
+from engine.arrival_predictor import ArrivalPredictor
 from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestAborted, StreamEnd
 from engine.async_stream import EngineState, NullListener
-from engine.engine_commands import Stop
+from engine.engine_commands import Stop, Submission
 from engine.server import serve_cli
 from engine.server.app import ServerSettings, create_app
 from predictor.saved import load, save
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, Tier
 from test_server import MODEL, chars_predictor, running_server, slow_steps, tiny_engine
 from test_server_protocol import EncodeRecordingTokenizer
 
@@ -97,6 +98,24 @@ def test_arrivals_are_scored_in_one_batch_and_reach_the_scheduler(engine, overla
     assert all(out[-1].finished and len(out[-1].token_ids) == 40 for out in outputs)
     free, total = free_and_total(engine)
     assert free == total
+
+
+def test_a_batch_scores_each_distinct_prompt_once():
+    # The n choices of one request arrive together with one prompt: scored once, shared by all.
+    calls, latencies = [], []
+
+    class Recording:
+        def predict(self, prompts):
+            calls.append(list(prompts))
+            return chars_predictor().predict(prompts)
+
+    params = SamplingParams(max_tokens=4)
+    texts = ["same prompt", "other", "same prompt", "same prompt"]
+    batch = [Submission(f"r{i}", [1], text, params, Tier.STANDARD, 0, 0.0) for i, text in enumerate(texts)]
+    ArrivalPredictor(Recording(), lambda *latency: latencies.append(latency)).predict_batch(batch)
+    assert calls == [["same prompt", "other"]] and latencies[0][1] == 2
+    expected = dict(zip(calls[0], chars_predictor().predict(calls[0])))
+    assert [s.prediction for s in batch] == [expected[text] for text in texts]
 
 
 @pytest.mark.parametrize("how, error", [("drain", EngineShuttingDown), ("abort", RequestAborted)])

@@ -511,3 +511,21 @@ def test_a_lone_surrogate_is_found_in_keys_and_nested_values_but_not_in_pairs_or
     assert lone_surrogate_at("\U0001F600 a pair in JSON", "prompt") is None  # JSON's pair decodes to this
     assert lone_surrogate_at(list(range(10)), "prompt") is None and lone_surrogate_at(7, "seed") is None
     assert lone_surrogate_at([1, lone], "prompt") == "prompt.1"  # not all ids: every item is read
+
+
+def test_echo_puts_the_prompt_before_each_choice(served, client):
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="Once upon", **kwargs).choices[0].text
+    echoed = client.completions.create(prompt="Once upon", echo=True, n=2, **kwargs)
+    assert [c.text for c in echoed.choices] == ["Once upon" + plain] * 2
+    assert echoed.usage.completion_tokens == 8  # the echo is not counted as output
+    streamed = ["", ""]
+    for event in client.completions.create(prompt="Once upon", echo=True, n=2, stream=True, **kwargs):
+        for choice in event.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == ["Once upon" + plain] * 2
+    ids = served[2].encode("Once upon", add_special_tokens=False)
+    by_ids = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
+    assert by_ids.startswith(served[2].decode(ids)) and len(by_ids) > len(served[2].decode(ids))
+    refused = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1})
+    assert "echo with logprobs" in error_of(refused, 400)["message"]

@@ -3,7 +3,7 @@
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
 fields the server cannot honour (best_of, prompt logprobs, tools
-and functions, JSON mode and guided decoding, beam search, echo, chat-template switches, non-text
+and functions, JSON mode and guided decoding, beam search, chat's echo, chat-template switches, non-text
 content or output) are refused with a 400 unless they carry their neutral value, rather than
 silently dropped: a client would otherwise get other output than it asked for, and no signal.
 """
@@ -158,6 +158,8 @@ class CompletionRequest(_Request):
     # The legacy API's form: a count of alternatives per token (0: the sampled token's alone).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     top_logprobs: Any = None  # chat's field: refused here, so it is not silently ignored
+    # The prompt's text before each choice's (decoded, for a prompt of token ids).
+    echo: bool = False
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -177,6 +179,19 @@ class CompletionRequest(_Request):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo_is_a_bool(cls, value: Any) -> Any:
+        return False if value is None else value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        # With logprobs, vLLM returns the prompt's too; this server computes none for the prompt.
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        return echo
 
     @field_validator("prompt", mode="before")
     @classmethod

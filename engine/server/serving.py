@@ -88,11 +88,13 @@ class OpenAIServing:
         head = self._head("cmpl", body)
         streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
+        echoes = [prompt_text if body.echo else ""] * len(streams)  # each choice's first chunk carries it
 
         def chunk(index: int, text: str, finish: str | None,
                   entries: Sequence[TokenLogprobs] | None) -> CompletionResponse:
             logprobs = None if entries is None else self.logprobs.completion(entries, text_offsets[index])
             text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
+            text, echoes[index] = echoes[index] + text, ""
             return CompletionResponse(**head, choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                                         finish_reason=finish)])
 
@@ -105,7 +107,7 @@ class OpenAIServing:
 
         def reply() -> CompletionResponse:
             return CompletionResponse(**head, usage=usage_of(finals), choices=[CompletionChoice(
-                index=index, text=final.text, finish_reason=final.finish_reason,
+                index=index, text=echoes[index] + final.text, finish_reason=final.finish_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.completion(final.logprobs))
                 for index, final in enumerate(finals)])
 

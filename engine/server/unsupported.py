@@ -18,13 +18,15 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "echo": (None, False), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
-    # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "functions": (None, []),
+}
+# Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
+CHAT_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True), "echo": (None, False), "continue_final_message": (None, False), "functions": (None, []),
     "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "chat_template": (None,), "chat_template_kwargs": (None, {}),
 }
@@ -39,7 +41,6 @@ class CompletionUnsupportedFields(BaseModel):
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
     tools: list[dict[str, Any]] | None = None
-    echo: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -55,17 +56,19 @@ class CompletionUnsupportedFields(BaseModel):
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
 
-    @field_validator(*NEUTRAL_VALUES, check_fields=False)  # chat-only fields live on the subclass
+    @field_validator(*NEUTRAL_VALUES)
     @classmethod
     def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
         if info.field_name == "tools" and issubclass(cls, ChatUnsupportedFields):
             return _chat_tools(value, info.data.get("tool_choice"))
-        neutral = NEUTRAL_VALUES[info.field_name]
-        if value is not None and value not in neutral:
-            usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
-            raise ValueError(f"{info.field_name} is not supported by this server (send it unset"
-                             f"{' or ' + usable if usable else ''})")
-        return value
+        return _neutral_or_refused(value, info.field_name, NEUTRAL_VALUES[info.field_name])
+
+
+def _neutral_or_refused(value: Any, field: str, neutral: tuple[Any, ...]) -> Any:
+    if value is not None and value not in neutral:
+        usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
+        raise ValueError(f"{field} is not supported by this server (send it unset{' or ' + usable if usable else ''})")
+    return value
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
@@ -78,11 +81,11 @@ def _chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[di
 
 
 class ChatUnsupportedFields(BaseModel):
-    """The fields only chat takes (checked by the validator above, in the request that mixes both).
-
-    Chat takes `tools` with `tool_choice: "none"` (`_chat_tools`)."""
+    """The fields only chat takes. (Chat's `tools`, declared above, pass with `tool_choice:
+    "none"`: `_chat_tools`.)"""
 
     add_generation_prompt: bool | None = None
+    echo: bool | None = None  # vLLM's chat echo (the last message, when the reply continues its role)
     continue_final_message: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -91,3 +94,8 @@ class ChatUnsupportedFields(BaseModel):
     modalities: list[str] | None = None
     chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator(*CHAT_NEUTRAL_VALUES)
+    @classmethod
+    def _only_neutral_in_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral_or_refused(value, info.field_name, CHAT_NEUTRAL_VALUES[info.field_name])

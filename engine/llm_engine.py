@@ -30,7 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
-from scheduler.output import SchedulerOutput, TokenLogprobs
+from scheduler.output import PromptLogprobs, SchedulerOutput, TokenLogprobs
 from scheduler.request import ChoiceGroup, Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
@@ -121,6 +121,7 @@ class LLMEngine:
         self._detokenizers: dict[str, DetokenizerState] = {}
         self._num_reported: dict[str, int] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}  # requests that asked for them
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # likewise, by prompt position
         self._num_steps, self._step_time_s, self._forward_time_s, self._num_generated = 0, 0.0, 0.0, 0
         self.last_step: StepRecord | None = None
         log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
@@ -209,6 +210,8 @@ class LLMEngine:
         self._num_reported[request_id] = 0
         if params.logprobs is not None:
             self._logprobs[request_id] = []
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None]  # the first token has nothing before it
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id, self.now())
@@ -219,6 +222,7 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         self._num_reported.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -237,6 +241,7 @@ class LLMEngine:
             self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)
+        self._add_prompt_logprobs(runner_output.prompt_logprobs)
         outputs = [self._report(request, done, runner_output.logprobs) for request in progressed]
         step_time = self.now() - start
         self._num_steps += 1
@@ -274,6 +279,7 @@ class LLMEngine:
         # already finished it by length).
         finish_reason = "stop" if stop_string_found else request.status.finish_reason
         new_text = release(state, stops, request.is_finished)
+        prompt_logprobs = self._reported_prompt_logprobs(request)
         if request.is_finished:
             self._release(request_id)
         return RequestOutput(
@@ -283,7 +289,28 @@ class LLMEngine:
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
-            logprobs=None if logprobs is None else tuple(logprobs))
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=prompt_logprobs)
+
+    def _reported_prompt_logprobs(self, request: Request) -> tuple[TokenLogprobs | None, ...] | None:
+        """A request's prompt logprobs once every position has them (its first token is sampled
+        only after the whole prompt is prefilled, so every output carries them whole)."""
+        known = self._prompt_logprobs.get(request.request_id)
+        return tuple(known) if known is not None and len(known) == request.num_prompt_tokens else None
+
+    def _add_prompt_logprobs(self, found: dict[str, PromptLogprobs]) -> None:
+        """Extend each request's prompt logprobs with the positions it did not have: a prefill
+        recomputed after a preemption scores positions again, and the first scores are kept."""
+        for request_id, chunk in found.items():
+            known = self._prompt_logprobs.get(request_id)
+            if known is None:
+                continue  # finished or aborted meanwhile
+            if chunk.first_position > len(known):  # chunks come in order, so never: a gap would misplace them
+                log.error("request %s: prompt logprobs from position %d, after only %d; it reports none",
+                          request_id, chunk.first_position, len(known))
+                del self._prompt_logprobs[request_id]
+                continue
+            known.extend(chunk.entries[len(known) - chunk.first_position:])
 
     def _add_logprobs(self, request_id: str, new_ids: list[int],
                       step_logprobs: dict[str, TokenLogprobs]) -> list[TokenLogprobs] | None:

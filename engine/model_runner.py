@@ -3,11 +3,11 @@
 Per step: apply the swap copies (out before in; the scheduler never swaps in during a step that
 swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one
 [N] token batch with positions and slot mapping, build the AttentionMetadata once (every layer
-shares it), run the forward, and compute logits only at the last row of each chunk that samples.
-Those rows pass the logits processors their requests ask for (logits_processors.py: allowed
-tokens, min_tokens, logit bias, penalties), then are sampled; logprobs, where asked for, come
-from the raw logits. Tensors are built from a handful of vectorised ops per step,
-never per token or per layer.
+shares it), run the forward, and compute logits only at the last row of each chunk that samples
+(and at the prompt rows of requests that ask for prompt logprobs). The sampled rows pass the
+logits processors their requests ask for (logits_processors.py: allowed tokens, min_tokens, logit
+bias, penalties), then are sampled; logprobs, where asked for, come from the raw logits. Tensors
+are built from a handful of vectorised ops per step, never per token or per layer.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.logits_processors import process_logits
 from engine.sampler import Sampler, token_logprobs
-from scheduler.output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, PromptLogprobs, ScheduledChunk, SchedulerOutput
 from scheduler.request import Request
+
+
+# Prompt positions per LM-head call when a request asks for prompt logprobs: 256 rows of a
+# 49k vocabulary are 50 MB of float32 logits, and a prefill chunk may hold thousands of rows.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -115,5 +120,27 @@ class ModelRunner:
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}
+        prompt_logprobs = self._prompt_logprobs(hidden, output.chunks, batch.metadata.query_start_loc_host, request_of)
         self.last_times = StepTimes(prepared - start, forwarded - prepared, self._clock() - forwarded)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk], query_starts: Sequence[int],
+                         request_of: Callable[[str], Request]) -> dict[str, PromptLogprobs]:
+        """For each chunk whose request asks: the logprobs of the prompt tokens its rows predict
+        (row p predicts position p + 1), from the raw logits, PROMPT_LOGPROBS_ROWS rows at a time."""
+        found = {}
+        for chunk, first_row in zip(chunks, query_starts):
+            request = request_of(chunk.request_id)
+            count = request.sampling_params.prompt_logprobs
+            start = chunk.start_position
+            stop = min(start + len(chunk.token_ids), request.num_prompt_tokens - 1)
+            if count is None or stop <= start:
+                continue
+            targets = request.prompt_token_ids[start + 1:stop + 1]
+            entries = []
+            for offset in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                piece = targets[offset:offset + PROMPT_LOGPROBS_ROWS]
+                rows = hidden[first_row + offset:first_row + offset + len(piece)]
+                entries += token_logprobs(self.model.compute_logits(rows), piece, [count] * len(piece))
+            found[chunk.request_id] = PromptLogprobs(start + 1, tuple(entries))
+        return found

@@ -28,3 +28,5 @@ class RequestOutput:
     report_time: float | None = None  # engine clock at the end of the step that produced this output
     # One per generated token (token_ids), when the request's SamplingParams asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # One per prompt token, None for the first, when the SamplingParams asked for prompt logprobs.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None

@@ -80,22 +80,24 @@ class Sampler:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
                    counts: Sequence[int | None]) -> list[TokenLogprobs | None]:
-    """Per row of logits [R, vocab]: the log-probability of tokens[r] and the counts[r] likeliest
-    tokens, or None where counts[r] is None. Read from the raw logits, as vLLM's default reports
+    """Per row of logits [R, vocab]: the log-probability and rank of tokens[r] and the counts[r]
+    likeliest tokens, or None where counts[r] is None. Read from the raw logits, as vLLM's default reports
     them and whatever the row's temperature or top-p: the model's distribution, not the sampler's."""
     rows = [r for r, count in enumerate(counts) if count is not None]
     results: list[TokenLogprobs | None] = [None] * len(counts)
     if not rows:
         return results
     logprobs = logits[rows].float().log_softmax(dim=-1).clamp(min=LOGPROB_FLOOR)
-    chosen = logprobs.gather(-1, torch.tensor([[tokens[r]] for r in rows], device=logits.device)).squeeze(-1)
+    chosen = logprobs.gather(-1, torch.tensor([[tokens[r]] for r in rows], device=logits.device))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
     widest = max(counts[r] for r in rows)
     top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
     # One copy to the host per tensor (on a GPU, one sync each), then plain lists.
-    chosen_list, value_rows, id_rows = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    chosen_list, rank_list = chosen.squeeze(-1).tolist(), ranks.tolist()
+    value_rows, id_rows = top_values.tolist(), top_ids.tolist()
     for index, row in enumerate(rows):
         top = tuple(zip(id_rows[index][:counts[row]], value_rows[index][:counts[row]]))
-        results[row] = TokenLogprobs(tokens[row], chosen_list[index], top)
+        results[row] = TokenLogprobs(tokens[row], chosen_list[index], top, rank_list[index])
     return results
 
 

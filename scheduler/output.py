@@ -51,6 +51,16 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), likeliest first; as many as asked
+    rank: int | None = None  # of token_id in the vocabulary, 1 the likeliest (ties share the best)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prefill chunk's share of a prompt's logprobs: entries[i] is the prompt token at position
+    first_position + i, given the tokens before it."""
+
+    first_position: int
+    entries: tuple[TokenLogprobs, ...]
 
 
 @dataclass(frozen=True)
@@ -59,3 +69,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # For the sampled requests that asked for logprobs; the scheduler ignores them.
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # For the prefill chunks of requests that asked for prompt logprobs (a recomputed prefill
+    # repeats positions already sent); the scheduler ignores them.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -89,6 +89,8 @@ class SamplingParams:
     # None: no logprobs. N >= 0: each generated token's log-probability under the model, with the
     # N likeliest alternatives at that position.
     logprobs: int | None = None
+    # vLLM's: None, or each prompt token's log-probability (after the first) with N alternatives.
+    prompt_logprobs: int | None = None
     # As OpenAI and vLLM define them: presence and frequency penalties subtract from the logit of
     # every token already generated (once, or once per occurrence); the repetition penalty (HF's,
     # over prompt and output) divides a positive logit and multiplies a negative one.
@@ -121,8 +123,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         self._check_penalties()
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")

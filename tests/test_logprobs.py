@@ -27,6 +27,8 @@ def test_token_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
     assert entries[2].logprob == pytest.approx(float(reference[2, 9]), abs=1e-6)
     first = entries[0]
     assert first.token_id == 7 and first.logprob == pytest.approx(float(reference[0, 7]), abs=1e-6)
+    assert first.rank == 1 + int((reference[0] > reference[0, 7]).sum())
+    assert token_logprobs(logits, [int(logits[0].argmax())], [0])[0].rank == 1
     best = reference[0].argsort(descending=True)[:2].tolist()
     assert [token for token, _ in first.top] == best
     assert [value for _, value in first.top] == pytest.approx(reference[0, best].tolist(), abs=1e-6)

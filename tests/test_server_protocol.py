@@ -87,7 +87,7 @@ def client(served) -> openai.OpenAI:
     ("structured_outputs", {"regex": "a+"}), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("bad_words", ["x"]), ("truncate_prompt_tokens", 8), ("prompt_logprobs", 1), ("length_penalty", 0.5),
+    ("bad_words", ["x"]), ("truncate_prompt_tokens", 8), ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("chat_template", "{{ messages }}"),
     ("chat_template_kwargs", {"enable_thinking": True}),
 ])
@@ -527,5 +527,6 @@ def test_echo_puts_the_prompt_before_each_choice(served, client):
     ids = served[2].encode("Once upon", add_special_tokens=False)
     by_ids = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
     assert by_ids.startswith(served[2].decode(ids)) and len(by_ids) > len(served[2].decode(ids))
-    refused = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1})
-    assert "echo with logprobs" in error_of(refused, 400)["message"]
+    refused = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1,
+                                                  "stream": True})
+    assert "echo with logprobs is not available with stream" in error_of(refused, 400)["message"]

@@ -1,7 +1,8 @@
 """Logprobs in OpenAI's two response shapes, from the engine's TokenLogprobs.
 
 Completions (the legacy API): {"tokens", "token_logprobs", "top_logprobs", "text_offset"},
-parallel lists with one entry per generated token; each top_logprobs entry is a dict of token text
+parallel lists with one entry per generated token (after one per prompt token when the prompt
+is echoed, the first with null values); each top_logprobs entry is a dict of token text
 to logprob holding the likeliest alternatives and the sampled token (as vLLM lists it; where two
 of them decode to one text, the likelier value stays). Chat: {"content": [{"token", "logprob",
 "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": None}.
@@ -11,7 +12,8 @@ usage, as vLLM counts it). A token's text is its own decoding: a token holding p
 character reads as U+FFFD, and a special token as its name. So text_offset, the running sum of
 those texts' lengths (as vLLM computes it), indexes the completion's text only until such a token.
 `bytes` are the token's own bytes (byte-level BPE pieces mapped back to bytes), so a client can
-rebuild a character split over tokens, as OpenAI intends them.
+rebuild a character split over tokens, as OpenAI intends them. vLLM's prompt_logprobs: per prompt
+token, null for the first, else {token id: {"logprob", "rank", "decoded_token"}}.
 
 Plain dicts, not pydantic models: a reply of thousands of tokens with twenty alternatives each
 would spend seconds validating objects.
@@ -75,6 +77,36 @@ class LogprobsFormatter:
             text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries],
                 "top_logprobs": [self._top_dict(entry) for entry in entries], "text_offset": offsets}
+
+    def echoed_completion(self, prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprobs | None],
+                          entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """Completions' logprobs with the prompt's tokens first (echo), the first of them with a
+        null logprob and null alternatives, as vLLM gives them."""
+        tokens = [self.text(token_id) for token_id in prompt_ids]
+        offsets = []
+        text_offset = 0
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        generated = self.completion(entries, text_offset)
+        return {"tokens": tokens + generated["tokens"],
+                "token_logprobs": [None if e is None else e.logprob for e in prompt_entries] + generated["token_logprobs"],
+                "top_logprobs": [None if e is None else self._top_dict(e) for e in prompt_entries] + generated["top_logprobs"],
+                "text_offset": offsets + generated["text_offset"]}
+
+    def prompt(self, entries: Sequence[TokenLogprobs | None]) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob,
+        rank, decoded_token}} for the prompt's token and the likeliest alternatives."""
+        return [None if entry is None else self._ranked(entry) for entry in entries]
+
+    def _ranked(self, entry: TokenLogprobs) -> dict[str, dict[str, Any]]:
+        ranked = {str(entry.token_id): self._vllm_logprob(entry.token_id, entry.logprob, entry.rank)}
+        for index, (token_id, logprob) in enumerate(entry.top):
+            ranked.setdefault(str(token_id), self._vllm_logprob(token_id, logprob, index + 1))
+        return ranked
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
 
     def _top_dict(self, entry: TokenLogprobs) -> dict[str, float]:
         top: dict[str, float] = {}

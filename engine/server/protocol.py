@@ -2,7 +2,7 @@
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
-fields the server cannot honour (best_of, prompt logprobs, tools
+fields the server cannot honour (best_of, tools
 and functions, JSON mode and guided decoding, beam search, chat's echo, chat-template switches, non-text
 content or output) are refused with a 400 unless they carry their neutral value, rather than
 silently dropped: a client would otherwise get other output than it asked for, and no signal.
@@ -76,6 +76,8 @@ class _Request(CompletionUnsupportedFields):
     # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)  # no stop before this many tokens
+    # Each prompt token's logprob with this many alternatives (not streamed, as in vLLM).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Token ids the model may generate (the engine checks them against the vocabulary).
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
@@ -85,7 +87,19 @@ class _Request(CompletionUnsupportedFields):
                                            "repetition_penalty", "min_tokens",
                                            mode="before")(classmethod(null_is_the_default))
     _numbers_are_not_bools = field_validator("n", "min_p", "presence_penalty", "frequency_penalty",
-                                             "repetition_penalty", "min_tokens", mode="before")(classmethod(not_a_bool))
+                                             "repetition_penalty", "min_tokens", "prompt_logprobs",
+                                             mode="before")(classmethod(not_a_bool))
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_are_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream: true")
+        return value
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs."""
+        return self.prompt_logprobs
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -187,11 +201,16 @@ class CompletionRequest(_Request):
 
     @field_validator("echo")
     @classmethod
-    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
-        # With logprobs, vLLM returns the prompt's too; this server computes none for the prompt.
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+    def _echo_with_logprobs_is_not_streamed(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None and info.data.get("stream"):
+            raise ValueError("echo with logprobs is not available with stream: true (send it without stream)")
         return echo
+
+    def requested_prompt_logprobs(self) -> int | None:
+        # Echoed with logprobs, the prompt's tokens get theirs too, as many alternatives (vLLM's rule).
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -333,9 +352,22 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class CompletionReplyChoice(CompletionChoice):
+    """A choice of a whole (not streamed) reply: vLLM's shape, with its prompt logprobs."""
+
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # logprobs.py gives its shape
+
+
 class CompletionResponse(_ResponseHead):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+
+
+class CompletionReply(CompletionResponse):
+    """A whole (not streamed) reply. Its own class, because pydantic serializes a field by its
+    declared type: CompletionReplyChoice's extra field would be dropped from a CompletionResponse."""
+
+    choices: list[CompletionReplyChoice]
 
 
 class ChatMessageOut(BaseModel):
@@ -353,6 +385,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, as in completions
 
 
 class ChatDelta(BaseModel):

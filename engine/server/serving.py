@@ -33,8 +33,9 @@ from engine.server.limits import check_text_length, longest_token_lengths
 from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-                                    ChatMessageOut, CompletionChoice, CompletionRequest,
-                                    CompletionResponse, new_id, now_s)
+                                    ChatMessageOut, CompletionChoice, CompletionReply,
+                                    CompletionReplyChoice, CompletionRequest, CompletionResponse,
+                                    new_id, now_s)
 from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
@@ -105,10 +106,12 @@ class OpenAIServing:
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
 
-        def reply() -> CompletionResponse:
-            return CompletionResponse(**head, usage=usage_of(finals), choices=[CompletionChoice(
+        def reply() -> CompletionReply:
+            prompt_logprobs = self._prompt_logprobs(finals, body.prompt_logprobs)
+            return CompletionReply(**head, usage=usage_of(finals), choices=[CompletionReplyChoice(
                 index=index, text=echoes[index] + final.text, finish_reason=final.finish_reason,
-                logprobs=None if final.logprobs is None else self.logprobs.completion(final.logprobs))
+                logprobs=self._completion_logprobs(final, finals[0].prompt_logprobs, prompt_ids, body.echo),
+                prompt_logprobs=prompt_logprobs)
                 for index, final in enumerate(finals)])
 
         return await _json_reply(reply, finals)
@@ -141,9 +144,24 @@ class OpenAIServing:
             return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[ChatChoice(
                 index=index, message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
-                for index, final in enumerate(finals)])
+                for index, final in enumerate(finals)], prompt_logprobs=self._prompt_logprobs(finals, body.prompt_logprobs))
 
         return await _json_reply(reply, finals)
+
+    def _completion_logprobs(self, final: RequestOutput, prompt_entries: Sequence[TokenLogprobs | None] | None,
+                             prompt_ids: list[int], echo: bool) -> dict[str, Any] | None:
+        if final.logprobs is None:
+            return None
+        if echo and prompt_entries is not None:
+            return self.logprobs.echoed_completion(prompt_ids, prompt_entries, final.logprobs)
+        return self.logprobs.completion(final.logprobs)
+
+    def _prompt_logprobs(self, finals: Sequence[RequestOutput], asked: int | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs field, only when the client asked for it (echo's are in logprobs).
+        The choices share one prompt, so only the first choice scores it (_choice_params)."""
+        if asked is None or finals[0].prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(finals[0].prompt_logprobs)
 
     def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
@@ -222,6 +240,7 @@ class OpenAIServing:
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
+                                    prompt_logprobs=body.requested_prompt_logprobs(),
                                     frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                                     logit_bias=body.token_logit_bias(),
@@ -315,15 +334,18 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
     def render() -> Response:
         return Response(reply().model_dump_json(), media_type="application/json")
 
-    if all(final.logprobs is None for final in finals):
+    if all(final.logprobs is None and final.prompt_logprobs is None for final in finals):
         return render()
     return await asyncio.to_thread(render)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    if index == 0 or params.seed is None:
+    """Choice i's parameters: seed + i (wrapped within a seed's 64 bits), and no prompt logprobs
+    after the first choice, which scores the prompt they share."""
+    if index == 0:
         return params
-    return replace(params, seed=(params.seed + index) & SEED_MAX)  # wrapped within a seed's 64 bits
+    seed = None if params.seed is None else (params.seed + index) & SEED_MAX
+    return replace(params, seed=seed, prompt_logprobs=None)
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

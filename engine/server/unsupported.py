@@ -21,7 +21,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
-    "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
@@ -54,7 +54,6 @@ class CompletionUnsupportedFields(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
 
     @field_validator(*NEUTRAL_VALUES)
     @classmethod

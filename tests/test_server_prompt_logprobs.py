@@ -1,0 +1,133 @@
+"""Prompt logprobs over HTTP, with the official openai client against a real uvicorn server:
+vLLM's `prompt_logprobs` field (completions per choice, chat at the top level) and completions'
+`echo` with `logprobs`, each against the offline engine's prompt logprobs for the same ids (which
+tests/test_prompt_logprobs.py checks against HF); the n choices of one request share one scoring;
+the streamed forms are 400s naming their field."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.llm import LLM
+from engine.server.serving import _choice_params
+from scheduler.request import SamplingParams
+from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
+from test_server_logprobs import CHAT, PROMPT_IDS, DecodeThreads, chat_prompt_ids
+
+TOP = 2
+NUM_TOKENS = 4
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    with serving(tiny_engine(tiny_model_dir)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai_client(served[0])
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    """The engine alone: greedy output with logprobs and prompt logprobs for prompt ids."""
+    llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
+
+    def generate(prompt_ids: list[int]):
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP,
+                                prompt_logprobs=TOP)
+        return llm.generate([prompt_ids], params)[0]
+
+    return generate, llm.engine.tokenizer
+
+
+def assert_vllm_prompt_logprobs(served_entries, expected, tokenizer) -> None:
+    """vLLM's shape: None first, then {token id: {logprob, rank, decoded_token}} holding the
+    prompt's token (with its rank) and the TOP likeliest (ranks 1..TOP)."""
+    assert len(served_entries) == len(expected) and served_entries[0] is None
+    for served_entry, entry in zip(served_entries[1:], expected[1:]):
+        wanted = {entry.token_id: entry.rank, **{t: rank for rank, (t, _) in enumerate(entry.top, start=1)}}
+        assert {int(key) for key in served_entry} == set(wanted)
+        for key, item in served_entry.items():
+            assert item["rank"] == wanted[int(key)] and item["decoded_token"] == tokenizer.decode([int(key)])
+        assert served_entry[str(entry.token_id)]["logprob"] == pytest.approx(entry.logprob, abs=ATOL)
+        for token_id, value in entry.top:
+            assert served_entry[str(token_id)]["logprob"] == pytest.approx(value, abs=ATOL)
+
+
+def test_completion_prompt_logprobs_are_the_engines_in_every_choice(served, client, offline) -> None:
+    generate, tokenizer = offline
+    expected = generate(PROMPT_IDS)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=NUM_TOKENS, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True, "prompt_logprobs": TOP})
+    assert [choice.logprobs for choice in reply.choices] == [None, None]  # logprobs were not asked for
+    for choice in reply.choices:
+        assert_vllm_prompt_logprobs(choice.prompt_logprobs, expected.prompt_logprobs, tokenizer)
+    engine_idle_and_intact(served[1])
+
+
+def test_chat_prompt_logprobs_are_the_engines(client, offline) -> None:
+    generate, tokenizer = offline
+    expected = generate(chat_prompt_ids(tokenizer))
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NUM_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True, "prompt_logprobs": TOP})
+    assert len(reply.prompt_logprobs) == reply.usage.prompt_tokens
+    assert_vllm_prompt_logprobs(reply.prompt_logprobs, expected.prompt_logprobs, tokenizer)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NUM_TOKENS, temperature=0)
+    assert plain.model_extra.get("prompt_logprobs") is None
+
+
+def test_echo_with_logprobs_puts_the_prompts_before_the_outputs(client, offline) -> None:
+    generate, tokenizer = offline
+    expected = generate(PROMPT_IDS)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=NUM_TOKENS, temperature=0, echo=True,
+                                      logprobs=TOP, extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    assert choice.model_extra.get("prompt_logprobs") is None  # echo's are in logprobs, as vLLM gives them
+    texts = [tokenizer.decode([token_id]) for token_id in PROMPT_IDS + [e.token_id for e in expected.logprobs]]
+    assert logprobs.tokens == texts and choice.text == tokenizer.decode(PROMPT_IDS) + "".join(texts[len(PROMPT_IDS):])
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    entries = list(expected.prompt_logprobs[1:]) + list(expected.logprobs)
+    assert logprobs.token_logprobs[1:] == pytest.approx([entry.logprob for entry in entries], abs=ATOL)
+    for top, entry in zip(logprobs.top_logprobs[1:], entries):
+        assert top.keys() == {tokenizer.decode([t]) for t, _ in entry.top} | {tokenizer.decode([entry.token_id])}
+    offsets = [0]
+    for token in texts[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs.text_offset == offsets
+    assert reply.usage.prompt_tokens == len(PROMPT_IDS) and reply.usage.completion_tokens == NUM_TOKENS
+
+
+def test_only_the_first_choice_scores_the_shared_prompt() -> None:
+    params = SamplingParams(max_tokens=4, seed=9, prompt_logprobs=1)
+    assert _choice_params(params, 0) is params
+    later = _choice_params(params, 2)
+    assert later.prompt_logprobs is None and later.seed == 11
+    assert _choice_params(SamplingParams(max_tokens=4, prompt_logprobs=1), 1).seed is None
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": True}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_400s_naming_the_field(served, path, body, field) -> None:
+    error = error_of(post(served[0], path, {"model": MODEL, "max_tokens": 2, **body}), 400)
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+
+
+def test_a_reply_with_prompt_logprobs_alone_is_built_off_the_event_loop(tiny_model_dir) -> None:
+    engine = tiny_engine(tiny_model_dir)
+    tokenizer = DecodeThreads(engine.tokenizer)
+    with serving(engine, tokenizer=tokenizer) as (base_url, _):
+        reply = openai_client(base_url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                                                extra_body={"prompt_logprobs": TOP})
+    assert len(reply.prompt_logprobs) == reply.usage.prompt_tokens
+    assert tokenizer.threads and all(name.startswith("asyncio") for name in tokenizer.threads)

@@ -8,9 +8,11 @@ tokens wait for the next step (after the last token it is kept, as a full decode
 window starts with a few prompt tokens for the same reason.
 
 A stop string is searched only where it could newly end: in the text from len(stop) - 1
-characters before this step's new text. The text is cut where a stop string begins. While a request
-with stop strings runs, its last (longest stop - 1) characters are held back from the released
-text, so a stream never shows the start of a stop string that later completes.
+characters before this step's new text. The text is cut where a stop string begins (or, with
+vLLM's include_stop_str_in_output, where it ends). While a request with stop strings runs, its last
+(longest stop - 1) characters are held back from the released text, so a stream never shows the
+start of a stop string that later completes; a request that keeps its stop string in the text
+needs no hold-back.
 """
 
 from __future__ import annotations
@@ -64,32 +66,34 @@ def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], 
     return new_text
 
 
-def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string newly found in `text` begins, or None."""
+def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """(begin, end) of the earliest stop string newly found in `text` (the shortest of those
+    beginning there), or None."""
     found = None
     for stop in stops:
         start = max(0, len(text) - num_new_chars - len(stop) + 1)
         index = text.find(stop, start)
-        if index >= 0 and (found is None or index < found):
-            found = index
+        if index >= 0 and (found is None or (index, index + len(stop)) < found):
+            found = (index, index + len(stop))
     return found
 
 
 def advance(tokenizer, state: DetokenizerState, new_token_ids: list[int], stops: tuple[str, ...],
-            final: bool = False) -> bool:
-    """Decode new tokens into `state.text`; True when a stop string matched (text cut before it)."""
+            final: bool = False, keep_stop: bool = False) -> bool:
+    """Decode new tokens into `state.text`; True when a stop string matched (the text cut before
+    it, or after it with `keep_stop`)."""
     new_text = append_tokens(tokenizer, state, new_token_ids, final)
     if stops and new_text:
-        cut = find_stop(state.text, len(new_text), stops)
-        if cut is not None:
-            state.text = state.text[:cut]
+        found = find_stop(state.text, len(new_text), stops)
+        if found is not None:
+            state.text = state.text[:found[1] if keep_stop else found[0]]
             return True
     return False
 
 
-def release(state: DetokenizerState, stops: tuple[str, ...], finished: bool) -> str:
+def release(state: DetokenizerState, stops: tuple[str, ...], finished: bool, keep_stop: bool = False) -> str:
     """Text that may be shown now and was not shown before."""
-    hold = 0 if finished or not stops else max(len(stop) for stop in stops) - 1
+    hold = 0 if finished or not stops or keep_stop else max(len(stop) for stop in stops) - 1
     visible = len(state.text) - hold
     if visible <= state.released:
         return ""

@@ -262,23 +262,24 @@ class LLMEngine:
             logprobs = self._add_logprobs(request_id, new_ids, step_logprobs)
         self._num_reported[request_id] = request.num_output_tokens
         self._num_generated += len(new_ids)
-        stops = request.sampling_params.stop
+        stops, keep_stop = request.sampling_params.stop, request.sampling_params.include_stop_str_in_output
         # As in vLLM, a token that stopped the request (end of sequence, or one of stop_token_ids)
-        # counts in token_ids and usage but not in the text. Stop strings are found below, so
-        # FINISHED_STOPPED here means a stop token.
-        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids
+        # counts in token_ids and usage but not in the text, unless include_stop_str_in_output.
+        # Stop strings are found below, so FINISHED_STOPPED here means a stop token.
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids and not keep_stop
         text_ids = new_ids[:-1] if stopped_by_token else new_ids
         # As in vLLM, stop strings are searched for only once the output is past min_tokens (the
         # held-back tail below still counts every stop string).
         searched = stops if request.num_output_tokens > request.sampling_params.min_tokens else ()
-        stop_string_found = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished)
+        stop_string_found = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished,
+                                    keep_stop=keep_stop)
         if stop_string_found and not request.is_finished:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
         # A stop string that came with the last allowed token cut the text as one found earlier
         # does, so the reason is "stop" there too (the scheduler, which owns the request, had
         # already finished it by length).
         finish_reason = "stop" if stop_string_found else request.status.finish_reason
-        new_text = release(state, stops, request.is_finished)
+        new_text = release(state, stops, request.is_finished, keep_stop)
         prompt_logprobs = self._reported_prompt_logprobs(request)
         if request.is_finished:
             self._release(request_id)

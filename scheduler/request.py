@@ -86,6 +86,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: the stop string (or stop token's text) that ended the output stays in its text.
+    include_stop_str_in_output: bool = False
     # None: no logprobs. N >= 0: each generated token's log-probability under the model, with the
     # N likeliest alternatives at that position.
     logprobs: int | None = None
@@ -121,8 +123,9 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):

@@ -81,13 +81,13 @@ def client(served) -> openai.OpenAI:
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
     # vLLM's and OpenAI's newer output-changing fields, refused rather than silently ignored.
-    ("include_stop_str_in_output", True), ("add_generation_prompt", False), ("continue_final_message", True),
+    ("add_generation_prompt", False), ("continue_final_message", True),
     ("skip_special_tokens", False), ("echo", True), ("use_beam_search", True), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"regex": "a+"}), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("bad_words", ["x"]), ("truncate_prompt_tokens", 8), ("length_penalty", 0.5),
+    ("bad_words", ["x"]), ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("chat_template", "{{ messages }}"),
     ("chat_template_kwargs", {"enable_thinking": True}),
 ])

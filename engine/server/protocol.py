@@ -70,6 +70,9 @@ class _Request(CompletionUnsupportedFields):
     user: str | None = None
     # vLLM extras.
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays in the text
+    # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM truncates.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
@@ -83,12 +86,20 @@ class _Request(CompletionUnsupportedFields):
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
     logit_bias: dict[str, float] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
+                                           "include_stop_str_in_output",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", "min_tokens",
                                            mode="before")(classmethod(null_is_the_default))
     _numbers_are_not_bools = field_validator("n", "min_p", "presence_penalty", "frequency_penalty",
                                              "repetition_penalty", "min_tokens", "prompt_logprobs",
-                                             mode="before")(classmethod(not_a_bool))
+                                             "truncate_prompt_tokens", mode="before")(classmethod(not_a_bool))
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_keeps_a_token(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the model's context length")
+        return value
 
     @field_validator("prompt_logprobs")
     @classmethod

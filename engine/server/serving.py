@@ -76,16 +76,16 @@ class OpenAIServing:
         self._check_accepting()
         self._check_priority(body)
         if isinstance(body.prompt, str):
-            check_text_length(body.prompt, "prompt", self.max_model_len, self.max_token_chars)
+            self._check_untruncated_text(body, body.prompt, "prompt")
             # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
             # add one); a chat's come from its template.
             prompt_ids = await self._off_loop(self._encode, body.prompt, True)
             prompt_text = body.prompt
         else:
             self._check_token_ids(body.prompt)
-            self._check_context(len(body.prompt), None, "prompt", "max_tokens")  # before decoding them
             prompt_ids = list(body.prompt)
-            prompt_text = await self._off_loop(self.tokenizer.decode, body.prompt)
+            prompt_text = None
+        prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "prompt")
         head = self._head("cmpl", body)
         streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
@@ -120,7 +120,8 @@ class OpenAIServing:
         self._check_accepting()
         self._check_priority(body)
         messages = [m.for_template() for m in body.messages]
-        prompt_text, prompt_ids = await self._off_loop(self._render_chat, messages, body.tools or None)
+        prompt_text, prompt_ids = await self._off_loop(self._render_chat, body, messages, body.tools or None)
+        prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "messages")
         head = self._head("chatcmpl", body)
         streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
 
@@ -177,15 +178,37 @@ class OpenAIServing:
             self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
 
-    def _render_chat(self, messages: list[dict[str, str]],
+    def _render_chat(self, body: ChatCompletionRequest, messages: list[dict[str, str]],
                      tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         try:  # tools (with tool_choice "none") go to the template, as vLLM passes them
             prompt_text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                              add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise errors.invalid_field("messages", f"messages: {exc}") from exc
-        check_text_length(prompt_text, "messages", self.max_model_len, self.max_token_chars)
+        self._check_untruncated_text(body, prompt_text, "messages")
         return prompt_text, self._encode(prompt_text, False)
+
+    def _check_untruncated_text(self, body: CompletionRequest | ChatCompletionRequest, text: str, param: str) -> None:
+        """A text too long for any tokenization to fit the context is refused before it is
+        tokenized, unless it is to be truncated (then the body's size limit bounds the work)."""
+        if body.truncate_prompt_tokens is None:
+            check_text_length(text, param, self.max_model_len, self.max_token_chars)
+
+    async def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                         prompt_text: str | None, prompt_param: str) -> tuple[list[int], str]:
+        """The prompt as the model will see it: vLLM's truncate_prompt_tokens keeps its last N
+        tokens (-1: max_model_len), from the left as vLLM cuts. Its text (for echo and the length
+        predictor) is decoded from the ids when they were given as ids or cut; the context is
+        checked before that decode."""
+        keep = body.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if len(prompt_ids) > keep:
+                prompt_ids, prompt_text = prompt_ids[-keep:], None
+        if prompt_text is None:
+            self._check_context(len(prompt_ids), None, prompt_param, "max_tokens")
+            prompt_text = await self._off_loop(self.tokenizer.decode, prompt_ids)
+        return prompt_ids, prompt_text
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -239,6 +262,7 @@ class OpenAIServing:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                    include_stop_str_in_output=body.include_stop_str_in_output,
                                     logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
                                     prompt_logprobs=body.requested_prompt_logprobs(),
                                     frequency_penalty=body.frequency_penalty,

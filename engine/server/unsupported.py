@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
-    "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
@@ -41,7 +41,6 @@ class CompletionUnsupportedFields(BaseModel):
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
     tools: list[dict[str, Any]] | None = None
-    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool | None = None
@@ -53,7 +52,6 @@ class CompletionUnsupportedFields(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    truncate_prompt_tokens: Any = None
 
     @field_validator(*NEUTRAL_VALUES)
     @classmethod

@@ -1,0 +1,107 @@
+"""vLLM's include_stop_str_in_output and truncate_prompt_tokens, with the official openai client
+against a real uvicorn server (tiny model, greedy): a kept stop string ends the text exactly where
+it ends in the free-running text, streamed or not, and a stop token's text is kept; a truncated
+prompt gives the tokens of its last N ids sent alone, for completions and chat."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.llm import LLM
+from hf_reference import stop_string_past_the_middle
+from scheduler.request import SamplingParams
+from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
+
+PROMPT = "Once upon a time"
+GREEDY = dict(model=MODEL, max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    with serving(tiny_engine(tiny_model_dir)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai_client(served[0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return served[1].engine.tokenizer
+
+
+def free_text(client) -> str:
+    return client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
+
+
+def test_a_kept_stop_string_ends_the_text_where_it_ends(client) -> None:
+    free = free_text(client)
+    stop = stop_string_past_the_middle(free, 3)
+    kept = free[:free.index(stop) + len(stop)]
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    whole = client.completions.create(prompt=PROMPT, stop=[stop], extra_body=extra, **GREEDY).choices[0]
+    assert (whole.text, whole.finish_reason) == (kept, "stop")
+    streamed = "".join(event.choices[0].text for event in client.completions.create(
+        prompt=PROMPT, stop=[stop], stream=True, extra_body=extra, **GREEDY) if event.choices)
+    assert streamed == kept
+    cut = client.completions.create(prompt=PROMPT, stop=[stop], extra_body={"ignore_eos": True}, **GREEDY)
+    assert cut.choices[0].text == free[:free.index(stop)]  # unchanged without the field
+
+
+def test_a_kept_stop_token_leaves_its_text(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
+    prompt = [1, 504, 3458, 314, 253]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    at = next(i for i in range(3, len(free)) if free[i] not in free[:i])  # a token's first occurrence
+    tokenizer = llm.engine.tokenizer
+    for keep, shown in ((False, free[:at]), (True, free[:at + 1])):
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(free[at],),
+                                include_stop_str_in_output=keep)
+        out = llm.generate([prompt], params)[0]
+        assert (out.text, out.finish_reason, out.token_ids) == (tokenizer.decode(shown), "stop", free[:at + 1])
+
+
+def test_the_engine_keeps_a_stop_string_across_a_chunk_boundary(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
+    prompt = [1, 504, 3458, 314, 253]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].text
+    stop = stop_string_past_the_middle(free, 4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+    out = llm.generate([prompt], params)[0]
+    assert out.text == free[:free.index(stop) + len(stop)] and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output=1)
+
+
+def test_a_truncated_prompt_is_its_last_tokens(served, client, tokenizer) -> None:
+    ids = tokenizer.encode("It was the best of times, it was the worst of times, it was the age of wisdom",
+                           add_special_tokens=False)
+    last = ids[-6:]
+    alone = client.completions.create(prompt=last, extra_body={"ignore_eos": True}, **GREEDY)
+    cut = client.completions.create(prompt=ids, echo=True, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 6},
+                                    **GREEDY)
+    assert cut.usage.prompt_tokens == 6
+    assert cut.choices[0].text == tokenizer.decode(last) + alone.choices[0].text  # echo shows what the model read
+    longer = client.completions.create(prompt=last, extra_body={"truncate_prompt_tokens": 50}, **GREEDY)
+    assert longer.usage.prompt_tokens == 6  # nothing to cut
+    engine_idle_and_intact(served[1])
+
+
+def test_a_truncated_chat_fits_a_text_too_long_to_tokenize(served, client) -> None:
+    huge = "word " * (MAX_MODEL_LEN * 100)  # refused untokenized without truncation
+    messages = [{"role": "user", "content": huge}]
+    too_long = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert error_of(too_long, 400)["code"] == "context_length_exceeded"
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           extra_body={"truncate_prompt_tokens": 32})
+    assert reply.usage.prompt_tokens == 32
+
+
+@pytest.mark.parametrize("field, value", [("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+                                          ("truncate_prompt_tokens", True), ("include_stop_str_in_output", "maybe")])
+def test_bad_values_are_400s_naming_the_field(served, field, value) -> None:
+    error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value}), 400)
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")

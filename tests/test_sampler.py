@@ -181,3 +181,52 @@ def test_position_seeds_use_all_32_bits() -> None:
     from engine.sampler import position_seed
 
     assert max(position_seed(seed, position) for seed in range(20) for position in range(20)) >= 2**31
+
+
+def _naive_kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The kept token ids of one row by the definition: ids by descending logit, ties by id; top-k
+    keeps every token tied with the k-th; top-p keeps the shortest prefix of top-k's survivors
+    (renormalized) whose mass reaches p, and always the first."""
+    ranked = sorted(range(len(logits)), key=lambda i: (-float(logits[i]), i))
+    if 0 < top_k < len(ranked):
+        kth = float(logits[ranked[top_k - 1]])
+        ranked = [i for i in ranked if float(logits[i]) >= kth]
+    probs = torch.tensor([float(logits[i]) for i in ranked], dtype=torch.float64).softmax(dim=-1).tolist()
+    kept, mass = [], 0.0
+    for token, p in zip(ranked, probs):
+        if kept and top_p < 1.0 and mass >= top_p:
+            break
+        kept.append(token)
+        mass += p
+    return set(kept)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.5), (0, 0.9), (0, 0.99), (10, 1.0), (64, 1.0), (100, 1.0),
+                                          (500, 0.95), (40, 0.8), (3000, 0.9)])
+def test_the_cut_among_the_likeliest_tokens_is_the_whole_rows(top_k, top_p, monkeypatch) -> None:
+    # 3,000 tokens and 64 candidates: peaked rows settle among the candidates, flat ones and a
+    # top-k past them go to the whole-row sort; rounded logits tie, as bf16 ones do. Every row
+    # keeps the tokens the definition keeps, and the candidates settle some rows on their own.
+    import engine.sampler as sampler
+
+    generator = torch.Generator().manual_seed(top_k * 7 + int(top_p * 100))
+    scales = torch.tensor([8.0, 4.0, 1.0, 0.1, 8.0, 2.0])[:, None]
+    logits = torch.randn(6, 3000, generator=generator) * scales
+    logits[4:] = (logits[4:] * 2).round() / 2  # ties, at the k-th and at the candidates' end
+    widths = []
+    real_likeliest = sampler._likeliest
+    monkeypatch.setattr(sampler, "_likeliest", lambda rows, width: widths.append((len(rows), width))
+                        or real_likeliest(rows, width))
+    params = [SamplingParams(top_k=top_k, top_p=top_p)] * len(logits)
+    probs = _filtered_probs(logits, params, candidates=64)
+    for row in range(len(logits)):
+        assert set((probs[row] > 0).nonzero().flatten().tolist()) == _naive_kept(logits[row], top_k, top_p), row
+        kept = probs[row] > 0
+        torch.testing.assert_close(probs[row][kept], logits[row][kept].softmax(dim=-1))
+    assert widths[0] == (6, 64)
+    resorted = widths[1][0] if len(widths) > 1 else 0
+    assert widths[1:] in ([], [(resorted, 3000)])
+    if 64 <= top_k < 3000:  # top-k's survivors reach past the candidates (at 64, ties with the last)
+        assert resorted == 6
+    else:  # the flat row's nucleus lies past them (top-k 3000 is none); the peaked rows settle
+        assert (1 if top_k in (0, 3000) else 0) <= resorted < 6

@@ -40,8 +40,8 @@ class ArrivalPredictor:
             # Serving goes on without a prediction; the policy treats the length as unknown.
             logger.exception("predictor failed on a batch of %d prompts", len(prompts))
             return
-        for submission in batch:
-            submission.prediction = predictions[submission.prompt_text]
+        for submission in batch:  # a predictor that answered fewer prompts leaves the rest unset
+            submission.prediction = predictions.get(submission.prompt_text)
 
     def run(self, arrivals: queue.SimpleQueue, commands: queue.SimpleQueue) -> None:
         """Score what arrives, up to `max_batch` at a time, and pass it on, until a None arrives.

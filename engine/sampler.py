@@ -91,7 +91,7 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
         return results
     logprobs = logits[rows].float().log_softmax(dim=-1).clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(-1, torch.tensor([[tokens[r]] for r in rows], device=logits.device))
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    ranks = (logprobs >= chosen).sum(dim=-1)  # as vLLM ranks: a tie takes the worse place
     widest = max(counts[r] for r in rows)
     top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
     # One copy to the host per tensor (on a GPU, one sync each), then plain lists.

@@ -51,7 +51,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), likeliest first; as many as asked
-    rank: int | None = None  # of token_id in the vocabulary, 1 the likeliest (ties share the best)
+    rank: int | None = None  # of token_id in the vocabulary, 1 the likeliest; ties share the worst, as in vLLM
 
 
 @dataclass(frozen=True)

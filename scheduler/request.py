@@ -111,7 +111,7 @@ class SamplingParams:
         # and fail with a TypeError inside an engine step, part-way through a generate call.
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
@@ -154,7 +154,7 @@ class SamplingParams:
             if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise ValueError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
         value = self.repetition_penalty
-        if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        if not _is_real(value) or not _finite(value) or value <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {value!r}")
 
     @property
@@ -170,6 +170,13 @@ class SamplingParams:
         return max(1.0, float(self.min_tokens), min(length, float(self.max_tokens)))
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """A logit bias as sorted (token id, bias) pairs, each bias clamped to +-LOGIT_BIAS_LIMIT."""
     pairs = tuple(bias.items()) if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
@@ -178,7 +185,7 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
         token, value = pair
-        if not _is_int(token) or token < 0 or not _is_real(value) or not math.isfinite(value):
+        if not _is_int(token) or token < 0 or not _is_real(value) or not _finite(value):
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
         clean[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
     return tuple(sorted(clean.items()))

@@ -65,7 +65,10 @@ def test_sampling_params_check_the_new_fields() -> None:
                        (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(logit_bias={1: math.nan}), "logit_bias"),
                        (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
                        (dict(logit_bias=[(1,)]), "logit_bias"), (dict(allowed_token_ids=()), "allowed_token_ids"),
-                       (dict(allowed_token_ids=[1, -2]), "allowed_token_ids")):
+                       (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+                       # An int too large for a float is a ValueError too, not an OverflowError.
+                       (dict(logit_bias={1: 10**400}), "logit_bias"), (dict(temperature=10**400), "temperature"),
+                       (dict(repetition_penalty=10**400), "repetition_penalty")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     params = SamplingParams(logit_bias={7: -300, 2: 1}, allowed_token_ids=[3, 1])

@@ -230,3 +230,12 @@ def test_the_cut_among_the_likeliest_tokens_is_the_whole_rows(top_k, top_p, monk
         assert resorted == 6
     else:  # the flat row's nucleus lies past them (top-k 3000 is none); the peaked rows settle
         assert (1 if top_k in (0, 3000) else 0) <= resorted < 6
+
+
+def test_a_tied_token_ranks_in_the_worse_place_as_vllm_ranks_it() -> None:
+    from engine.sampler import token_logprobs
+
+    (entry,) = token_logprobs(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), [1], [0])
+    assert entry.rank == 2
+    (entry,) = token_logprobs(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), [3], [0])
+    assert entry.rank == 4

@@ -118,6 +118,18 @@ def test_a_batch_scores_each_distinct_prompt_once():
     assert [s.prediction for s in batch] == [expected[text] for text in texts]
 
 
+def test_a_predictor_answering_fewer_prompts_leaves_the_rest_unpredicted():
+    # A broken predictor must not take the engine thread down with a KeyError.
+    class Short:
+        def predict(self, prompts):
+            return chars_predictor().predict(prompts[:1])
+
+    params = SamplingParams(max_tokens=4)
+    batch = [Submission(f"r{i}", [1], text, params, Tier.STANDARD, 0, 0.0) for i, text in enumerate(["a", "bb"])]
+    ArrivalPredictor(Short(), lambda *latency: None).predict_batch(batch)
+    assert batch[0].prediction == chars_predictor().predict(["a"])[0] and batch[1].prediction is None
+
+
 @pytest.mark.parametrize("how, error", [("drain", EngineShuttingDown), ("abort", RequestAborted)])
 def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, error):
     # With overlap the submission waits with the predictor while the abort goes straight to the

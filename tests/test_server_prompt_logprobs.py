@@ -87,7 +87,8 @@ def test_echo_with_logprobs_puts_the_prompts_before_the_outputs(client, offline)
                                       logprobs=TOP, extra_body={"ignore_eos": True})
     choice = reply.choices[0]
     logprobs = choice.logprobs
-    assert choice.model_extra.get("prompt_logprobs") is None  # echo's are in logprobs, as vLLM gives them
+    # The prompt's are in logprobs, and in prompt_logprobs as well, as vLLM fills both.
+    assert_vllm_prompt_logprobs(choice.prompt_logprobs, expected.prompt_logprobs, tokenizer)
     texts = [tokenizer.decode([token_id]) for token_id in PROMPT_IDS + [e.token_id for e in expected.logprobs]]
     assert logprobs.tokens == texts and choice.text == tokenizer.decode(PROMPT_IDS) + "".join(texts[len(PROMPT_IDS):])
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None

@@ -107,7 +107,7 @@ class OpenAIServing:
         finals = await self._collect(streams, raw)
 
         def reply() -> CompletionReply:
-            prompt_logprobs = self._prompt_logprobs(finals, body.prompt_logprobs)
+            prompt_logprobs = self._prompt_logprobs(finals, body.requested_prompt_logprobs())
             return CompletionReply(**head, usage=usage_of(finals), choices=[CompletionReplyChoice(
                 index=index, text=echoes[index] + final.text, finish_reason=final.finish_reason,
                 logprobs=self._completion_logprobs(final, finals[0].prompt_logprobs, prompt_ids, body.echo),
@@ -158,8 +158,9 @@ class OpenAIServing:
         return self.logprobs.completion(final.logprobs)
 
     def _prompt_logprobs(self, finals: Sequence[RequestOutput], asked: int | None) -> list[dict[str, Any] | None] | None:
-        """vLLM's prompt_logprobs field, only when the client asked for it (echo's are in logprobs).
-        The choices share one prompt, so only the first choice scores it (_choice_params)."""
+        """vLLM's prompt_logprobs field, when they were computed (asked for, or for echo with
+        logprobs, as vLLM fills it then too). The choices share one prompt, so only the first
+        choice scores it (_choice_params)."""
         if asked is None or finals[0].prompt_logprobs is None:
             return None
         return self.logprobs.prompt(finals[0].prompt_logprobs)

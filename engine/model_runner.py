@@ -23,7 +23,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.logits_processors import process_logits
+from engine.logits_processors import default_processors, process_logits
 from engine.sampler import Sampler, token_logprobs
 from scheduler.output import ModelRunnerOutput, PromptLogprobs, ScheduledChunk, SchedulerOutput
 from scheduler.request import Request
@@ -88,6 +88,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.geometry.block_size
         self.last_times = StepTimes()
+        self.logits_processors = default_processors()  # they keep per-request tensors between steps
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -116,7 +117,7 @@ class ModelRunner:
         if logits is not None:
             requests = [request_of(request_id) for request_id in batch.sample_request_ids]
             params = [request.sampling_params for request in requests]
-            tokens = self.sampler.sample(process_logits(logits, requests), batch.sample_positions, params)
+            tokens = self.sampler.sample(process_logits(logits, requests, self.logits_processors), batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}

@@ -8,17 +8,24 @@ stay those of the raw logits.
 
 Only the logits of tokens a row has seen change, so they are gathered, penalized and written back
 for all rows at once: the work grows with the tokens seen, not with rows times the vocabulary
-(a dense [rows, vocab] version took longer than a loop over the rows on a CPU).
+(a dense [rows, vocab] version took longer than a loop over the rows on a CPU). A prompt's distinct
+ids never change, so the engine's processor computes them once per request (`prompt_ids`); each
+step adds only the output's.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Sequence
 
 import torch
 
 from scheduler.request import SamplingParams
+
+
+def prompt_ids(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """The prompt's distinct token ids within the vocabulary, int64 [n]."""
+    ids = torch.unique(torch.tensor(list(prompt), dtype=torch.long, device=device))
+    return ids[ids < vocab]
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -27,35 +34,44 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     when any row is penalized, else `logits` itself."""
     if not any(p.penalized for p in params):
         return logits
-    penalized = logits.clone()
     vocab = logits.shape[-1]
-    repeated = [(r, sorted({t for t in (*prompt, *output) if t < vocab}))
-                for r, (p, (prompt, output)) in enumerate(zip(params, histories)) if p.repetition_penalty != 1.0]
+    return penalize(logits, params, [prompt_ids(prompt, vocab, logits.device) for prompt, _ in histories],
+                    [output for _, output in histories])
+
+
+def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[torch.Tensor],
+             outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """apply_penalties with each row's prompt as its distinct ids (prompt_ids)."""
+    if not any(p.penalized for p in params):
+        return logits
+    penalized = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    output_ids = [_in_vocab(torch.tensor(list(output), dtype=torch.long, device=device), vocab) for output in outputs]
+    repeated = [(r, torch.unique(torch.cat([prompts[r], output_ids[r]])))
+                for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeated:
-        rows, ids = _index(repeated, logits.device)
-        factor = _per_pair([params[r].repetition_penalty for r, _ in repeated], repeated, logits)
+        rows, ids, factor = _pairs(repeated, [params[r].repetition_penalty for r, _ in repeated], logits)
         values = penalized[rows, ids]
         penalized[rows, ids] = torch.where(values > 0, values / factor, values * factor)
-    counted = [(r, Counter(t for t in output if t < vocab)) for r, (p, (_, output)) in enumerate(zip(params, histories))
-               if output and (p.frequency_penalty or p.presence_penalty)]
+    counted = [(r, torch.unique(output_ids[r], return_counts=True)) for r, p in enumerate(params)
+               if len(output_ids[r]) and (p.frequency_penalty or p.presence_penalty)]
     if counted:
-        rows, ids = _index([(r, list(counts)) for r, counts in counted], logits.device)
-        counts = torch.tensor([n for _, row_counts in counted for n in row_counts.values()],
-                              dtype=logits.dtype, device=logits.device)
-        frequency = _per_pair([params[r].frequency_penalty for r, _ in counted], counted, logits)
-        presence = _per_pair([params[r].presence_penalty for r, _ in counted], counted, logits)
+        pairs = [(r, ids) for r, (ids, _) in counted]
+        rows, ids, frequency = _pairs(pairs, [params[r].frequency_penalty for r, _ in counted], logits)
+        _, _, presence = _pairs(pairs, [params[r].presence_penalty for r, _ in counted], logits)
+        counts = torch.cat([row_counts for _, (_, row_counts) in counted]).to(logits.dtype)
         penalized[rows, ids] = penalized[rows, ids] - frequency * counts - presence
     return penalized
 
 
-def _index(rows_and_ids: Sequence[tuple[int, Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = [r for r, ids in rows_and_ids for _ in ids]
-    ids = [t for _, row_ids in rows_and_ids for t in row_ids]
-    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(ids, dtype=torch.long, device=device)
+def _in_vocab(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return ids[ids < vocab]
 
 
-def _per_pair(values: Sequence[float], rows_and_ids: Sequence[tuple[int, Sequence[int]]],
-              logits: torch.Tensor) -> torch.Tensor:
-    """values[i], one per row, repeated for each of that row's (row, token) pairs."""
+def _pairs(rows_and_ids: Sequence[tuple[int, torch.Tensor]], values: Sequence[float],
+           logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token id, value) index tensors over each row's ids, values[i] repeated over row i's."""
     sizes = torch.tensor([len(ids) for _, ids in rows_and_ids], device=logits.device)
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device).repeat_interleave(sizes)
+    rows = torch.tensor([r for r, _ in rows_and_ids], device=logits.device).repeat_interleave(sizes)
+    per_pair = torch.tensor(values, dtype=logits.dtype, device=logits.device).repeat_interleave(sizes)
+    return rows, torch.cat([ids for _, ids in rows_and_ids]), per_pair

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.logits_processors import DEFAULT_PROCESSORS, AllowedTokenIds, LogitBias, MinTokens, process_logits
+from engine.logits_processors import (AllowedTokenIds, LogitBias, MinTokens, RequestTensors, default_processors,
+                                      process_logits)
 from hf_reference import hf_greedy, hf_greedy_processed, random_prompts
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.step import stop_status
@@ -39,6 +40,31 @@ def test_each_processor_edits_its_rows_and_nothing_else() -> None:
     assert process_logits(logits, [plain, biased])[1].tolist() == [106.0, 7.0, 8.0, 6.5, 10.0, 11.0]
 
 
+def test_a_requests_tensors_are_built_once_while_it_keeps_coming_back() -> None:
+    built = []
+    tensors = RequestTensors(lambda request, vocab, device: built.append(request.request_id) or (torch.zeros(1),))
+    a, b = (Request(rid, [5, 6], SamplingParams(), arrival_time=0.0, eos_token_id=EOS) for rid in "ab")
+    cpu = torch.device("cpu")
+    for requests in ([a, b], [a], [b, a]):
+        tensors.of(requests, 6, cpu)
+    assert built == ["a", "b", "b"]  # b was dropped when a step went without it
+    reused = Request("a", [5, 6], SamplingParams(max_tokens=3), arrival_time=0.0, eos_token_id=EOS)
+    tensors.of([reused], 6, cpu)
+    assert built[-1] == "a"  # the same id with other parameters is another request
+
+
+def test_kept_tensors_give_what_fresh_processors_give_over_steps() -> None:
+    processors = default_processors()
+    params = SamplingParams(max_tokens=8, allowed_token_ids=(1, 3, 4), logit_bias={4: -1.5}, repetition_penalty=1.5,
+                            frequency_penalty=0.5)
+    request = request_with(params)
+    generator = torch.Generator().manual_seed(0)
+    for output in ([], [3], [3, 4], [3, 4, 3]):
+        request.output_token_ids = output
+        logits = torch.randn(1, 6, generator=generator)
+        torch.testing.assert_close(process_logits(logits, [request], processors), process_logits(logits, [request]))
+
+
 def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> None:
     logits = torch.zeros(1, 6)
     params = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(4, 99))  # 99: beyond the vocabulary
@@ -55,7 +81,7 @@ def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> N
 
 
 def test_the_processors_run_in_vllms_order() -> None:
-    order = [type(p).__name__ for p in DEFAULT_PROCESSORS]
+    order = [type(p).__name__ for p in default_processors()]
     assert order[:3] == [AllowedTokenIds.__name__, MinTokens.__name__, LogitBias.__name__]
     assert order[3] == "Penalties"
 

@@ -232,7 +232,7 @@ class LLMEngine:
         start = self.now()
         output: SchedulerOutput = self.scheduler.schedule(start)
         try:
-            runner_output = self.runner.execute(output, self.scheduler.get_request)
+            runner_output = self.runner.execute(output, self.scheduler.get_request, self._prompt_logprobs_held)
             done = self.now()
             # Inside the guard too: an interrupt while tokens are appended leaves some requests
             # with every token computed and none sampled, which no later step would schedule.
@@ -299,9 +299,13 @@ class LLMEngine:
         known = self._prompt_logprobs.get(request.request_id)
         return tuple(known) if known is not None and len(known) == request.num_prompt_tokens else None
 
+    def _prompt_logprobs_held(self, request_id: str) -> int:
+        return len(self._prompt_logprobs.get(request_id, ()))
+
     def _add_prompt_logprobs(self, found: dict[str, PromptLogprobs]) -> None:
-        """Extend each request's prompt logprobs with the positions it did not have: a prefill
-        recomputed after a preemption scores positions again, and the first scores are kept."""
+        """Extend each request's prompt logprobs with the positions it did not have. The runner
+        scores only those (a prefill recomputed after a preemption skips the held ones); should a
+        position come again, the first score is kept."""
         for request_id, chunk in found.items():
             known = self._prompt_logprobs.get(request_id)
             if known is None:

@@ -96,9 +96,12 @@ class ModelRunner:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, request_of: Callable[[str], Request]) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, request_of: Callable[[str], Request],
+                prompt_logprobs_held: Callable[[str], int] = lambda request_id: 0) -> ModelRunnerOutput:
         """`request_of` reads a scheduled request (its sampling parameters and, for the logits
-        processors, its tokens); the runner never changes it."""
+        processors, its tokens); the runner never changes it. `prompt_logprobs_held` says how many
+        prompt positions' logprobs a request already has (a prefill recomputed after a preemption
+        need not score them again)."""
         start = self._clock()
         self.kv_cache.swap_out(output.swap_out)
         self.kv_cache.swap_in(output.swap_in)
@@ -121,23 +124,30 @@ class ModelRunner:
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}
-        prompt_logprobs = self._prompt_logprobs(hidden, output.chunks, batch.metadata.query_start_loc_host, request_of)
+        prompt_logprobs = self._prompt_logprobs(hidden, output.chunks, batch.metadata.query_start_loc_host, request_of,
+                                                prompt_logprobs_held)
         self.last_times = StepTimes(prepared - start, forwarded - prepared, self._clock() - forwarded)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk], query_starts: Sequence[int],
-                         request_of: Callable[[str], Request]) -> dict[str, PromptLogprobs]:
+                         request_of: Callable[[str], Request],
+                         held: Callable[[str], int]) -> dict[str, PromptLogprobs]:
         """For each chunk whose request asks: the logprobs of the prompt tokens its rows predict
-        (row p predicts position p + 1), from the raw logits, PROMPT_LOGPROBS_ROWS rows at a time."""
+        (row p predicts position p + 1) and the request does not hold yet, from the raw logits,
+        PROMPT_LOGPROBS_ROWS rows at a time."""
         found = {}
         for chunk, first_row in zip(chunks, query_starts):
             request = request_of(chunk.request_id)
             count = request.sampling_params.prompt_logprobs
-            start = chunk.start_position
-            stop = min(start + len(chunk.token_ids), request.num_prompt_tokens - 1)
-            if count is None or stop <= start:
+            if count is None:
+                continue
+            # Rows before `start` predict positions already held (position 0 is always held).
+            start = max(chunk.start_position, held(chunk.request_id) - 1)
+            stop = min(chunk.start_position + len(chunk.token_ids), request.num_prompt_tokens - 1)
+            if stop <= start:
                 continue
             targets = request.prompt_token_ids[start + 1:stop + 1]
+            first_row += start - chunk.start_position
             entries = []
             for offset in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
                 piece = targets[offset:offset + PROMPT_LOGPROBS_ROWS]

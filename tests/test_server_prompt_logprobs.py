@@ -132,3 +132,25 @@ def test_a_reply_with_prompt_logprobs_alone_is_built_off_the_event_loop(tiny_mod
                                                                 extra_body={"prompt_logprobs": TOP})
     assert len(reply.prompt_logprobs) == reply.usage.prompt_tokens
     assert tokenizer.threads and all(name.startswith("asyncio") for name in tokenizer.threads)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(served, client, offline) -> None:
+    # As lm-eval's loglikelihood asks vLLM: the prompt back with its logprobs, nothing generated.
+    generate, tokenizer = offline
+    expected = generate(PROMPT_IDS)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=TOP)
+    choice = reply.choices[0]
+    assert choice.text == tokenizer.decode(PROMPT_IDS) and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == len(PROMPT_IDS)
+    assert choice.logprobs.tokens == [tokenizer.decode([token_id]) for token_id in PROMPT_IDS]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]],
+                                                               abs=ATOL)
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True)
+    assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
+    for body in ({"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "max_tokens": 0, "echo": True, "stream": True},
+                 {"messages": CHAT, "max_tokens": 0}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        error = error_of(post(served[0], path, {"model": MODEL, **body}), 400)
+        assert error["param"] == "max_tokens"
+    engine_idle_and_intact(served[1])

@@ -178,7 +178,8 @@ class CompletionRequest(_Request):
     prompt: str | list[StrictInt] = Field(min_length=1)
     # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
-    max_tokens: int = Field(default=16, ge=1)
+    # 0 scores the prompt alone: with echo (and logprobs), as vLLM and the legacy API serve it.
+    max_tokens: int = Field(default=16, ge=0)
     suffix: Literal[""] | None = None
     # The legacy API's form: a count of alternatives per token (0: the sampled token's alone).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -216,6 +217,9 @@ class CompletionRequest(_Request):
         if echo and info.data.get("logprobs") is not None and info.data.get("stream"):
             raise ValueError("echo with logprobs is not available with stream: true (send it without stream)")
         return echo
+
+    def scores_prompt_only(self) -> bool:
+        return self.max_tokens == 0
 
     def requested_prompt_logprobs(self) -> int | None:
         # Echoed with logprobs, the prompt's tokens get theirs too, as many alternatives (vLLM's rule).

@@ -75,6 +75,9 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest, raw: Request):
         self._check_accepting()
         self._check_priority(body)
+        if body.scores_prompt_only() and (not body.echo or body.stream):
+            raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true "
+                                       "and no stream")
         if isinstance(body.prompt, str):
             self._check_untruncated_text(body, body.prompt, "prompt")
             # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
@@ -105,6 +108,8 @@ class OpenAIServing:
                                    lambda usage: CompletionResponse(**head, choices=[], usage=usage))
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
+        if body.scores_prompt_only():
+            finals = [_prompt_alone(final) for final in finals]
 
         def reply() -> CompletionReply:
             prompt_logprobs = self._prompt_logprobs(finals, body.requested_prompt_logprobs())
@@ -257,7 +262,10 @@ class OpenAIServing:
         if not prompt_ids:
             raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
         max_tokens_param, max_tokens = body.requested_max_tokens()
-        max_tokens = self._check_context(len(prompt_ids), max_tokens, prompt_param, max_tokens_param)
+        # A prompt scored alone still has its first token sampled (the engine samples where a
+        # prefill ends, at no extra cost); the handler drops it (_prompt_alone).
+        max_tokens = self._check_context(len(prompt_ids), 1 if max_tokens == 0 else max_tokens,
+                                         prompt_param, max_tokens_param)
         self._check_sampler_fields(body, max_tokens, max_tokens_param)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -362,6 +370,13 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
     if all(final.logprobs is None and final.prompt_logprobs is None for final in finals):
         return render()
     return await asyncio.to_thread(render)
+
+
+def _prompt_alone(final: RequestOutput) -> RequestOutput:
+    """A finished output without its generated token: what a request for max_tokens 0 (a prompt
+    scored alone) gets back, as vLLM answers it (finish_reason "length", no completion tokens)."""
+    return replace(final, token_ids=(), new_token_ids=(), text="", new_text="", finish_reason="length",
+                   logprobs=None if final.logprobs is None else ())
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

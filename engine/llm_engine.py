@@ -290,6 +290,7 @@ class LLMEngine:
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
+            num_cached_tokens=request.num_cached_tokens,
             logprobs=None if logprobs is None else tuple(logprobs),
             prompt_logprobs=prompt_logprobs)
 

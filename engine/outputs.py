@@ -25,6 +25,8 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    # Prompt tokens its first admission found in the prefix cache (None: prefix caching is off).
+    num_cached_tokens: int | None = None
     report_time: float | None = None  # engine clock at the end of the step that produced this output
     # One per generated token (token_ids), when the request's SamplingParams asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] | None = None

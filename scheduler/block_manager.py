@@ -7,45 +7,70 @@ to the number of block tables that list it; a block returns to the free list whe
 reaches zero. Swap preemption moves a request's table to a host pool (`swap_out` returns the
 (device, host) copies to make) and back (`swap_in` returns (host, device) copies).
 
+With a prefix cache (prefix_cache.py), a request without blocks may start on blocks that hold
+its first tokens already: held by other requests (shared, their count raised) or waiting on the
+free list (taken back from it). A freed table goes to the free list tail first, so the blocks
+deepest in a sequence are evicted before its first ones.
+
 Invariants (`check_integrity`): free + referenced == total on each pool, no block is both free
-and referenced, no block is on a free list twice, and each reference count equals the number of
-tables holding the block.
+and referenced, no block is on a free list twice, each reference count equals the number of
+tables holding the block, and the prefix cache's two maps agree.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
+from typing import Iterable
 
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request
 
 
 class BlockPool:
-    """A free list and reference counts over `num_blocks` physical blocks."""
+    """A free list, in release order, and reference counts over `num_blocks` physical blocks."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: the oldest first
         self._ref_counts = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = []
+        for block in self._free:
+            if len(blocks) == count:
+                break
+            blocks.append(block)
         for block in blocks:
+            del self._free[block]
             self._ref_counts[block] = 1
         return blocks
 
-    def release(self, blocks: list[int]) -> None:
+    def share(self, block: int) -> None:
+        """One more table holds `block`: taken off the free list, or its count raised."""
+        if block in self._free:
+            del self._free[block]
+            self._ref_counts[block] = 1
+        elif self._ref_counts[block] > 0:
+            self._ref_counts[block] += 1
+        else:
+            raise RuntimeError(f"block {block} is neither free nor held")
+
+    def release(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             if self._ref_counts[block] <= 0:
                 raise RuntimeError(f"double free of block {block}")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
 
     def check(self, tables: list[list[int]], label: str) -> None:
         held = Counter(block for table in tables for block in table)
@@ -63,10 +88,12 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.block_size = block_size
         self.device = BlockPool(num_gpu_blocks)
         self.host = BlockPool(num_cpu_blocks)
+        self.prefix_cache = prefix_cache
         self._device_tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
 
@@ -87,29 +114,80 @@ class BlockManager:
         """Share of device blocks held by requests, in [0, 1]."""
         return 1.0 - self.device.num_free / self.device.num_blocks
 
-    def num_new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
+        """Free blocks that granting `num_new_tokens` more takes, the request starting after
+        `num_cached_tokens` found by `cached_prefix` (the cached blocks on the free list count)."""
+        if num_cached_tokens:
+            hits = self._hits(request, num_cached_tokens)
+            return self.blocks_for(num_cached_tokens + num_new_tokens) - len(hits) + sum(map(self.device.is_free, hits))
         held = len(self._device_tables.get(request.request_id, ()))
         return max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - held)
 
-    # ---- device allocation -------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Grow the request's table to hold `num_new_tokens` more computed tokens.
+    # ---- prefix cache ------------------------------------------------------------------------
+    def cached_prefix(self, request: Request) -> int:
+        """Tokens a request without blocks or computed tokens would find cached (a multiple of
+        the block size); 0 without a prefix cache."""
+        if self.prefix_cache is None or request.num_computed_tokens or request.request_id in self._device_tables:
+            return 0
+        return len(self.prefix_cache.lookup(request)) * self.block_size
 
-        Returns the whole new table, or None (allocating nothing) when the free list is short.
+    def _hits(self, request: Request, num_cached_tokens: int) -> list[int]:
+        hits = self.prefix_cache.lookup(request)[:num_cached_tokens // self.block_size] if self.prefix_cache else []
+        return hits if len(hits) * self.block_size == num_cached_tokens else []
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """After a step ran: make the request's newly full blocks findable."""
+        table = self._device_tables.get(request.request_id)
+        if self.prefix_cache is not None and table:
+            self.prefix_cache.register(request, table)
+
+    # ---- device allocation -------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> list[int] | None:
+        """Grow the request's table to hold `num_new_tokens` more computed tokens; a request
+        without blocks starts on the blocks of its `num_cached_tokens` cached ones (cached_prefix)
+        and its computed tokens jump to them.
+
+        Returns the whole new table, or None (allocating nothing) when the free list is short or
+        the cached blocks are gone since cached_prefix (evicted by an allocation in between).
         """
-        needed = self.num_new_blocks_needed(request, num_new_tokens)
+        hits = self._hits(request, num_cached_tokens) if num_cached_tokens else []
+        if len(hits) * self.block_size != num_cached_tokens:
+            return None
+        needed = self.num_new_blocks_needed(request, num_new_tokens, num_cached_tokens)
         if needed > self.device.num_free:
             return None
         table = self._device_tables.setdefault(request.request_id, [])
-        table.extend(self.device.allocate(needed))
+        if hits or (self.prefix_cache is not None and not table and not request.num_computed_tokens):
+            self._start_on(request, hits)
+        for block in hits:
+            self.device.share(block)
+        table.extend(hits)
+        table.extend(self._allocate(self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)))
         request.block_ids = list(table)
         return request.block_ids
 
+    def _start_on(self, request: Request, hits: list[int]) -> None:
+        cached = len(hits) * self.block_size
+        self.prefix_cache.record_lookup(request, cached)
+        request.num_computed_tokens = cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = min(cached, request.num_prompt_tokens)
+
+    def _allocate(self, count: int) -> list[int]:
+        blocks = self.device.allocate(count)
+        if self.prefix_cache is not None:
+            for block in blocks:  # evicted: they will hold other tokens
+                self.prefix_cache.forget(block)
+        return blocks
+
     def free(self, request: Request) -> None:
-        """Release everything the request holds, on the device and on the host."""
-        self.device.release(self._device_tables.pop(request.request_id, []))
+        """Release everything the request holds, on the device and on the host (a table's last
+        blocks first, so they are evicted first)."""
+        self.device.release(reversed(self._device_tables.pop(request.request_id, [])))
         self.host.release(self._host_tables.pop(request.request_id, []))
         request.block_ids = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_request(request.request_id)
 
     # ---- swap --------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
@@ -120,8 +198,10 @@ class BlockManager:
         device_table = self._device_tables.pop(request.request_id, [])
         host_table = self.host.allocate(len(device_table))
         self._host_tables[request.request_id] = host_table
-        self.device.release(device_table)
+        self.device.release(reversed(device_table))
         request.block_ids = []
+        if self.prefix_cache is not None:  # it comes back in other blocks, registered again
+            self.prefix_cache.drop_request(request.request_id)
         return list(zip(device_table, host_table))
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
@@ -133,7 +213,7 @@ class BlockManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's host blocks back to fresh device blocks; returns (host, device) copies."""
         host_table = self._host_tables.pop(request.request_id, [])
-        device_table = self.device.allocate(len(host_table))
+        device_table = self._allocate(len(host_table))
         self._device_tables[request.request_id] = device_table
         self.host.release(host_table)
         request.block_ids = list(device_table)
@@ -147,3 +227,5 @@ class BlockManager:
         """Raise AssertionError when any accounting invariant is broken."""
         self.device.check(list(self._device_tables.values()), "device")
         self.host.check(list(self._host_tables.values()), "host")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()

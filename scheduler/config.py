@@ -25,6 +25,10 @@ class SchedulerConfig:
     # When False a prefill is scheduled whole, so the budget must hold the longest request.
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
+    # vLLM's automatic prefix caching (prefix_cache.py): full KV blocks are found again by their
+    # tokens, so a prompt that starts as an earlier one did skips that part of its prefill. Off by
+    # default here, so the simulator and the measured benchmarks keep their figures.
+    enable_prefix_caching: bool = False
     policy: str = "fcfs"
     # A new (or recompute-resumed) request is admitted only if this share of the device blocks stays
     # free after its first chunk, so running requests can grow a while before anyone is preempted:

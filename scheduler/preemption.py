@@ -53,17 +53,18 @@ class Preemption:
             # Running requests ranked ahead of it keep their whole next chunk: an urgent request
             # goes before those it may preempt, never before an earlier one of its own tier.
             ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(request, plan, now)
-            num_new = self._num_new_tokens(request, budget - ahead_tokens)
+            cached = self.block_manager.cached_prefix(request)
+            num_new = self._num_new_tokens(request, budget - ahead_tokens, cached)
             if num_new <= 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
-            need = self.block_manager.blocks_for(request.num_computed_tokens + num_new) + ahead_blocks
+            need = self.block_manager.num_new_blocks_needed(request, num_new, cached) + ahead_blocks
             victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
             if victims is None:
                 return
             for victim in victims:
                 free_blocks += len(victim.block_ids)
                 self._preempt(victim, plan)
-            if not self._admit_now(request, num_new, plan):
+            if not self._admit_now(request, num_new, plan, cached):
                 return
             # Nobody ranked after a victim just preempted is let in later in this loop either.
             limit = self._resume_limit(plan, now)
@@ -86,11 +87,11 @@ class Preemption:
                           - self.block_manager.num_new_blocks_needed(running, 1))
         return tokens, blocks
 
-    def _admit_now(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+    def _admit_now(self, request: Request, num_new: int, plan: StepPlan, num_cached_tokens: int = 0) -> bool:
         """Admit an urgent request before anything else takes the room made for it: the watermark
         and the running requests' prefill chunks would otherwise leave it waiting while its victims
         were already preempted."""
-        if self.block_manager.allocate_slots(request, num_new) is None:
+        if self.block_manager.allocate_slots(request, num_new, num_cached_tokens) is None:
             return False  # not reached: the room was counted; but never admit without blocks
         self.waiting.remove(request)
         self._start_running(request, num_new, plan)

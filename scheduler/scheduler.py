@@ -34,6 +34,7 @@ from scheduler.eviction import free_for_recompute, make_eviction
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policies import make_policy
 from scheduler.policy import SchedulingPolicy
+from scheduler.prefix_cache import PrefixCache
 from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
 from scheduler.step import SchedulerStats, StepPlan, build_chunks, stop_status
@@ -44,7 +45,8 @@ class Scheduler(Preemption):
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy, config)
         self.eviction = make_eviction(config.preemption_mode)
-        self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+        prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, prefix_cache)
         self.admission = AdmissionController(config)
         self.waiting: list[Request] = []  # new and recompute-preempted requests
         self.running: list[Request] = []
@@ -149,8 +151,10 @@ class Scheduler(Preemption):
         for request_id in plan.preempted_ids:  # queued again from now: more queueing delay
             self._requests[request_id].requeued_at = now
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
+        """Tokens to grant `request` within `budget`, after its computed tokens (or, for a request
+        about to start on cached blocks, after those)."""
+        remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
@@ -198,19 +202,20 @@ class Scheduler(Preemption):
                 break
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
-            num_new = self._num_new_tokens(request, plan.budget)
-            if num_new == 0 or not self._above_watermark(request, num_new):
+            cached = self.block_manager.cached_prefix(request)
+            num_new = self._num_new_tokens(request, plan.budget, cached)
+            if num_new == 0 or not self._above_watermark(request, num_new, cached):
                 break
-            if self.block_manager.allocate_slots(request, num_new) is None:
+            if self.block_manager.allocate_slots(request, num_new, cached) is None:
                 break
             self._start_running(request, num_new, plan)
             admitted += 1
         del self.waiting[:admitted]
 
-    def _above_watermark(self, request: Request, num_new: int) -> bool:
+    def _above_watermark(self, request: Request, num_new: int, num_cached_tokens: int = 0) -> bool:
         if not self.running:
             return True  # an empty cache always takes the request (it fits: checked on add)
-        needed = self.block_manager.num_new_blocks_needed(request, num_new)
+        needed = self.block_manager.num_new_blocks_needed(request, num_new, num_cached_tokens)
         reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         return self.block_manager.num_free_blocks - needed >= reserve
 
@@ -244,6 +249,10 @@ class Scheduler(Preemption):
                            now: float) -> list[Request]:
         """Append sampled tokens; finish requests that stop. Returns the requests that progressed."""
         progressed: list[Request] = []
+        for chunk in output.chunks:  # their KV is written now: full blocks may be found again
+            request = self._requests.get(chunk.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.block_manager.cache_full_blocks(request)
         for chunk in output.chunks:
             request = self._requests.get(chunk.request_id)
             if not chunk.sample or request is None or request.status is not RequestStatus.RUNNING:
@@ -264,6 +273,7 @@ class Scheduler(Preemption):
         self.admission.record_step(now, num_batched_tokens, step_time_s)
 
     def stats(self, now: float | None = None) -> SchedulerStats:
+        cache = self.block_manager.prefix_cache
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             kv_usage=self.block_manager.usage, num_free_blocks=self.block_manager.num_free_blocks,
@@ -272,4 +282,6 @@ class Scheduler(Preemption):
             num_rejected=self.admission.num_rejected,
             throughput_tokens_per_s=self.admission.throughput_tokens_per_s,
             stability_margin=self.admission.stability_margin(now) if now is not None else None,
+            prefix_cache_queries=None if cache is None else cache.num_query_tokens,
+            prefix_cache_hits=None if cache is None else cache.num_hit_tokens,
         )

@@ -40,6 +40,9 @@ class SchedulerStats:
     num_rejected: int  # by admission control, cumulative
     throughput_tokens_per_s: float | None  # EWMA of served tokens per second
     stability_margin: float | None  # offered load over capacity: tokens, seats or KV (admission.py)
+    # Prefix caching, cumulative, in tokens: looked up on admission, and found cached (None: off).
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
 
 
 def token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:

@@ -76,6 +76,12 @@ class _EngineStateCollector(Collector):
             family.add_metric([self._model_name], value)
             yield family
 
+    def _counter(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        if value is not None:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         if stats is not None:
@@ -90,12 +96,11 @@ class _EngineStateCollector(Collector):
             yield from self._gauge("stability_margin", "Offered load over capacity, in tokens, seats or KV "
                                    "cache, whichever binds; above 1 the queue cannot drain.",
                                    _stat(stats, "stability_margin"))
-            preemptions = _stat(stats, "num_preemptions")
-            if preemptions is not None:
-                family = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative preemptions.",
-                                             labels=["model_name"])
-                family.add_metric([self._model_name], preemptions)
-                yield family
+            yield from self._counter("num_preemptions", "Cumulative preemptions.", _stat(stats, "num_preemptions"))
+            yield from self._counter("prefix_cache_queries", "Tokens looked up in the prefix cache on admission "
+                                     "(with --enable-prefix-caching).", _stat(stats, "prefix_cache_queries"))
+            yield from self._counter("prefix_cache_hits", "Of those, tokens found cached.",
+                                     _stat(stats, "prefix_cache_hits"))
         yield from self._gauge("predictor_kendall_tau", "Kendall's tau of the predicted ranking length against "
                                f"actual output tokens over the last {TAU_WINDOW} finished requests.",
                                kendall_tau(list(self._tau_pairs)))

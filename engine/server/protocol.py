@@ -326,15 +326,21 @@ class ChatCompletionRequest(_Request, ChatUnsupportedFields):
         return "max_tokens", self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the prefix cache, as OpenAI reports them
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prefix-caching
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 def new_id(prefix: str) -> str:

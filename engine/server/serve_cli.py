@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     parser.add_argument("--max-model-len", type=positive_int, default=None)
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="find full KV blocks of earlier prompts again by their tokens, so a prompt that "
+                             "starts as one before it skips that part of its prefill (vLLM's automatic prefix "
+                             "caching)")
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     add_scheduler_arguments(parser)
@@ -91,7 +95,10 @@ def build_engine_config(args: argparse.Namespace):
     }
     chosen = {name: value for name, value in overrides.items() if value is not None}
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
-    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=scheduler_options(args), **chosen)
+    options = scheduler_options(args)
+    if args.enable_prefix_caching:  # not a shared scheduler flag: simulated prompts are all one token
+        options["enable_prefix_caching"] = True
+    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=options, **chosen)
 
 
 def predictor_folder(spec: str | None) -> str | None:

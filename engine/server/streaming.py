@@ -54,8 +54,10 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 def usage_of(finals: Sequence[RequestOutput]) -> UsageInfo:
-    """One prompt, counted once, and every choice's generated tokens."""
-    return UsageInfo.of(len(finals[0].prompt_token_ids), sum(len(final.token_ids) for final in finals))
+    """One prompt, counted once, and every choice's generated tokens (and, with prefix caching,
+    the first choice's cached prompt tokens)."""
+    return UsageInfo.of(len(finals[0].prompt_token_ids), sum(len(final.token_ids) for final in finals),
+                        finals[0].num_cached_tokens)
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Automatic prefix caching: full KV blocks found again by the tokens they hold.
+
+A full block of a sequence is named by its key: (the previous block's chain hash, its own tokens),
+so two sequences share a block exactly when they agree on every token up to its end (the tokens
+are compared, not only hashed; a chain hash stands for the blocks before). A request's chain
+hashes are computed once and kept on it (`Request.block_hashes`), extended as its tokens grow.
+
+A block is registered once the step that filled it has run (`register`): its KV is written then,
+and a step that fails registers nothing. A registered block stays findable after its holders
+free it, while it waits on the free list, until it is allocated for other tokens (`forget`), so
+a free list ordered by release time evicts the least recently used first. A request is served
+at most (num_tokens - 1) // block_size blocks from the cache: at least one token is fed, whose
+logits give the next token, and it goes into a block of the request's own.
+
+A request that asks for prompt logprobs finds nothing: they need every prompt position's
+hidden state.
+"""
+
+from __future__ import annotations
+
+from scheduler.request import Request
+from scheduler.step import token_slice
+
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+class PrefixCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._block_of: dict[BlockKey, int] = {}
+        self._key_of: dict[int, BlockKey] = {}
+        self._registered: dict[str, int] = {}  # request id -> blocks of its table looked at
+        self.num_query_tokens = 0  # prompt and output tokens of requests looked up on admission
+        self.num_hit_tokens = 0  # of those, served from the cache
+
+    def _key(self, request: Request, index: int) -> BlockKey:
+        """Block `index`'s key, extending the request's chain hashes as far as needed."""
+        hashes, size = request.block_hashes, self.block_size
+        while len(hashes) <= index:
+            at = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else None, token_slice(request, at * size, (at + 1) * size))))
+        return (hashes[index - 1] if index else None, token_slice(request, index * size, (index + 1) * size))
+
+    def lookup(self, request: Request) -> list[int]:
+        """The device blocks holding the request's longest cached prefix, in order."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return []
+        blocks = []
+        for index in range((request.num_tokens - 1) // self.block_size):
+            block = self._block_of.get(self._key(request, index))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def register(self, request: Request, table: list[int]) -> None:
+        """Register the request's full computed blocks not registered yet. A block whose tokens
+        another block already holds stays unregistered (two requests computed them at once)."""
+        start = self._registered.get(request.request_id, 0)
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        for index in range(start, num_full):
+            key = self._key(request, index)
+            block = table[index]
+            if key not in self._block_of and block not in self._key_of:
+                self._block_of[key] = block
+                self._key_of[block] = key
+        self._registered[request.request_id] = max(start, num_full)
+
+    def forget(self, block: int) -> None:
+        """The block is allocated for other tokens: it no longer holds its key's."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
+    def drop_request(self, request_id: str) -> None:
+        """The request's table is gone (freed, or swapped out to come back in other blocks)."""
+        self._registered.pop(request_id, None)
+
+    def holds(self, block: int) -> bool:
+        return block in self._key_of
+
+    def check(self) -> None:
+        if len(self._block_of) != len(self._key_of):
+            raise AssertionError("prefix cache: a block is registered under two keys")
+        for key, block in self._block_of.items():
+            if self._key_of.get(block) != key:
+                raise AssertionError(f"prefix cache: block {block} is not registered under its key")
+

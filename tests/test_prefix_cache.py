@@ -1,0 +1,164 @@
+"""Automatic prefix caching (scheduler/prefix_cache.py) with no tensors: the paged reference runner
+reads every context through the block tables, so a request served a block that does not hold its
+tokens, or one never written, gives other tokens than the reference (or fails on an unwritten
+slot). Requests that share prefixes, arrive while others run or after they finished, under
+recompute and swap preemption, chunked or whole, all give the reference's tokens, find their
+prefixes, and leave every block free; the block manager's rules are checked one by one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.prefix_cache import PrefixCache
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.testing import PagedTokenRunner, reference_output
+
+SYSTEM = [random.Random(1).randrange(1, 900) for _ in range(37)]  # a shared system prompt
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 6, **params) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+                   arrival_time=0.0)
+
+
+def workload(seed: int) -> list[tuple[int, Request]]:
+    """(step to add it at, request): a shared system prompt with other questions, repeats of one
+    prompt, and second turns that extend a first turn's prompt and reply."""
+    rng = random.Random(seed)
+    arrivals = []
+    for index in range(14):
+        question = [rng.randrange(1, 900) for _ in range(rng.randrange(1, 30))]
+        arrivals.append((rng.randrange(0, 40), request(f"q{index}", SYSTEM + question, rng.randrange(2, 12))))
+    repeated = SYSTEM + [5, 6, 7]
+    arrivals += [(step, request(f"same{step}", repeated, 5)) for step in (0, 1, 30)]
+    first = SYSTEM + [11, 12, 13, 14]
+    arrivals.append((0, request("turn1", first, 8)))
+    second = first + reference_output(first, 8) + [21, 22]
+    arrivals.append((60, request("turn2", second, 4)))
+    return arrivals
+
+
+def run(config: SchedulerConfig, arrivals: list[tuple[int, Request]]) -> tuple[dict[str, list[int]], Scheduler]:
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    pending = sorted(arrivals, key=lambda item: item[0])
+    outputs = {}
+    for step in range(5000):
+        while pending and pending[0][0] <= step:
+            scheduler.add_request(pending.pop(0)[1])
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(now=float(step))
+        for done in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if done.is_finished:
+                outputs[done.request_id] = list(done.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks  # no block leaks
+    return outputs, scheduler
+
+
+@pytest.mark.parametrize("mode, num_gpu_blocks, chunked, block_size", [
+    ("recompute", 400, True, 16), ("recompute", 400, False, 8), ("recompute", 12, True, 8),
+    ("swap", 12, True, 8), ("recompute", 22, True, 4)])
+def test_cached_prefixes_give_the_reference_tokens(mode, num_gpu_blocks, chunked, block_size) -> None:
+    # Under 100 blocks, six seats outgrow the cache: requests are preempted (no watermark).
+    config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_num_seqs=6,
+                             max_num_batched_tokens=64 if chunked else 256, enable_chunked_prefill=chunked,
+                             preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0, max_model_len=256,
+                             enable_prefix_caching=True, kv_watermark=0.0)
+    for seed in range(3):
+        arrivals = workload(seed)
+        outputs, scheduler = run(config, arrivals)
+        assert outputs == {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params.max_tokens)
+                           for _, r in arrivals}
+        cache = scheduler.block_manager.prefix_cache
+        assert cache.num_hit_tokens >= 2 * (len(SYSTEM) // block_size) * block_size
+        turn2 = next(r for _, r in arrivals if r.request_id == "turn2")
+        if num_gpu_blocks > 100:  # nothing evicted: the second turn finds the whole first turn
+            assert turn2.num_cached_tokens == (len(SYSTEM) + 4 + 8 - 1) // block_size * block_size
+        if num_gpu_blocks < 100:
+            assert scheduler.stats().num_preemptions > 0
+
+
+def test_without_prefix_caching_nothing_is_found() -> None:
+    config = SchedulerConfig(num_gpu_blocks=400, block_size=8, max_num_seqs=4, max_model_len=256)
+    outputs, scheduler = run(config, workload(0))
+    assert scheduler.block_manager.prefix_cache is None
+    assert all(r.num_cached_tokens is None for r in scheduler._requests.values())
+
+
+# ---- the block manager's rules, on blocks of 4 tokens --------------------------------------------
+def manager(num_blocks: int = 8) -> BlockManager:
+    return BlockManager(num_gpu_blocks=num_blocks, block_size=4, prefix_cache=PrefixCache(4))
+
+
+def computed(manager: BlockManager, r: Request) -> Request:
+    """Allocate and compute r's whole prompt, as a step would, and register its blocks."""
+    cached = manager.cached_prefix(r)
+    assert manager.allocate_slots(r, r.num_tokens - cached, cached) is not None
+    r.num_computed_tokens = r.num_tokens
+    manager.cache_full_blocks(r)
+    return r
+
+
+def test_a_prefix_is_shared_while_held_and_kept_after_it_is_freed() -> None:
+    m = manager()
+    first = computed(m, request("a", range(1, 11)))  # blocks [1-4] [5-8] [9-10]
+    second = request("b", list(range(1, 9)) + [50, 51, 52])
+    assert m.cached_prefix(second) == 8
+    assert m.allocate_slots(second, 3, 8)[:2] == first.block_ids[:2] and second.num_computed_tokens == 8
+    assert m.device._ref_counts[first.block_ids[0]] == 2
+    m.free(first)
+    m.free(second)
+    m.check_integrity()
+    assert m.num_free_blocks == 8 and m.cached_prefix(request("c", range(1, 10))) == 8  # found on the free list
+    assert m.cached_prefix(request("d", [99] + list(range(2, 10)))) == 0  # another first token
+
+
+def test_at_least_one_token_is_fed_from_a_block_of_its_own() -> None:
+    m = manager()
+    computed(m, request("a", range(1, 9)))  # two full blocks
+    assert m.cached_prefix(request("same", range(1, 9))) == 4  # (8 - 1) // 4 blocks
+    assert m.cached_prefix(request("longer", range(1, 10))) == 8
+
+
+def test_the_least_recently_freed_blocks_are_evicted_first_a_tables_tail_before_its_head() -> None:
+    m = manager(num_blocks=4)
+    old = computed(m, request("old", range(1, 9)))
+    m.free(old)
+    # The two never used blocks go first, then the old table's tail, then its head.
+    m.allocate_slots(request("x", [70] * 12), 12)
+    assert m.cached_prefix(request("again", range(1, 10))) == 4
+    m.allocate_slots(request("y", [80] * 4), 4)
+    assert m.cached_prefix(request("again2", range(1, 10))) == 0
+    m.check_integrity()
+
+
+def test_a_prefix_evicted_before_its_allocation_allocates_nothing() -> None:
+    m = manager(num_blocks=3)
+    m.free(computed(m, request("a", range(1, 9))))
+    late = request("late", range(1, 10))
+    cached = m.cached_prefix(late)
+    assert cached == 8
+    m.allocate_slots(request("x", [70] * 12), 12)  # evicts every free block
+    assert m.allocate_slots(late, 1, cached) is None and late.num_computed_tokens == 0
+    m.check_integrity()
+
+
+def test_a_request_asking_for_prompt_logprobs_finds_nothing() -> None:
+    m = manager()
+    computed(m, request("a", range(1, 11)))
+    assert m.cached_prefix(request("b", range(1, 11), prompt_logprobs=0)) == 0
+
+
+def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:
+    m = manager()
+    computed(m, request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # The same second block after another first one: a different prefix, nothing found.
+    assert m.cached_prefix(request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == 0
+    assert m.cached_prefix(request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9])) == 4

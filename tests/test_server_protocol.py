@@ -184,12 +184,28 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 
 
-def test_stream_options_take_null_as_unset_and_refuse_continuous_usage(served):
+def test_stream_options_take_null_as_unset(served):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True}
     unset = post(served[0], "/v1/completions", {**body, "stream_options": {"include_usage": None}})
     assert unset.status_code == 200 and '"usage":{' not in unset.text  # no usage chunk asked for
-    refused = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    # vLLM's continuous usage comes with include_usage only, as vLLM gives it.
+    alone = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert alone.status_code == 200 and '"usage":{' not in alone.text
+    refused = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": "x"}})
     assert error_of(refused, 400)["param"].startswith("stream_options")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_counts_each_chunks_tokens_so_far(client, chat):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, max_tokens=5, temperature=0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+    events = list(client.chat.completions.create(messages=CHAT, **kwargs) if chat
+                  else client.completions.create(prompt="Once upon", **kwargs))
+    counted = [event.usage.completion_tokens for event in events if event.choices]
+    assert counted == sorted(counted) and counted[-1] == 5 and (counted[0] == 0) == chat  # chat opens with its role
+    prompt_tokens = {event.usage.prompt_tokens for event in events}
+    assert len(prompt_tokens) == 1 and not events[-1].choices and events[-1].usage.completion_tokens == 5
 
 
 def test_a_temperature_above_openais_2_is_served_as_vllm_serves_it(served):

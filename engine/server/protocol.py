@@ -43,8 +43,8 @@ def not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    # vLLM's usage on every chunk: not implemented, so only its neutral value is accepted.
-    continuous_usage_stats: Literal[False] = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens).
+    continuous_usage_stats: bool = False
 
     _null_is_the_default = field_validator("include_usage", "continuous_usage_stats",
                                            mode="before")(classmethod(null_is_the_default))
@@ -157,6 +157,12 @@ class _Request(CompletionUnsupportedFields):
         if len(values) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return stop
+
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage on every chunk), as stream_options ask."""
+        options = self.stream_options
+        include = bool(options and options.include_usage)
+        return include, include and options.continuous_usage_stats
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(the field the client set the output limit with, its value)."""

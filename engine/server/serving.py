@@ -103,9 +103,10 @@ class OpenAIServing:
                                                                         finish_reason=finish)])
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = body.usage_in_stream()
             events = stream_events(streams, chunk, (), include_usage,
-                                   lambda usage: CompletionResponse(**head, choices=[], usage=usage))
+                                   lambda usage: CompletionResponse(**head, choices=[], usage=usage),
+                                   len(prompt_ids) if continuous else None)
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
         if body.scores_prompt_only():
@@ -137,12 +138,13 @@ class OpenAIServing:
                 index=index, delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = body.usage_in_stream()
             openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
                 for index in range(len(streams))]
             events = stream_events(streams, chunk, openings, include_usage,
-                                   lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage))
+                                   lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage),
+                                   len(prompt_ids) if continuous else None)
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
 

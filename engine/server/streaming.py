@@ -66,6 +66,7 @@ class _Sent:
 
     text: int = 0  # characters
     logprobs: int = 0  # entries
+    tokens: int = 0  # generated, as of the last output read
 
     def new_logprobs(self, logprobs: tuple[TokenLogprobs, ...] | None) -> Sequence[TokenLogprobs] | None:
         if logprobs is None:
@@ -100,9 +101,18 @@ async def _interleave(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[i
 
 
 async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, openings: Sequence[BaseModel],
-                        include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
+                        include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel],
+                        continuous_usage_of: int | None = None) -> AsyncIterator[str]:
+    """The response's events. With `continuous_usage_of` (the prompt's tokens, for vLLM's
+    continuous_usage_stats) every chunk carries the usage so far: the prompt and its choice's
+    tokens (none yet in an opening)."""
+    def with_usage(made: BaseModel, generated: int) -> BaseModel:
+        if continuous_usage_of is not None:
+            made.usage = UsageInfo.of(continuous_usage_of, generated)
+        return made
+
     for opening in openings:
-        yield chunk_event(opening, include_usage)
+        yield chunk_event(with_usage(opening, 0), include_usage)
     sent = [_Sent() for _ in streams]
     finals: dict[int, RequestOutput] = {}
     async with aclosing(_interleave(streams)) as items:  # its reads end with the stream, however it ends
@@ -114,15 +124,17 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                     break
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
-                yield chunk_event(chunk(index, item.text[cursor.text:], "abort", entries), include_usage)
+                yield chunk_event(with_usage(chunk(index, item.text[cursor.text:], "abort", entries), cursor.tokens),
+                                  include_usage)
                 continue
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
             # A token's logprobs go out with the step that made it, though its text may wait (an
             # unfinished character, or the start of a possible stop string).
             entries = cursor.new_logprobs(item.logprobs)
+            cursor.tokens = len(item.token_ids)
             if delta or item.finished or entries:
-                yield chunk_event(chunk(index, delta, item.finish_reason if item.finished else None, entries),
-                                  include_usage)
+                made = chunk(index, delta, item.finish_reason if item.finished else None, entries)
+                yield chunk_event(with_usage(made, cursor.tokens), include_usage)
             if item.finished:
                 finals[index] = item
     if include_usage and len(finals) == len(streams):

@@ -168,11 +168,12 @@ class LLMEngine:
         return ids
 
     def _check_sampler_token_ids(self, params: SamplingParams) -> None:
-        """The token ids logit_bias and allowed_token_ids name must index the logits, and an
+        """The token ids logit_bias, allowed_token_ids and bad words name must index the logits, and an
         allowed set must hold a token that min_tokens lets the model generate."""
         vocab = self.arch.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for word in params.bad_words_token_ids for t in word])):
             outside = sorted({t for t in ids if t >= vocab})
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary of {vocab}: {outside[:5]}")

@@ -1,6 +1,6 @@
 """Logits processors: per-request edits of a step's logits before the sampler draws.
 
-They run in vLLM's order: allowed token ids, min_tokens, logit bias, then the penalties
+They run in vLLM's order: allowed token ids, bad words, min_tokens, logit bias, then the penalties
 (penalties.py); temperature, min-p, top-k and top-p follow in the sampler. Each processor is a
 policy object behind one seam: `wants(request)` picks its rows and `apply(logits, requests)`
 returns those rows edited, batched in a few tensor operations, never a loop over the vocabulary.
@@ -82,6 +82,30 @@ class AllowedTokenIds:
         return logits.masked_fill(~allowed, float("-inf"))
 
 
+class BadWords:
+    """vLLM's bad words: the last token of each word (a token id sequence) is ruled out wherever
+    the output ends with the word's other tokens, as vLLM matches them (the output alone)."""
+
+    def wants(self, request: Request) -> bool:
+        return bool(request.sampling_params.bad_words_token_ids)
+
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        vocab, device = logits.shape[-1], logits.device
+        rows, ids = _flat_index([_ids(_completing_tokens(r), vocab, device) for r in requests], device)
+        return logits.index_put((rows, ids), torch.tensor(float("-inf"), device=device))
+
+
+def _completing_tokens(request: Request) -> list[int]:
+    """The tokens that would complete one of the request's bad words now."""
+    output = request.output_token_ids
+    found = []
+    for word in request.sampling_params.bad_words_token_ids:
+        before = len(word) - 1
+        if before <= len(output) and tuple(output[len(output) - before:]) == word[:-1]:
+            found.append(word[-1])
+    return found
+
+
 class MinTokens:
     """vLLM's min_tokens: until the output holds that many tokens, the end-of-sequence token
     (unless ignore_eos) and the stop token ids are ruled out."""
@@ -139,7 +163,7 @@ class Penalties:
 
 def default_processors() -> tuple[LogitsProcessor, ...]:
     """A fresh set, in vLLM's order, for one model runner."""
-    return (AllowedTokenIds(), MinTokens(), LogitBias(), Penalties())
+    return (AllowedTokenIds(), BadWords(), MinTokens(), LogitBias(), Penalties())
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request],

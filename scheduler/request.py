@@ -105,6 +105,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's: when set, only these token ids can be generated.
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad words, as token id sequences: the last token of each is ruled out wherever the
+    # output ends with the ones before it (a one-token word: everywhere).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
@@ -139,6 +142,11 @@ class SamplingParams:
             if not allowed or any(not _is_int(i) or i < 0 for i in allowed):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(_as_tuple(word, "bad_words_token_ids") for word in _as_tuple(self.bad_words_token_ids,
+                                                                                   "bad_words_token_ids"))
+        if any(not word or any(not _is_int(t) or t < 0 for t in word) for word in words):
+            raise ValueError(f"bad_words_token_ids must be non-empty sequences of token ids, got {words!r}")
+        object.__setattr__(self, "bad_words_token_ids", words)
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")

@@ -79,16 +79,19 @@ def hf_greedy_penalized(model_dir, prompt: list[int], num_tokens: int, *, repeti
 
 def hf_greedy_processed(model_dir, prompt: list[int], num_tokens: int, *, stop_ids: list[int],
                         min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
-                        allowed: list[int] | None = None) -> list[int]:
+                        allowed: list[int] | None = None, bad_words: list[list[int]] | None = None) -> list[int]:
     """Reference greedy tokens through HF's own logits processors: allowed tokens (prefix
-    constrained), the minimum new tokens before any of `stop_ids`, a per-token bias; the output
+    constrained), bad words (HF matches them over prompt and output: a test keeps the prompt's end
+    out of them), the minimum new tokens before any of `stop_ids`, a per-token bias; the output
     ends at the first stop id generated (kept, as the engine keeps it) or after num_tokens."""
-    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                               PrefixConstrainedLogitsProcessor, SequenceBiasLogitsProcessor)
 
     processors = LogitsProcessorList()
     if allowed is not None:
         processors.append(PrefixConstrainedLogitsProcessor(lambda batch_id, ids: allowed, num_beams=1))
+    if bad_words:
+        processors.append(NoBadWordsLogitsProcessor(bad_words))
     if min_tokens:
         processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, stop_ids))
     if logit_bias:

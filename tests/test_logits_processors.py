@@ -65,6 +65,16 @@ def test_kept_tensors_give_what_fresh_processors_give_over_steps() -> None:
         torch.testing.assert_close(process_logits(logits, [request], processors), process_logits(logits, [request]))
 
 
+def test_bad_words_rule_out_the_token_that_would_complete_them() -> None:
+    logits = torch.zeros(1, 6)
+    params = SamplingParams(bad_words_token_ids=[[1], [3, 4], [2, 3, 5]])
+    for output, masked in (([], [1]), ([3], [1, 4]), ([2, 3], [1, 4, 5]), ([3, 2], [1]), ([0, 2, 2], [1])):
+        out = process_logits(logits, [request_with(params, output)])
+        assert [t for t in range(6) if out[0, t] == -math.inf] == masked, output
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[]])
+
+
 def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> None:
     logits = torch.zeros(1, 6)
     params = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(4, 99))  # 99: beyond the vocabulary
@@ -82,8 +92,7 @@ def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> N
 
 def test_the_processors_run_in_vllms_order() -> None:
     order = [type(p).__name__ for p in default_processors()]
-    assert order[:3] == [AllowedTokenIds.__name__, MinTokens.__name__, LogitBias.__name__]
-    assert order[3] == "Penalties"
+    assert order == [AllowedTokenIds.__name__, "BadWords", MinTokens.__name__, LogitBias.__name__, "Penalties"]
 
 
 def test_sampling_params_check_the_new_fields() -> None:
@@ -125,12 +134,16 @@ def cases(prompts, plain_greedy) -> list[tuple[list[int], dict, dict]]:
     """(prompt, SamplingParams extras, hf_greedy_processed extras): each aimed at tokens the plain
     greedy path takes, so that it must change that path."""
     (g0, g1, g2) = plain_greedy
+    assert prompts[0][-1] != g0[0]  # HF matches bad words over the prompt too; vLLM, as here, does not
     allowed = sorted({*range(100, 160)} - set(g0))
     return [
         # The second greedy token is a stop token: min_tokens 4 keeps it out of the first four.
         (prompts[1], dict(stop_token_ids=(g1[1],), min_tokens=4), dict(stop_ids=[g1[1]], min_tokens=4)),
         (prompts[0], dict(allowed_token_ids=allowed), dict(stop_ids=[], allowed=allowed)),
         (prompts[2], dict(logit_bias={g2[0]: -100.0, g2[3]: 3.0}), dict(stop_ids=[], logit_bias={g2[0]: -100.0, g2[3]: 3.0})),
+        # A two-token word that the greedy path's first two tokens spell, and a one-token word.
+        (prompts[0], dict(bad_words_token_ids=((g0[0], g0[1]), (g0[3],))),
+         dict(stop_ids=[], bad_words=[[g0[0], g0[1]], [g0[3]]])),
     ]
 
 
@@ -201,3 +214,27 @@ def test_the_server_applies_bias_allowed_ids_and_min_tokens(tiny_model_dir) -> N
         assert error_of(post(base_url, "/v1/completions", body), 400)["param"] == "min_tokens"
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "min_tokens": 5}
         assert "max_completion_tokens allows" in error_of(post(base_url, "/v1/chat/completions", chat), 400)["message"]
+
+
+def test_the_server_rules_out_bad_words(tiny_model_dir) -> None:
+    from test_server import MODEL, error_of, openai_client, post, serving, tiny_engine
+
+    engine = tiny_engine(tiny_model_dir)
+    with serving(engine) as (base_url, _):
+        client = openai_client(base_url)
+        kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=0)
+        free = client.completions.create(extra_body={"ignore_eos": True}, **kwargs).choices[0].logprobs.tokens
+        encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+
+        def one_token_either_way(token: str) -> bool:
+            # vLLM's rule bans a word's spaced form only where it has as many tokens as the bare one.
+            return token.startswith(" ") and token[1:].isalpha() and len(encode(token[1:])) == len(encode(token)) == 1
+
+        at = next(i for i, token in enumerate(free) if one_token_either_way(token))
+        word = free[at].strip()  # mid-text, so its spaced form is the token generated
+        banned = client.completions.create(extra_body={"ignore_eos": True, "bad_words": [word]}, **kwargs)
+        tokens = banned.choices[0].logprobs.tokens
+        assert tokens[:at] == free[:at] and tokens[at] != free[at] and free[at] not in tokens
+        for bad in ([""], ["x"] * 129, "word"):
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "bad_words": bad}
+            assert error_of(post(base_url, "/v1/completions", body), 400)["param"].startswith("bad_words")

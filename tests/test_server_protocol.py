@@ -87,7 +87,7 @@ def client(served) -> openai.OpenAI:
     ("structured_outputs", {"regex": "a+"}), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("bad_words", ["x"]), ("length_penalty", 0.5),
+    ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("chat_template", "{{ messages }}"),
     ("chat_template_kwargs", {"enable_thinking": True}),
 ])

@@ -21,6 +21,7 @@ from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupport
 from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 128  # vLLM's bound too
 # Choices per request: each is an engine request of its own, so the bound keeps one request from
 # filling the seats (OpenAI allows 128).
 MAX_CHOICES = 16
@@ -83,6 +84,8 @@ class _Request(CompletionUnsupportedFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Token ids the model may generate (the engine checks them against the vocabulary).
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    # vLLM's: words the output may not end with (the last token of each is ruled out after the rest).
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
     logit_bias: dict[str, float] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",

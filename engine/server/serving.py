@@ -227,6 +227,20 @@ class OpenAIServing:
             raise errors.invalid_field("priority", f"priority: this server schedules by {self.policy.name}, not "
                                        "by priority (--policy priority); send priority 0 or leave it out")
 
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as vLLM tokenizes them: as the word would start the text,
+        and also as it would follow a space where that gives other tokens of the same count (a
+        word in the middle of the text)."""
+        found = []
+        for word in words:
+            bare = self._encode(word.lstrip(), False)
+            spaced = self._encode(" " + word.lstrip(), False)
+            if bare:
+                found.append(tuple(bare))
+            if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                found.append(tuple(spaced))
+        return tuple(found)
+
     def _check_token_ids(self, ids: list[int]) -> None:
         vocab = len(self.tokenizer)
         if any(not 0 <= i < vocab for i in ids):
@@ -269,6 +283,7 @@ class OpenAIServing:
         max_tokens = self._check_context(len(prompt_ids), 1 if max_tokens == 0 else max_tokens,
                                          prompt_param, max_tokens_param)
         self._check_sampler_fields(body, max_tokens, max_tokens_param)
+        bad_words = await self._off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
@@ -279,7 +294,8 @@ class OpenAIServing:
                                     frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                                     logit_bias=body.token_logit_bias(),
-                                    allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids))
+                                    allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+                                    bad_words_token_ids=bad_words)
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
         tier = SERVICE_TIERS[body.service_tier]

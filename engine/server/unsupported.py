@@ -21,7 +21,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
-    "bad_words": (None, []),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
@@ -45,7 +44,6 @@ class CompletionUnsupportedFields(BaseModel):
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
     # Refused whatever their value unless null, so their shape is not checked.
     guided_json: Any = None
     guided_regex: Any = None

@@ -30,11 +30,12 @@ class DetokenizerState:
     read_offset: int  # tokens before this one are already in `text`
     text: str = ""
     released: int = 0  # characters of `text` already handed out
+    skip_special_tokens: bool = True  # as vLLM's SamplingParams: special tokens' names left out
 
     @classmethod
-    def for_prompt(cls, prompt_token_ids: list[int]) -> "DetokenizerState":
+    def for_prompt(cls, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> "DetokenizerState":
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        return cls(token_ids=context, prefix_offset=0, read_offset=len(context))
+        return cls(token_ids=context, prefix_offset=0, read_offset=len(context), skip_special_tokens=skip_special_tokens)
 
 
 def emitted_length(prefix: str, full: str) -> int:
@@ -55,8 +56,9 @@ def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], 
     ended) an unfinished character is taken as decoded, U+FFFD included, as a full decode shows it,
     so the text that came with it is not lost."""
     state.token_ids.extend(new_token_ids)
-    prefix = tokenizer.decode(state.token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(state.token_ids[state.prefix_offset:], skip_special_tokens=True)
+    skip = state.skip_special_tokens
+    prefix = tokenizer.decode(state.token_ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(state.token_ids[state.prefix_offset:], skip_special_tokens=skip)
     start = emitted_length(prefix, full)
     if len(full) <= start or (full.endswith("\ufffd") and not final):
         return ""

@@ -207,7 +207,7 @@ class LLMEngine:
             predicted_p90=None if prediction is None else prediction.p90,
             predicted_rank_len=None if prediction is None else prediction.rank_len, group=group)
         self.scheduler.add_request(request, now)
-        self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids)
+        self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids, params.skip_special_tokens)
         self._num_reported[request_id] = 0
         if params.logprobs is not None:
             self._logprobs[request_id] = []

@@ -88,6 +88,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # vLLM's: the stop string (or stop token's text) that ended the output stays in its text.
     include_stop_str_in_output: bool = False
+    # vLLM's: special tokens (<|im_start|>, ...) are left out of the text unless this is False.
+    skip_special_tokens: bool = True
     # None: no logprobs. N >= 0: each generated token's log-probability under the model, with the
     # N likeliest alternatives at that position.
     logprobs: int | None = None
@@ -126,7 +128,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -82,7 +82,7 @@ def client(served) -> openai.OpenAI:
     ("tool_choice", "required"),
     # vLLM's and OpenAI's newer output-changing fields, refused rather than silently ignored.
     ("add_generation_prompt", False), ("continue_final_message", True),
-    ("skip_special_tokens", False), ("echo", True), ("use_beam_search", True), ("guided_json", {"type": "object"}),
+    ("echo", True), ("use_beam_search", True), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"regex": "a+"}), ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}), ("prediction", {"type": "content", "content": "x"}),

@@ -1,4 +1,4 @@
-"""vLLM's include_stop_str_in_output and truncate_prompt_tokens, with the official openai client
+"""vLLM's include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens, with the official openai client
 against a real uvicorn server (tiny model, greedy): a kept stop string ends the text exactly where
 it ends in the free-running text, streamed or not, and a stop token's text is kept; a truncated
 prompt gives the tokens of its last N ids sent alone, for completions and chat."""
@@ -105,3 +105,15 @@ def test_a_truncated_chat_fits_a_text_too_long_to_tokenize(served, client) -> No
 def test_bad_values_are_400s_naming_the_field(served, field, value) -> None:
     error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value}), 400)
     assert error["param"] == field and error["message"].startswith(f"{field}: ")
+
+
+def test_special_tokens_stay_in_the_text_when_not_skipped(client, tokenizer) -> None:
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kwargs = dict(prompt=PROMPT, model=MODEL, max_tokens=3, temperature=0)
+    extra = {"allowed_token_ids": [special], "ignore_eos": True}
+    skipped = client.completions.create(extra_body=extra, **kwargs).choices[0].text
+    kept = client.completions.create(extra_body={**extra, "skip_special_tokens": False}, **kwargs).choices[0].text
+    assert (skipped, kept) == ("", "<|im_start|>" * 3)
+    streamed = "".join(event.choices[0].text for event in client.completions.create(
+        stream=True, extra_body={**extra, "skip_special_tokens": False}, **kwargs) if event.choices)
+    assert streamed == kept

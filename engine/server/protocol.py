@@ -72,6 +72,7 @@ class _Request(CompletionUnsupportedFields):
     # vLLM extras.
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # False: special tokens' names stay in the text
     # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM truncates.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
@@ -89,7 +90,7 @@ class _Request(CompletionUnsupportedFields):
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
     logit_bias: dict[str, float] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
-                                           "include_stop_str_in_output",
+                                           "include_stop_str_in_output", "skip_special_tokens",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", "min_tokens",
                                            mode="before")(classmethod(null_is_the_default))

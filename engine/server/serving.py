@@ -289,6 +289,7 @@ class OpenAIServing:
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     include_stop_str_in_output=body.include_stop_str_in_output,
+                                    skip_special_tokens=body.skip_special_tokens,
                                     logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
                                     prompt_logprobs=body.requested_prompt_logprobs(),
                                     frequency_penalty=body.frequency_penalty,

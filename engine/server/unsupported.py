@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
@@ -40,7 +39,6 @@ class CompletionUnsupportedFields(BaseModel):
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None  # before tools: chat's tools check it
     tools: list[dict[str, Any]] | None = None
-    skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None

@@ -1,7 +1,8 @@
-"""vLLM's include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens, with the official openai client
-against a real uvicorn server (tiny model, greedy): a kept stop string ends the text exactly where
-it ends in the free-running text, streamed or not, and a stop token's text is kept; a truncated
-prompt gives the tokens of its last N ids sent alone, for completions and chat."""
+"""vLLM's include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens, with the
+official openai client against a real uvicorn server (tiny model, greedy): a kept stop string ends
+the text exactly where it ends in the free-running text, streamed or not, and a stop token's text
+is kept; special tokens' names stay when not skipped; a truncated prompt gives the tokens of its
+last N ids sent alone, for completions and chat."""
 
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ class DetokenizerState:
     @classmethod
     def for_prompt(cls, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> "DetokenizerState":
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        return cls(token_ids=context, prefix_offset=0, read_offset=len(context), skip_special_tokens=skip_special_tokens)
+        return cls(token_ids=context, prefix_offset=0, read_offset=len(context),
+                   skip_special_tokens=skip_special_tokens)
 
 
 def emitted_length(prefix: str, full: str) -> int:

@@ -69,7 +69,8 @@ class AllowedTokenIds:
     """vLLM's allowed_token_ids: every other token is ruled out."""
 
     def __init__(self) -> None:
-        self._allowed = RequestTensors(lambda r, vocab, device: (_ids(r.sampling_params.allowed_token_ids, vocab, device),))
+        self._allowed = RequestTensors(
+            lambda request, vocab, device: (_ids(request.sampling_params.allowed_token_ids, vocab, device),))
 
     def wants(self, request: Request) -> bool:
         return request.sampling_params.allowed_token_ids is not None

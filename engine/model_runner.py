@@ -120,7 +120,8 @@ class ModelRunner:
         if logits is not None:
             requests = [request_of(request_id) for request_id in batch.sample_request_ids]
             params = [request.sampling_params for request in requests]
-            tokens = self.sampler.sample(process_logits(logits, requests, self.logits_processors), batch.sample_positions, params)
+            processed = process_logits(logits, requests, self.logits_processors)
+            tokens = self.sampler.sample(processed, batch.sample_positions, params)
             sampled = dict(zip(batch.sample_request_ids, tokens))
             asked = token_logprobs(logits, tokens, [p.logprobs for p in params])
             logprobs = {rid: entry for rid, entry in zip(batch.sample_request_ids, asked) if entry is not None}

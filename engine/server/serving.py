@@ -152,7 +152,8 @@ class OpenAIServing:
             return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[ChatChoice(
                 index=index, message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
-                for index, final in enumerate(finals)], prompt_logprobs=self._prompt_logprobs(finals, body.prompt_logprobs))
+                for index, final in enumerate(finals)],
+                prompt_logprobs=self._prompt_logprobs(finals, body.prompt_logprobs))
 
         return await _json_reply(reply, finals)
 
@@ -164,7 +165,8 @@ class OpenAIServing:
             return self.logprobs.echoed_completion(prompt_ids, prompt_entries, final.logprobs)
         return self.logprobs.completion(final.logprobs)
 
-    def _prompt_logprobs(self, finals: Sequence[RequestOutput], asked: int | None) -> list[dict[str, Any] | None] | None:
+    def _prompt_logprobs(self, finals: Sequence[RequestOutput],
+                         asked: int | None) -> list[dict[str, Any] | None] | None:
         """vLLM's prompt_logprobs field, when they were computed (asked for, or for echo with
         logprobs, as vLLM fills it then too). The choices share one prompt, so only the first
         choice scores it (_choice_params)."""
@@ -295,7 +297,8 @@ class OpenAIServing:
                                     frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                                     logit_bias=body.token_logit_bias(),
-                                    allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+                                    allowed_token_ids=None if body.allowed_token_ids is None
+                                    else tuple(body.allowed_token_ids),
                                     bad_words_token_ids=bad_words)
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc

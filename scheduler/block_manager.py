@@ -219,6 +219,16 @@ class BlockManager:
         request.block_ids = list(device_table)
         return list(zip(host_table, device_table))
 
+    def blocks_freed_by(self, requests: list[Request]) -> set[int]:
+        """Device blocks that freeing all of `requests` returns to the free list: those no other
+        table holds (with a prefix cache, a victim's shared blocks stay with their other holders)."""
+        listed = Counter(block for request in requests for block in self._device_tables.get(request.request_id, ()))
+        return {block for block, count in listed.items() if self.device._ref_counts[block] == count}
+
+    def prefix_blocks(self, request: Request, num_cached_tokens: int) -> set[int]:
+        """The blocks holding the request's `num_cached_tokens` cached tokens (cached_prefix)."""
+        return set(self._hits(request, num_cached_tokens)) if num_cached_tokens else set()
+
     # ---- checks ------------------------------------------------------------------------------
     def num_requests_holding(self) -> int:
         return len(self._device_tables) + len(self._host_tables)

@@ -58,11 +58,14 @@ class Preemption:
             if num_new <= 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
             need = self.block_manager.num_new_blocks_needed(request, num_new, cached) + ahead_blocks
-            victims = self._victims_for(need, free_seats, free_blocks, candidates, now)
+            prefix = self.block_manager.prefix_blocks(request, cached)
+            victims = self._victims_for(need, free_seats, free_blocks, candidates, now, prefix)
             if victims is None:
                 return
+            freed = self.block_manager.blocks_freed_by(victims)
+            free_blocks += len(freed)
+            need += len(freed & prefix)  # its cached blocks a victim held go back to the free list first
             for victim in victims:
-                free_blocks += len(victim.block_ids)
                 self._preempt(victim, plan)
             if not self._admit_now(request, num_new, plan, cached):
                 return
@@ -98,20 +101,23 @@ class Preemption:
         return True
 
     def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
-                     now: float) -> list[Request] | None:
+                     now: float, prefix: set[int]) -> list[Request] | None:
         """The fewest of `candidates`, in victim order, that give a request a seat and its `need`
         blocks this step with the survivors' decodes still fed; [] when it fits already, None when
-        even every candidate would not do (then nobody is preempted for nothing)."""
+        even every candidate would not do (then nobody is preempted for nothing). With a prefix
+        cache, a victim frees only the blocks no survivor shares, and those among the request's
+        own cached `prefix` blocks make no room: the request takes them back."""
         candidates = list(candidates)
         growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in self.running)
         victims: list[Request] = []
-        while free_seats + len(victims) < 1 or free_blocks < need + growth:
+        room = 0
+        while free_seats + len(victims) < 1 or free_blocks + room < need + growth:
             if not candidates:
                 return None
             victim = self.policy.choose_victim(candidates, now)
             candidates.remove(victim)
             victims.append(victim)
-            free_blocks += len(victim.block_ids)
+            room = len(self.block_manager.blocks_freed_by(victims) - prefix)
             growth -= self.block_manager.num_new_blocks_needed(victim, 1)
         return victims
 

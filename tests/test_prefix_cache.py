@@ -162,3 +162,25 @@ def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:
     # The same second block after another first one: a different prefix, nothing found.
     assert m.cached_prefix(request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == 0
     assert m.cached_prefix(request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9])) == 4
+
+
+def test_an_urgent_request_preempts_as_many_as_free_its_room_though_they_share_blocks() -> None:
+    # Two batch requests share two blocks; an interactive one needs six of eight. Preempting one
+    # of them frees only its own block: both go, in the same step, and it is admitted at once.
+    from scheduler.request import Tier
+
+    config = SchedulerConfig(num_gpu_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, kv_watermark=0.0, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(8, 4)
+    shared = list(range(100, 108))
+    arrivals = {0: Request("A", shared + [1], SamplingParams(max_tokens=12, ignore_eos=True), 0.0, tier=Tier.BATCH),
+                1: Request("B", shared + [2], SamplingParams(max_tokens=12, ignore_eos=True), 1.0, tier=Tier.BATCH),
+                2: Request("I", list(range(200, 224)), SamplingParams(max_tokens=1, ignore_eos=True), 2.0,
+                           tier=Tier.INTERACTIVE)}
+    for step in range(3):
+        scheduler.add_request(arrivals[step], float(step))
+        output = scheduler.schedule(float(step))
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+    assert [c.request_id for c in output.chunks] == ["I"] and sorted(output.preempted_ids) == ["A", "B"]

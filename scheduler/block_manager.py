@@ -41,6 +41,9 @@ class BlockPool:
     def is_free(self, block: int) -> bool:
         return block in self._free
 
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
@@ -223,7 +226,7 @@ class BlockManager:
         """Device blocks that freeing all of `requests` returns to the free list: those no other
         table holds (with a prefix cache, a victim's shared blocks stay with their other holders)."""
         listed = Counter(block for request in requests for block in self._device_tables.get(request.request_id, ()))
-        return {block for block, count in listed.items() if self.device._ref_counts[block] == count}
+        return {block for block, count in listed.items() if self.device.ref_count(block) == count}
 
     def prefix_blocks(self, request: Request, num_cached_tokens: int) -> set[int]:
         """The blocks holding the request's `num_cached_tokens` cached tokens (cached_prefix)."""

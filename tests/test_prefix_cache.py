@@ -112,7 +112,7 @@ def test_a_prefix_is_shared_while_held_and_kept_after_it_is_freed() -> None:
     second = request("b", list(range(1, 9)) + [50, 51, 52])
     assert m.cached_prefix(second) == 8
     assert m.allocate_slots(second, 3, 8)[:2] == first.block_ids[:2] and second.num_computed_tokens == 8
-    assert m.device._ref_counts[first.block_ids[0]] == 2
+    assert m.device.ref_count(first.block_ids[0]) == 2
     m.free(first)
     m.free(second)
     m.check_integrity()

@@ -6,29 +6,17 @@ the streamed forms are 400s naming their field."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from engine.llm import LLM
 from engine.server.serving import _choice_params
 from scheduler.request import SamplingParams
 from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
-from test_server_logprobs import CHAT, PROMPT_IDS, DecodeThreads, chat_prompt_ids
+from test_server_logprobs import CHAT, PROMPT_IDS, DecodeThreads, chat_prompt_ids, client, served  # noqa: F401 - fixtures
 
 TOP = 2
 NUM_TOKENS = 4
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    with serving(tiny_engine(tiny_model_dir)) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai_client(served[0])
 
 
 @pytest.fixture(scope="module")

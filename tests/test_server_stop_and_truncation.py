@@ -6,32 +6,16 @@ last N ids sent alone, for completions and chat."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from engine.llm import LLM
 from hf_reference import stop_string_past_the_middle
 from scheduler.request import SamplingParams
-from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
+from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, post
+from test_server_logprobs import client, served, tokenizer  # noqa: F401 - the tiny model's server, as fixtures
 
 PROMPT = "Once upon a time"
 GREEDY = dict(model=MODEL, max_tokens=12, temperature=0)
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    with serving(tiny_engine(tiny_model_dir)) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai_client(served[0])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(served):
-    return served[1].engine.tokenizer
 
 
 def free_text(client) -> str:

@@ -76,9 +76,10 @@ def test_preemption_gives_hf_tokens(tiny_model_dir, prompts, expected, mode):
 def test_preempted_seeded_sampling_gives_the_tokens_of_a_run_never_preempted(tiny_model_dir, prompts, mode):
     # A seeded draw's uniform is a function of (seed, position) alone; the logits it meets differ in
     # their last bits between the two runs' batches. Over the tiny model's near-flat distribution
-    # of 49k tokens (about 2e-5 each) a uniform lands that close to an interval's end in about one
-    # draw of a few hundred, so this test failed by chance on some CPUs; within the top 50 tokens
-    # (about 0.02 each) the chance is a thousand times smaller, and a wrong draw still shows.
+    # of 49k tokens (about 2e-5 each) a uniform lands that close to an interval's end about once in
+    # one or two thousand draws (1-2 of 80 seeded 32-token requests diverged in a stress run), so
+    # this test failed by chance on some CPUs; within the top 50 tokens (about 0.02 each) the
+    # chance is a thousand times smaller, and a wrong draw still shows.
     params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, top_k=50, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     ample = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)

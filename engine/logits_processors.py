@@ -18,7 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from engine.penalties import penalize, prompt_ids
+from engine.penalties import penalize, prompt_ids, token_ids
 from scheduler.request import Request
 
 
@@ -58,19 +58,12 @@ def _flat_index(id_rows: Sequence[torch.Tensor], device: torch.device) -> tuple[
     return rows, torch.cat(list(id_rows)) if id_rows else torch.empty(0, dtype=torch.long, device=device)
 
 
-def _ids(tokens: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """Token ids as int64 [n], those outside the vocabulary left out (a stop token id the model
-    cannot produce needs no masking)."""
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
-    return ids[ids < vocab]
-
-
 class AllowedTokenIds:
     """vLLM's allowed_token_ids: every other token is ruled out."""
 
     def __init__(self) -> None:
         self._allowed = RequestTensors(
-            lambda request, vocab, device: (_ids(request.sampling_params.allowed_token_ids, vocab, device),))
+            lambda request, vocab, device: (token_ids(request.sampling_params.allowed_token_ids, vocab, device),))
 
     def wants(self, request: Request) -> bool:
         return request.sampling_params.allowed_token_ids is not None
@@ -92,7 +85,7 @@ class BadWords:
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab, device = logits.shape[-1], logits.device
-        rows, ids = _flat_index([_ids(_completing_tokens(r), vocab, device) for r in requests], device)
+        rows, ids = _flat_index([token_ids(_completing_tokens(r), vocab, device) for r in requests], device)
         return logits.index_put((rows, ids), torch.tensor(float("-inf"), device=device))
 
 
@@ -115,8 +108,9 @@ class MinTokens:
         return request.num_output_tokens < request.sampling_params.min_tokens
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        rows, ids = _flat_index([_ids(_stop_ids(r), logits.shape[-1], logits.device) for r in requests], logits.device)
-        return logits.index_put((rows, ids), torch.tensor(float("-inf"), device=logits.device))
+        vocab, device = logits.shape[-1], logits.device
+        rows, ids = _flat_index([token_ids(_stop_ids(r), vocab, device) for r in requests], device)
+        return logits.index_put((rows, ids), torch.tensor(float("-inf"), device=device))
 
 
 def _stop_ids(request: Request) -> tuple[int, ...]:

@@ -22,10 +22,16 @@ import torch
 from scheduler.request import SamplingParams
 
 
+def token_ids(tokens: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token ids as int64 [n], those outside the vocabulary left out (a stop token id the model
+    cannot produce needs no masking, nor a penalty)."""
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
+    return ids[ids < vocab]
+
+
 def prompt_ids(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """The prompt's distinct token ids within the vocabulary, int64 [n]."""
-    ids = torch.unique(torch.tensor(list(prompt), dtype=torch.long, device=device))
-    return ids[ids < vocab]
+    return torch.unique(token_ids(prompt, vocab, device))
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -46,7 +52,7 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Se
         return logits
     penalized = logits.clone()
     vocab, device = logits.shape[-1], logits.device
-    output_ids = [_in_vocab(torch.tensor(list(output), dtype=torch.long, device=device), vocab) for output in outputs]
+    output_ids = [token_ids(output, vocab, device) for output in outputs]
     repeated = [(r, torch.unique(torch.cat([prompts[r], output_ids[r]])))
                 for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeated:
@@ -62,10 +68,6 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Se
         counts = torch.cat([row_counts for _, (_, row_counts) in counted]).to(logits.dtype)
         penalized[rows, ids] = penalized[rows, ids] - frequency * counts - presence
     return penalized
-
-
-def _in_vocab(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    return ids[ids < vocab]
 
 
 def _pairs(rows_and_ids: Sequence[tuple[int, torch.Tensor]], values: Sequence[float],

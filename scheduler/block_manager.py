@@ -121,10 +121,14 @@ class BlockManager:
         """Free blocks that granting `num_new_tokens` more takes, the request starting after
         `num_cached_tokens` found by `cached_prefix` (the cached blocks on the free list count)."""
         if num_cached_tokens:
-            hits = self._hits(request, num_cached_tokens)
-            return self.blocks_for(num_cached_tokens + num_new_tokens) - len(hits) + sum(map(self.device.is_free, hits))
+            return self._blocks_taken(self._hits(request, num_cached_tokens), num_cached_tokens + num_new_tokens)
         held = len(self._device_tables.get(request.request_id, ()))
         return max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - held)
+
+    def _blocks_taken(self, hits: list[int], num_tokens: int) -> int:
+        """Free blocks a new table of `num_tokens` starting on the cached blocks `hits` takes: its
+        own new blocks, and those of the hits that wait on the free list."""
+        return self.blocks_for(num_tokens) - len(hits) + sum(map(self.device.is_free, hits))
 
     # ---- prefix cache ------------------------------------------------------------------------
     def cached_prefix(self, request: Request) -> int:
@@ -156,7 +160,10 @@ class BlockManager:
         hits = self._hits(request, num_cached_tokens) if num_cached_tokens else []
         if len(hits) * self.block_size != num_cached_tokens:
             return None
-        needed = self.num_new_blocks_needed(request, num_new_tokens, num_cached_tokens)
+        if hits:  # looked up once: the cached blocks and what they leave to take
+            needed = self._blocks_taken(hits, num_cached_tokens + num_new_tokens)
+        else:
+            needed = self.num_new_blocks_needed(request, num_new_tokens)
         if needed > self.device.num_free:
             return None
         table = self._device_tables.setdefault(request.request_id, [])

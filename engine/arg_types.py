@@ -191,6 +191,16 @@ def prepare_output_file(path: Path, flag: str) -> Path:
     return path
 
 
+def prepare_output_file_or_exit(parser: argparse.ArgumentParser, path: Path | None, flag: str) -> None:
+    """prepare_output_file for an optional output flag of a script, before its long work: a path
+    that cannot be written ends the command as a usage error (one line, exit 2)."""
+    if path is not None:
+        try:
+            prepare_output_file(path, flag)
+        except OSError as exc:
+            parser.error(str(exc))
+
+
 def prepare_output_dir(path: Path, flag: str) -> Path:
     """Check that files can be written in the output folder `path`, then create it."""
     path = Path(path)

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from engine.arg_types import positive_int, prepare_output_file
+from engine.arg_types import positive_int, prepare_output_file_or_exit
 
 
 def conversations(count: int, turns: int, max_prompt_tokens: int) -> list[list[str]]:
@@ -89,11 +89,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if args.json is not None:
-        try:  # before minutes of replay, not after them
-            prepare_output_file(args.json, "--json")
-        except OSError as exc:
-            parser.error(str(exc))
+    prepare_output_file_or_exit(parser, args.json, "--json")  # before minutes of replay, not after them
     from transformers import AutoTokenizer
 
     from predictor.paths import SERVED_MODEL_REF

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import positive_int, prepare_output_file
+from engine.arg_types import positive_int, prepare_output_file_or_exit
 
 LAYERS = (16, 24)
 TRAIN_SHARES = (0.25, 0.5, 0.75)
@@ -53,11 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.json is not None:
-        try:  # before 13 minutes of states, not after them
-            prepare_output_file(args.json, "--json")
-        except OSError as exc:
-            parser.error(str(exc))
+    prepare_output_file_or_exit(parser, args.json, "--json")  # before 13 minutes of states, not after them
 
     from scipy import stats
 

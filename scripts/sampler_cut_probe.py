@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.arg_types import positive_int, prepare_output_file
+from engine.arg_types import positive_int, prepare_output_file_or_exit
 
 SETTINGS = ((0.9, 0), (0.95, 0), (1.0, 50), (0.95, 50))
 
@@ -80,11 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, default=12)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if args.json is not None:
-        try:  # before the model loads, not after the timings
-            prepare_output_file(args.json, "--json")
-        except OSError as exc:
-            parser.error(str(exc))
+    prepare_output_file_or_exit(parser, args.json, "--json")  # before the model loads, not after the timings
     import torch
 
     from engine.sampler import CUT_CANDIDATES

@@ -600,7 +600,7 @@ def test_the_tokenizer_thread_comes_back_after_close(tokenizer):
     from engine.server.serving import OpenAIServing
 
     serving = OpenAIServing(None, tokenizer, MODEL, MAX_MODEL_LEN)  # no engine: tokenizing only
-    first = asyncio.run(serving._off_loop(serving._encode, "Hello there", True))
+    first = asyncio.run(serving.off_loop(serving._encode, "Hello there", True))
     serving.close()  # the app's lifespan ended; a second lifespan serves again
-    assert asyncio.run(serving._off_loop(serving._encode, "Hello there", True)) == first
+    assert asyncio.run(serving.off_loop(serving._encode, "Hello there", True)) == first
     serving.close()

@@ -1,4 +1,5 @@
-"""FastAPI app factory: OpenAI routes, health, models and metrics around one AsyncLLMEngine.
+"""FastAPI app factory: OpenAI routes, vLLM's tokenizer routes, health, models and metrics around
+one AsyncLLMEngine.
 
 The app owns the async engine's lifetime through the lifespan: it starts the engine threads on
 startup and, on shutdown, stops admitting (503), lets in-flight requests finish for a grace period,
@@ -23,6 +24,8 @@ from engine.server.limits import BodyLimitMiddleware, default_body_limit
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engine.server.serving import OpenAIServing
+from engine.server.tokenization import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
+                                        TokenizeResponse, tokenize_request)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     # The engine's own policy says whether a nonzero priority means anything (set before start).
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len,
                             policy=engine.engine.scheduler.policy)
+    tokenization = OpenAIServingTokenization(tokenizer, settings.max_model_len, serving.off_loop)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,6 +93,17 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> TokenizeResponse:
+        request = tokenize_request(body)
+        check_model(request.model)
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        return await tokenization.detokenize(body)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

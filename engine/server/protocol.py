@@ -3,7 +3,7 @@
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
 fields the server cannot honour (best_of, tools
-and functions, JSON mode and guided decoding, beam search, chat's echo, chat-template switches, non-text
+and functions, JSON mode and guided decoding, beam search, a request's own chat template, non-text
 content or output) are refused with a 400 unless they carry their neutral value, rather than
 silently dropped: a client would otherwise get other output than it asked for, and no signal.
 """
@@ -26,6 +26,16 @@ MAX_BAD_WORDS = 128  # vLLM's bound too
 # filling the seats (OpenAI allows 128).
 MAX_CHOICES = 16
 
+# apply_chat_template's own parameters, and the conversation's name inside the template: a
+# template variable of these names would change how the prompt is rendered or returned (token
+# ids, tensors, truncation) rather than what the template says, so a request may not set them
+# through chat_template_kwargs (the request's own fields set the two switches).
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 
@@ -33,6 +43,14 @@ ServiceTier = Literal["auto", "default", "flex", "priority"]
 def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
     """A "before" validator: OpenAI's API (and its clients) take an explicit null as "not set"."""
     return cls.model_fields[info.field_name].default if value is None else value
+
+
+def valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+    """A "before" validator: a lone UTF-16 surrogate (JSON allows "\\ud800") is no text a tokenizer takes."""
+    where = lone_surrogate_at(value, info.field_name)
+    if where is not None:
+        raise ValueError(f"not valid Unicode text: a lone UTF-16 surrogate in {where}")
+    return value
 
 
 def not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
@@ -135,13 +153,7 @@ class _Request(CompletionUnsupportedFields):
         """SamplingParams.logit_bias: the bias keyed by token id."""
         return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        where = lone_surrogate_at(value, info.field_name)
-        if where is not None:
-            raise ValueError(f"not valid Unicode text: a lone UTF-16 surrogate in {where}")
-        return value
+    _valid_unicode = field_validator("*", mode="before")(classmethod(valid_unicode))
 
     @field_validator("stream_options")
     @classmethod
@@ -312,12 +324,52 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request, ChatUnsupportedFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's switches over how the chat template renders a conversation."""
+
+    # The template's opening of the reply's turn; false renders the conversation as it stands.
+    add_generation_prompt: bool = True
+    # The reply continues the final message (an assistant's prefill, say) instead of a new turn.
+    continue_final_message: bool = False
+    # Further variables for the template (e.g. enable_thinking); a template ignores unknown ones.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    # Named apart from _Request's validators: a subclass of both would keep only one of the two.
+    _null_switches_are_defaults = field_validator("add_generation_prompt", "continue_final_message",
+                                                  mode="before")(classmethod(null_is_the_default))
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _a_new_turn_or_the_last_one(cls, value: bool, info: ValidationInfo) -> bool:
+        # Checked here, after add_generation_prompt (declared first), so the 400 names a field.
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(send add_generation_prompt: false to continue the final message)")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} "
+                             "(the request's own fields set how the conversation is rendered)")
+        return kwargs
+
+    def reply_role(self, last_role: str) -> str:
+        """The role of the reply, as vLLM names it: the assistant after a generation prompt, else
+        the final message's role, whose turn the reply extends."""
+        return "assistant" if self.add_generation_prompt else last_role
+
+
+class ChatCompletionRequest(_Request, ChatUnsupportedFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
-    _null_is_false = field_validator("logprobs", mode="before")(classmethod(null_is_the_default))
+    # vLLM's: the final message's text before the reply, when the reply continues its role.
+    echo: bool = False
+    _null_is_false = field_validator("logprobs", "echo", mode="before")(classmethod(null_is_the_default))
     _top_logprobs_is_a_count = field_validator("top_logprobs", mode="before")(classmethod(not_a_bool))
 
     @field_validator("top_logprobs")
@@ -405,7 +457,7 @@ class CompletionReply(CompletionResponse):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the final message's, when it was continued (ChatTemplateFields.reply_role)
     content: str
 
 
@@ -423,7 +475,7 @@ class ChatCompletionResponse(_ResponseHead):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
                                  StreamEnd)
 from engine.server import errors
+from engine.server.chat_template import render_chat
 from engine.server.limits import check_text_length, longest_token_lengths
 from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -82,7 +83,7 @@ class OpenAIServing:
             self._check_untruncated_text(body, body.prompt, "prompt")
             # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
             # add one); a chat's come from its template.
-            prompt_ids = await self._off_loop(self._encode, body.prompt, True)
+            prompt_ids = await self.off_loop(self._encode, body.prompt, True)
             prompt_text = body.prompt
         else:
             self._check_token_ids(body.prompt)
@@ -126,10 +127,13 @@ class OpenAIServing:
         self._check_accepting()
         self._check_priority(body)
         messages = [m.for_template() for m in body.messages]
-        prompt_text, prompt_ids = await self._off_loop(self._render_chat, body, messages, body.tools or None)
+        prompt_text, prompt_ids = await self.off_loop(self._render_chat, body, messages, body.tools or None)
         prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "messages")
         head = self._head("chatcmpl", body)
         streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
+        final_message = body.messages[-1]
+        role = body.reply_role(final_message.role)
+        echo = final_message.text() if body.echo and final_message.role == role else ""  # as vLLM echoes
 
         def chunk(index: int, text: str, finish: str | None,
                   entries: Sequence[TokenLogprobs] | None) -> ChatCompletionChunk:
@@ -139,9 +143,10 @@ class OpenAIServing:
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
-            openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-                index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None)])
-                for index in range(len(streams))]
+            # Each choice's role, then (as vLLM sends it) each choice's echo in a chunk of its own.
+            deltas = [ChatDelta(role=role, content="")] + ([ChatDelta(content=echo)] if echo else [])
+            openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=index, delta=delta)])
+                        for delta in deltas for index in range(len(streams))]
             events = stream_events(streams, chunk, openings, include_usage,
                                    lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage),
                                    len(prompt_ids) if continuous else None)
@@ -150,7 +155,8 @@ class OpenAIServing:
 
         def reply() -> ChatCompletionResponse:
             return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[ChatChoice(
-                index=index, message=ChatMessageOut(content=final.text), finish_reason=final.finish_reason,
+                index=index, message=ChatMessageOut(role=role, content=echo + final.text),
+                finish_reason=final.finish_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
                 for index, final in enumerate(finals)],
                 prompt_logprobs=self._prompt_logprobs(finals, body.prompt_logprobs))
@@ -183,18 +189,15 @@ class OpenAIServing:
                 "service_tier": _tier_name(body)}
 
     # ---- admission ---------------------------------------------------------------------------
-    async def _off_loop(self, function: Callable, *args: Any) -> Any:
+    async def off_loop(self, function: Callable, *args: Any) -> Any:
+        """function(*args) on the tokenizer thread (the one thread that may touch the tokenizer)."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
 
     def _render_chat(self, body: ChatCompletionRequest, messages: list[dict[str, str]],
                      tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        try:  # tools (with tool_choice "none") go to the template, as vLLM passes them
-            prompt_text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                             add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-            raise errors.invalid_field("messages", f"messages: {exc}") from exc
+        prompt_text = render_chat(self.tokenizer, messages, body, tools)
         self._check_untruncated_text(body, prompt_text, "messages")
         return prompt_text, self._encode(prompt_text, False)
 
@@ -217,7 +220,7 @@ class OpenAIServing:
                 prompt_ids, prompt_text = prompt_ids[-keep:], None
         if prompt_text is None:
             self._check_context(len(prompt_ids), None, prompt_param, "max_tokens")
-            prompt_text = await self._off_loop(self.tokenizer.decode, prompt_ids)
+            prompt_text = await self.off_loop(self.tokenizer.decode, prompt_ids)
         return prompt_ids, prompt_text
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -285,7 +288,7 @@ class OpenAIServing:
         max_tokens = self._check_context(len(prompt_ids), 1 if max_tokens == 0 else max_tokens,
                                          prompt_param, max_tokens_param)
         self._check_sampler_fields(body, max_tokens, max_tokens_param)
-        bad_words = await self._off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
+        bad_words = await self.off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),

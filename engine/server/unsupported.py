@@ -24,9 +24,10 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
 CHAT_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "add_generation_prompt": (None, True), "echo": (None, False), "continue_final_message": (None, False), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]),
+    # A template of the request's own: vLLM too refuses it unless told to trust requests' templates.
+    "chat_template": (None,),
 }
 
 
@@ -77,16 +78,12 @@ class ChatUnsupportedFields(BaseModel):
     """The fields only chat takes. (Chat's `tools`, declared above, pass with `tool_choice:
     "none"`: `_chat_tools`.)"""
 
-    add_generation_prompt: bool | None = None
-    echo: bool | None = None  # vLLM's chat echo (the last message, when the reply continues its role)
-    continue_final_message: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     prediction: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     chat_template: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator(*CHAT_NEUTRAL_VALUES)
     @classmethod

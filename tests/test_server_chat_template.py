@@ -70,7 +70,8 @@ def test_echo_puts_the_continued_message_before_the_reply(client, tokenizer) -> 
     assert streamed(events) == (["assistant"], "Red, green" + reference)
     # A user's final message is not the reply's role: nothing to echo, as vLLM answers.
     question = PREFILL[:1]
-    assert chat(client, question, echo=True).choices[0].message.content == chat(client, question).choices[0].message.content
+    unechoed = chat(client, question).choices[0].message.content
+    assert chat(client, question, echo=True).choices[0].message.content == unechoed
 
 
 def test_without_a_generation_prompt_the_reply_extends_the_final_turn(client, tokenizer) -> None:

@@ -1,8 +1,9 @@
 """Prompt logprobs over HTTP, with the official openai client against a real uvicorn server:
 vLLM's `prompt_logprobs` field (completions per choice, chat at the top level) and completions'
 `echo` with `logprobs`, each against the offline engine's prompt logprobs for the same ids (which
-tests/test_prompt_logprobs.py checks against HF); the n choices of one request share one scoring;
-the streamed forms are 400s naming their field."""
+tests/test_prompt_logprobs.py checks against HF); the n choices of one whole reply share one
+scoring; a streamed echo carries a whole reply's logprobs, and streamed prompt_logprobs are a 400
+naming the field, as in vLLM."""
 
 from __future__ import annotations
 
@@ -91,18 +92,41 @@ def test_echo_with_logprobs_puts_the_prompts_before_the_outputs(client, offline)
     assert reply.usage.prompt_tokens == len(PROMPT_IDS) and reply.usage.completion_tokens == NUM_TOKENS
 
 
-def test_only_the_first_choice_scores_the_shared_prompt() -> None:
+def test_a_streamed_echo_carries_the_logprobs_of_a_whole_reply(client) -> None:
+    body = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=NUM_TOKENS, temperature=0, echo=True, logprobs=TOP,
+                n=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body).choices
+    joined = {index: {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+              for index in range(2)}
+    for event in client.completions.create(stream=True, **body):
+        for choice in event.choices:
+            joined[choice.index]["text"] += choice.text
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                joined[choice.index][key] += getattr(choice.logprobs, key) if choice.logprobs else []
+    for index in range(2):  # each choice's first chunk leads with the prompt's tokens
+        expected = whole[index].logprobs
+        assert joined[index]["text"] == whole[index].text
+        assert joined[index]["tokens"] == expected.tokens and joined[index]["text_offset"] == expected.text_offset
+        assert joined[index]["token_logprobs"][0] is None and joined[index]["top_logprobs"][0] is None
+        assert joined[index]["token_logprobs"][1:] == pytest.approx(expected.token_logprobs[1:], abs=ATOL)
+        assert [top.keys() for top in joined[index]["top_logprobs"][1:]] == [
+            top.keys() for top in expected.top_logprobs[1:]]
+        assert len(expected.tokens) == len(PROMPT_IDS) + NUM_TOKENS
+
+
+def test_only_the_first_choice_of_a_whole_reply_scores_the_shared_prompt() -> None:
     params = SamplingParams(max_tokens=4, seed=9, prompt_logprobs=1)
-    assert _choice_params(params, 0) is params
-    later = _choice_params(params, 2)
+    assert _choice_params(params, 0, streamed=False) is params
+    later = _choice_params(params, 2, streamed=False)
     assert later.prompt_logprobs is None and later.seed == 11
-    assert _choice_params(SamplingParams(max_tokens=4, prompt_logprobs=1), 1).seed is None
+    assert _choice_params(SamplingParams(max_tokens=4, prompt_logprobs=1), 1, streamed=False).seed is None
+    streamed = _choice_params(params, 2, streamed=True)  # each streamed choice echoes it first
+    assert streamed.prompt_logprobs == 1 and streamed.seed == 11
 
 
 @pytest.mark.parametrize("path, body, field", [
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": True}, "prompt_logprobs"),

@@ -542,6 +542,3 @@ def test_echo_puts_the_prompt_before_each_choice(served, client):
     ids = served[2].encode("Once upon", add_special_tokens=False)
     by_ids = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
     assert by_ids.startswith(served[2].decode(ids)) and len(by_ids) > len(served[2].decode(ids))
-    refused = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1,
-                                                  "stream": True})
-    assert "echo with logprobs is not available with stream" in error_of(refused, 400)["message"]

@@ -233,13 +233,6 @@ class CompletionRequest(_Request):
     def _echo_is_a_bool(cls, value: Any) -> Any:
         return False if value is None else value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_with_logprobs_is_not_streamed(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None and info.data.get("stream"):
-            raise ValueError("echo with logprobs is not available with stream: true (send it without stream)")
-        return echo
-
     def scores_prompt_only(self) -> bool:
         return self.max_tokens == 0
 

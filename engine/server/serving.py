@@ -92,16 +92,22 @@ class OpenAIServing:
         prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "prompt")
         head = self._head("cmpl", body)
         streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
+        echo = prompt_text if body.echo else ""
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
-        echoes = [prompt_text if body.echo else ""] * len(streams)  # each choice's first chunk carries it
+        echo_due = [body.echo] * len(streams)  # each choice's first chunk carries the echo
 
-        def chunk(index: int, text: str, finish: str | None,
-                  entries: Sequence[TokenLogprobs] | None) -> CompletionResponse:
-            logprobs = None if entries is None else self.logprobs.completion(entries, text_offsets[index])
+        def chunk(index: int, text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None,
+                  prompt_entries: Sequence[TokenLogprobs | None] | None = None) -> CompletionResponse:
+            echoed, echo_due[index] = echo_due[index], False
+            if entries is None:
+                logprobs = None
+            elif echoed and prompt_entries is not None:  # the prompt's tokens lead, as in a whole reply
+                logprobs = self.logprobs.echoed_completion(prompt_ids, prompt_entries, entries)
+            else:
+                logprobs = self.logprobs.completion(entries, text_offsets[index])
             text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
-            text, echoes[index] = echoes[index] + text, ""
-            return CompletionResponse(**head, choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                                        finish_reason=finish)])
+            return CompletionResponse(**head, choices=[CompletionChoice(
+                index=index, text=echo + text if echoed else text, logprobs=logprobs, finish_reason=finish)])
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
@@ -116,7 +122,7 @@ class OpenAIServing:
         def reply() -> CompletionReply:
             prompt_logprobs = self._prompt_logprobs(finals, body.requested_prompt_logprobs())
             return CompletionReply(**head, usage=usage_of(finals), choices=[CompletionReplyChoice(
-                index=index, text=echoes[index] + final.text, finish_reason=final.finish_reason,
+                index=index, text=echo + final.text, finish_reason=final.finish_reason,
                 logprobs=self._completion_logprobs(final, finals[0].prompt_logprobs, prompt_ids, body.echo),
                 prompt_logprobs=prompt_logprobs)
                 for index, final in enumerate(finals)])
@@ -135,8 +141,8 @@ class OpenAIServing:
         role = body.reply_role(final_message.role)
         echo = final_message.text() if body.echo and final_message.role == role else ""  # as vLLM echoes
 
-        def chunk(index: int, text: str, finish: str | None,
-                  entries: Sequence[TokenLogprobs] | None) -> ChatCompletionChunk:
+        def chunk(index: int, text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None,
+                  prompt_entries: object = None) -> ChatCompletionChunk:  # chat streams no prompt logprobs
             logprobs = None if entries is None else self.logprobs.chat(entries)
             return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=index, delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
@@ -311,7 +317,8 @@ class OpenAIServing:
         # Submitted at once, so they reach the engine (and the predictor) in one batch.
         group = ChoiceGroup(request_id, body.n)
         tasks = [asyncio.ensure_future(self._submit_one(f"{request_id}-{index}", prompt_ids, prompt_text,
-                                                        _choice_params(params, index), tier, body.priority, group))
+                                                        _choice_params(params, index, body.stream), tier,
+                                                        body.priority, group))
                  for index in range(body.n)]
         try:
             await asyncio.wait(tasks)
@@ -404,13 +411,15 @@ def _prompt_alone(final: RequestOutput) -> RequestOutput:
                    logprobs=None if final.logprobs is None else ())
 
 
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i's parameters: seed + i (wrapped within a seed's 64 bits), and no prompt logprobs
-    after the first choice, which scores the prompt they share."""
+def _choice_params(params: SamplingParams, index: int, streamed: bool) -> SamplingParams:
+    """Choice i's parameters: seed + i (wrapped within a seed's 64 bits). A whole reply takes the
+    prompt logprobs the choices share from the first choice, so the others score none; a stream
+    sends each choice's echo in that choice's first chunk, which may come before the first
+    choice's, so there each scores the prompt."""
     if index == 0:
         return params
     seed = None if params.seed is None else (params.seed + index) & SEED_MAX
-    return replace(params, seed=seed, prompt_logprobs=None)
+    return replace(params, seed=seed, prompt_logprobs=params.prompt_logprobs if streamed else None)
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
 
-    # A stream chunk from its choice's index, new text, finish reason and new tokens' logprobs
-    # (None: not asked for, or none new).
-    ChunkMaker = Callable[[int, str, "str | None", "Sequence[TokenLogprobs] | None"], BaseModel]
+    # A stream chunk from its choice's index, new text, finish reason, new tokens' logprobs
+    # (None: not asked for, or none new) and the prompt's logprobs (None: not asked for, or not
+    # known yet; the engine reports them whole from the first token on).
+    ChunkMaker = Callable[[int, str, "str | None", "Sequence[TokenLogprobs] | None",
+                           "Sequence[TokenLogprobs | None] | None"], BaseModel]
 
 
 def sse(payload: dict) -> str:
@@ -124,8 +126,8 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                     break
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
-                yield chunk_event(with_usage(chunk(index, item.text[cursor.text:], "abort", entries), cursor.tokens),
-                                  include_usage)
+                made = chunk(index, item.text[cursor.text:], "abort", entries, None)
+                yield chunk_event(with_usage(made, cursor.tokens), include_usage)
                 continue
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
             # A token's logprobs go out with the step that made it, though its text may wait (an
@@ -133,7 +135,8 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
             entries = cursor.new_logprobs(item.logprobs)
             cursor.tokens = len(item.token_ids)
             if delta or item.finished or entries:
-                made = chunk(index, delta, item.finish_reason if item.finished else None, entries)
+                made = chunk(index, delta, item.finish_reason if item.finished else None, entries,
+                             item.prompt_logprobs)
                 yield chunk_event(with_usage(made, cursor.tokens), include_usage)
             if item.finished:
                 finals[index] = item

@@ -142,11 +142,15 @@ class BlockManager:
         hits = self.prefix_cache.lookup(request)[:num_cached_tokens // self.block_size] if self.prefix_cache else []
         return hits if len(hits) * self.block_size == num_cached_tokens else []
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """After a step ran: make the request's newly full blocks findable."""
-        table = self._device_tables.get(request.request_id)
-        if self.prefix_cache is not None and table:
-            self.prefix_cache.register(request, table)
+    def commit_cached_blocks(self) -> None:
+        """After a step ran: the blocks its grants filled hold their KV (prefix_cache.py)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.commit()
+
+    def discard_uncommitted_blocks(self) -> None:
+        """After a step failed: nothing finds the blocks its grants filled."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.discard_uncommitted()
 
     # ---- device allocation -------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> list[int] | None:
@@ -172,7 +176,10 @@ class BlockManager:
         for block in hits:
             self.device.share(block)
         table.extend(hits)
-        table.extend(self._allocate(self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)))
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        table.extend(self._allocate(self.blocks_for(num_tokens) - len(table)))
+        if self.prefix_cache is not None:  # findable by requests granted later in this step too
+            self.prefix_cache.register(request, table, num_tokens)
         request.block_ids = list(table)
         return request.block_ids
 

@@ -5,8 +5,13 @@ so two sequences share a block exactly when they agree on every token up to its 
 are compared, not only hashed; a chain hash stands for the blocks before). A request's chain
 hashes are computed once and kept on it (`Request.block_hashes`), extended as its tokens grow.
 
-A block is registered once the step that filled it has run (`register`): its KV is written then,
-and a step that fails registers nothing. A registered block stays findable after its holders
+A block is registered when a step is granted the tokens that fill it (`register`, from the block
+manager's allocation), so a request admitted later in the same step finds it too: the `n`
+choices of one prompt, admitted together, share its blocks. Its KV is not written yet, but it is
+by the time that request reads it: every layer writes the whole batch's K/V before any of it
+attends, and the request's own tokens go to blocks of its own. Such a registration holds once
+the step has run (`commit`); should the step fail, it is dropped (`discard_uncommitted`), with
+its half-written KV. A registered block stays findable after its holders
 free it, while it waits on the free list, until it is allocated for other tokens (`forget`), so
 a free list ordered by release time evicts the least recently used first. A request is served
 at most (num_tokens - 1) // block_size blocks from the cache: at least one token is fed, whose
@@ -30,6 +35,7 @@ class PrefixCache:
         self._block_of: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self._registered: dict[str, int] = {}  # request id -> blocks of its table looked at
+        self._uncommitted: list[int] = []  # registered in the step not yet run
         self.num_query_tokens = 0  # prompt and output tokens of requests looked up on admission
         self.num_hit_tokens = 0  # of those, served from the cache
 
@@ -57,18 +63,31 @@ class PrefixCache:
         self.num_query_tokens += request.num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def register(self, request: Request, table: list[int]) -> None:
-        """Register the request's full computed blocks not registered yet. A block whose tokens
-        another block already holds stays unregistered (two requests computed them at once)."""
+    def register(self, request: Request, table: list[int], num_tokens: int) -> None:
+        """Register the blocks of the request's table that its first `num_tokens` fill, if not
+        registered yet (uncommitted until the step has run). A block whose tokens another block
+        already holds stays unregistered (two requests computed them at once)."""
         start = self._registered.get(request.request_id, 0)
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_tokens // self.block_size, len(table))
         for index in range(start, num_full):
             key = self._key(request, index)
             block = table[index]
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key] = block
                 self._key_of[block] = key
+                self._uncommitted.append(block)
         self._registered[request.request_id] = max(start, num_full)
+
+    def commit(self) -> None:
+        """The step ran: the KV of the blocks registered for it is written."""
+        self._uncommitted.clear()
+
+    def discard_uncommitted(self) -> None:
+        """The step failed: its blocks may hold half-written KV, so nothing finds them. (Their
+        holders start over by recompute, and register them again.)"""
+        for block in self._uncommitted:
+            self.forget(block)
+        self._uncommitted.clear()
 
     def forget(self, block: int) -> None:
         """The block is allocated for other tokens: it no longer holds its key's."""

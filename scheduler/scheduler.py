@@ -230,6 +230,7 @@ class Scheduler(Preemption):
         self._restart_by_recompute([chunk.request_id for chunk in output.chunks] + list(output.preempted_ids), now)
 
     def _restart_by_recompute(self, request_ids: list[str], now: float) -> None:
+        self.block_manager.discard_uncommitted_blocks()  # their KV may be half written
         for request_id in dict.fromkeys(request_ids):
             request = self._requests.get(request_id)
             if request is None or request.is_finished:
@@ -249,10 +250,7 @@ class Scheduler(Preemption):
                            now: float) -> list[Request]:
         """Append sampled tokens; finish requests that stop. Returns the requests that progressed."""
         progressed: list[Request] = []
-        for chunk in output.chunks:  # their KV is written now: full blocks may be found again
-            request = self._requests.get(chunk.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.block_manager.cache_full_blocks(request)
+        self.block_manager.commit_cached_blocks()  # the KV of the blocks found this step is written
         for chunk in output.chunks:
             request = self._requests.get(chunk.request_id)
             if not chunk.sample or request is None or request.status is not RequestStatus.RUNNING:

@@ -40,10 +40,14 @@ class PagedTokenRunner:
             self._copy_block(self.device, device_block, self.host, host_block)
         for host_block, device_block in output.swap_in:
             self._copy_block(self.host, host_block, self.device, device_block)
-        sampled: dict[str, int] = {}
+        # Every chunk's tokens are written before any context is read, as a model layer writes
+        # the whole batch's K/V before it attends: a request may read a block another request's
+        # chunk fills in the same step (prefix caching).
         for chunk in output.chunks:
             for offset, token in enumerate(chunk.token_ids):
                 self.device[self._slot(chunk.block_ids, chunk.start_position + offset)] = token
+        sampled: dict[str, int] = {}
+        for chunk in output.chunks:
             if chunk.sample:
                 end = chunk.start_position + len(chunk.token_ids)
                 context = [self.device[self._slot(chunk.block_ids, p)] for p in range(end)]

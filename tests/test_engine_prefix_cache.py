@@ -1,6 +1,7 @@
 """Prefix caching in the engine (tiny model): prompts that share a prefix, and a second turn that
 extends a first turn's prompt and reply, get the same greedy tokens with the cache as without it
-(whose tokens equal HF's, tests/test_engine.py), chunked and under recompute and swap preemption;
+(whose tokens equal HF's, tests/test_engine.py), chunked and under recompute and swap preemption,
+and so does one prompt admitted twice in a step, which shares the blocks its first copy fills;
 the cache serves their shared blocks, and every block is free at the end."""
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def test_a_second_turn_finds_the_first_turns_prompt_and_reply(tiny_model_dir, pr
     # The first turn's prompt and all but its last reply token were fed: its full blocks are kept.
     fed = len(prompts[0]) + len(first.token_ids) - 1
     assert llm.engine.scheduler.block_manager.prefix_cache.num_hit_tokens == fed // 16 * 16
+
+
+def test_one_prompt_admitted_twice_in_a_step_shares_its_blocks(tiny_model_dir, prompts) -> None:
+    # As the n choices of one request are: the second reads the blocks the first writes in the
+    # same forward, and both give the tokens of a run without the cache.
+    prompt = prompts[3]
+    fresh = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1).generate([prompt], GREEDY)[0]
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, scheduler_options={"enable_prefix_caching": True})
+    both = llm.generate([prompt, prompt], GREEDY)
+    assert [o.token_ids for o in both] == [fresh.token_ids] * 2
+    assert [o.num_cached_tokens for o in both] == [0, (len(prompt) - 1) // 16 * 16]
+    assert llm.engine.scheduler.stats().num_steps == GREEDY.max_tokens  # admitted together, prefilled at once
 
 
 def test_the_server_reports_cached_prompt_tokens_and_counts_them(tiny_model_dir) -> None:

@@ -63,8 +63,8 @@ def run(config: SchedulerConfig, arrivals: list[tuple[int, Request]]) -> tuple[d
 
 
 @pytest.mark.parametrize("mode, num_gpu_blocks, chunked, block_size", [
-    ("recompute", 400, True, 16), ("recompute", 400, False, 8), ("recompute", 12, True, 8),
-    ("swap", 12, True, 8), ("recompute", 22, True, 4)])
+    ("recompute", 400, True, 16), ("recompute", 400, False, 8), ("recompute", 10, True, 8),
+    ("swap", 10, True, 8), ("recompute", 22, True, 4)])
 def test_cached_prefixes_give_the_reference_tokens(mode, num_gpu_blocks, chunked, block_size) -> None:
     # Under 100 blocks, six seats outgrow the cache: requests are preempted (no watermark).
     config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_num_seqs=6,
@@ -98,11 +98,11 @@ def manager(num_blocks: int = 8) -> BlockManager:
 
 
 def computed(manager: BlockManager, r: Request) -> Request:
-    """Allocate and compute r's whole prompt, as a step would, and register its blocks."""
+    """Allocate and compute r's whole prompt, as a step would, registering its blocks."""
     cached = manager.cached_prefix(r)
     assert manager.allocate_slots(r, r.num_tokens - cached, cached) is not None
     r.num_computed_tokens = r.num_tokens
-    manager.cache_full_blocks(r)
+    manager.commit_cached_blocks()
     return r
 
 
@@ -184,3 +184,47 @@ def test_an_urgent_request_preempts_as_many_as_free_its_room_though_they_share_b
         scheduler.update_from_output(output, runner.execute(output), float(step))
         scheduler.block_manager.check_integrity()
     assert [c.request_id for c in output.chunks] == ["I"] and sorted(output.preempted_ids) == ["A", "B"]
+
+
+def test_requests_admitted_in_one_step_share_the_blocks_the_first_fills() -> None:
+    # The n choices of one prompt: the second starts after the first's three full blocks in the
+    # same step, and reads them as the first writes them.
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(16, 4)
+    prompt = list(range(300, 313))
+    first, second = request("c0", prompt), request("c1", prompt)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule(0.0)
+    chunks = {chunk.request_id: chunk for chunk in output.chunks}
+    assert chunks["c1"].start_position == 12 and chunks["c1"].block_ids[:3] == chunks["c0"].block_ids[:3]
+    assert second.num_cached_tokens == 12 and output.num_batched_tokens == 13 + 1
+    outputs = {}
+    for step in range(1, 20):
+        for done in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if done.is_finished:
+                outputs[done.request_id] = list(done.output_token_ids)
+        scheduler.block_manager.check_integrity()
+        output = scheduler.schedule(float(step))
+    assert outputs == {"c0": reference_output(prompt, 6), "c1": reference_output(prompt, 6)}
+    assert scheduler.block_manager.num_free_blocks == 16
+
+
+def test_a_failed_steps_blocks_are_not_found() -> None:
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    prompt = list(range(300, 313))
+    scheduler.add_request(request("a", prompt))
+    output = scheduler.schedule(0.0)
+    assert scheduler.block_manager.cached_prefix(request("probe", prompt)) == 12  # found within the step
+    scheduler.restart_failed_step(output, 0.0)  # the model step raised: its KV may be half written
+    assert scheduler.block_manager.cached_prefix(request("probe", prompt)) == 0
+    scheduler.block_manager.check_integrity()
+    runner = PagedTokenRunner(16, 4)
+    for step in range(1, 20):  # it starts over, registering its blocks again
+        output = scheduler.schedule(float(step))
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+    assert scheduler.block_manager.cached_prefix(request("later", prompt)) == 12

@@ -20,10 +20,25 @@ tables holding the block, and the prefix cache's two maps agree.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable
 
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The cached blocks a request without blocks would start on (`cached_prefix`), found once
+    and passed on to the watermark check and the allocation, with the prefix cache's eviction
+    count when they were found: an allocation takes them only if no block was evicted since."""
+
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+    evictions: int = 0
+
+
+NO_PREFIX = CachedPrefix()
 
 
 class BlockPool:
@@ -117,30 +132,23 @@ class BlockManager:
         """Share of device blocks held by requests, in [0, 1]."""
         return 1.0 - self.device.num_free / self.device.num_blocks
 
-    def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
-        """Free blocks that granting `num_new_tokens` more takes, the request starting after
-        `num_cached_tokens` found by `cached_prefix` (the cached blocks on the free list count)."""
-        if num_cached_tokens:
-            return self._blocks_taken(self._hits(request, num_cached_tokens), num_cached_tokens + num_new_tokens)
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
+        """Free blocks that granting `num_new_tokens` more takes, the request starting on its
+        cached `prefix` (those of its blocks that wait on the free list count)."""
+        if prefix.blocks:
+            num_tokens = prefix.num_tokens + num_new_tokens
+            return self.blocks_for(num_tokens) - len(prefix.blocks) + sum(map(self.device.is_free, prefix.blocks))
         held = len(self._device_tables.get(request.request_id, ()))
         return max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - held)
 
-    def _blocks_taken(self, hits: list[int], num_tokens: int) -> int:
-        """Free blocks a new table of `num_tokens` starting on the cached blocks `hits` takes: its
-        own new blocks, and those of the hits that wait on the free list."""
-        return self.blocks_for(num_tokens) - len(hits) + sum(map(self.device.is_free, hits))
-
     # ---- prefix cache ------------------------------------------------------------------------
-    def cached_prefix(self, request: Request) -> int:
-        """Tokens a request without blocks or computed tokens would find cached (a multiple of
-        the block size); 0 without a prefix cache."""
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        """The cached blocks a request without blocks or computed tokens would start on; none
+        without a prefix cache."""
         if self.prefix_cache is None or request.num_computed_tokens or request.request_id in self._device_tables:
-            return 0
-        return len(self.prefix_cache.lookup(request)) * self.block_size
-
-    def _hits(self, request: Request, num_cached_tokens: int) -> list[int]:
-        hits = self.prefix_cache.lookup(request)[:num_cached_tokens // self.block_size] if self.prefix_cache else []
-        return hits if len(hits) * self.block_size == num_cached_tokens else []
+            return NO_PREFIX
+        blocks = tuple(self.prefix_cache.lookup(request))
+        return CachedPrefix(blocks, len(blocks) * self.block_size, self.prefix_cache.num_evictions)
 
     def commit_cached_blocks(self) -> None:
         """After a step ran: the blocks its grants filled hold their KV (prefix_cache.py)."""
@@ -153,29 +161,25 @@ class BlockManager:
             self.prefix_cache.discard_uncommitted()
 
     # ---- device allocation -------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:
         """Grow the request's table to hold `num_new_tokens` more computed tokens; a request
-        without blocks starts on the blocks of its `num_cached_tokens` cached ones (cached_prefix)
-        and its computed tokens jump to them.
+        without blocks starts on its cached `prefix` (cached_prefix), and its computed tokens
+        jump to them.
 
         Returns the whole new table, or None (allocating nothing) when the free list is short or
-        the cached blocks are gone since cached_prefix (evicted by an allocation in between).
+        a cached block may be gone since cached_prefix (one was evicted in between).
         """
-        hits = self._hits(request, num_cached_tokens) if num_cached_tokens else []
-        if len(hits) * self.block_size != num_cached_tokens:
+        if prefix.blocks and prefix.evictions != self.prefix_cache.num_evictions:
             return None
-        if hits:  # looked up once: the cached blocks and what they leave to take
-            needed = self._blocks_taken(hits, num_cached_tokens + num_new_tokens)
-        else:
-            needed = self.num_new_blocks_needed(request, num_new_tokens)
-        if needed > self.device.num_free:
+        if self.num_new_blocks_needed(request, num_new_tokens, prefix) > self.device.num_free:
             return None
         table = self._device_tables.setdefault(request.request_id, [])
-        if hits or (self.prefix_cache is not None and not table and not request.num_computed_tokens):
-            self._start_on(request, hits)
-        for block in hits:
+        if prefix.blocks or (self.prefix_cache is not None and not table and not request.num_computed_tokens):
+            self._start_on(request, prefix.num_tokens)
+        for block in prefix.blocks:
             self.device.share(block)
-        table.extend(hits)
+        table.extend(prefix.blocks)
         num_tokens = request.num_computed_tokens + num_new_tokens
         table.extend(self._allocate(self.blocks_for(num_tokens) - len(table)))
         if self.prefix_cache is not None:  # findable by requests granted later in this step too
@@ -183,8 +187,7 @@ class BlockManager:
         request.block_ids = list(table)
         return request.block_ids
 
-    def _start_on(self, request: Request, hits: list[int]) -> None:
-        cached = len(hits) * self.block_size
+    def _start_on(self, request: Request, cached: int) -> None:
         self.prefix_cache.record_lookup(request, cached)
         request.num_computed_tokens = cached
         if request.num_cached_tokens is None:
@@ -241,10 +244,6 @@ class BlockManager:
         table holds (with a prefix cache, a victim's shared blocks stay with their other holders)."""
         listed = Counter(block for request in requests for block in self._device_tables.get(request.request_id, ()))
         return {block for block, count in listed.items() if self.device.ref_count(block) == count}
-
-    def prefix_blocks(self, request: Request, num_cached_tokens: int) -> set[int]:
-        """The blocks holding the request's `num_cached_tokens` cached tokens (cached_prefix)."""
-        return set(self._hits(request, num_cached_tokens)) if num_cached_tokens else set()
 
     # ---- checks ------------------------------------------------------------------------------
     def num_requests_holding(self) -> int:

@@ -14,7 +14,7 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
 
 from __future__ import annotations
 
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, CachedPrefix
 from scheduler.config import SchedulerConfig
 from scheduler.eviction import Eviction
 from scheduler.policy import SchedulingPolicy
@@ -53,21 +53,21 @@ class Preemption:
             # Running requests ranked ahead of it keep their whole next chunk: an urgent request
             # goes before those it may preempt, never before an earlier one of its own tier.
             ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(request, plan, now)
-            cached = self.block_manager.cached_prefix(request)
-            num_new = self._num_new_tokens(request, budget - ahead_tokens, cached)
+            prefix = self.block_manager.cached_prefix(request)
+            num_new = self._num_new_tokens(request, budget - ahead_tokens, prefix)
             if num_new <= 0:
                 return  # a whole prefill that cannot fit this step's budget: nothing to make room for
-            need = self.block_manager.num_new_blocks_needed(request, num_new, cached) + ahead_blocks
-            prefix = self.block_manager.prefix_blocks(request, cached)
-            victims = self._victims_for(need, free_seats, free_blocks, candidates, now, prefix)
+            need = self.block_manager.num_new_blocks_needed(request, num_new, prefix) + ahead_blocks
+            victims = self._victims_for(need, free_seats, free_blocks, candidates, now, set(prefix.blocks))
             if victims is None:
                 return
             freed = self.block_manager.blocks_freed_by(victims)
             free_blocks += len(freed)
-            need += len(freed & prefix)  # its cached blocks a victim held go back to the free list first
+            # Its cached blocks that a victim held go back to the free list first: it takes them back.
+            need += len(freed.intersection(prefix.blocks))
             for victim in victims:
                 self._preempt(victim, plan)
-            if not self._admit_now(request, num_new, plan, cached):
+            if not self._admit_now(request, num_new, plan, prefix):
                 return
             # Nobody ranked after a victim just preempted is let in later in this loop either.
             limit = self._resume_limit(plan, now)
@@ -90,11 +90,11 @@ class Preemption:
                           - self.block_manager.num_new_blocks_needed(running, 1))
         return tokens, blocks
 
-    def _admit_now(self, request: Request, num_new: int, plan: StepPlan, num_cached_tokens: int = 0) -> bool:
+    def _admit_now(self, request: Request, num_new: int, plan: StepPlan, prefix: CachedPrefix) -> bool:
         """Admit an urgent request before anything else takes the room made for it: the watermark
         and the running requests' prefill chunks would otherwise leave it waiting while its victims
         were already preempted."""
-        if self.block_manager.allocate_slots(request, num_new, num_cached_tokens) is None:
+        if self.block_manager.allocate_slots(request, num_new, prefix) is None:
             return False  # not reached: the room was counted; but never admit without blocks
         self.waiting.remove(request)
         self._start_running(request, num_new, plan)

@@ -38,6 +38,7 @@ class PrefixCache:
         self._uncommitted: list[int] = []  # registered in the step not yet run
         self.num_query_tokens = 0  # prompt and output tokens of requests looked up on admission
         self.num_hit_tokens = 0  # of those, served from the cache
+        self.num_evictions = 0  # registered blocks allocated for other tokens, ever
 
     def _key(self, request: Request, index: int) -> BlockKey:
         """Block `index`'s key, extending the request's chain hashes as far as needed."""
@@ -94,6 +95,7 @@ class PrefixCache:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._block_of[key]
+            self.num_evictions += 1
 
     def drop_request(self, request_id: str) -> None:
         """The request's table is gone (freed, or swapped out to come back in other blocks)."""

@@ -28,7 +28,7 @@ tokens and finishes requests.
 from __future__ import annotations
 
 from scheduler.admission import AdmissionController
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import NO_PREFIX, BlockManager, CachedPrefix
 from scheduler.config import SchedulerConfig
 from scheduler.eviction import free_for_recompute, make_eviction
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -151,10 +151,10 @@ class Scheduler(Preemption):
         for request_id in plan.preempted_ids:  # queued again from now: more queueing delay
             self._requests[request_id].requeued_at = now
 
-    def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
+    def _num_new_tokens(self, request: Request, budget: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Tokens to grant `request` within `budget`, after its computed tokens (or, for a request
-        about to start on cached blocks, after those)."""
-        remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+        about to start on its cached prefix, after those)."""
+        remaining = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
@@ -202,20 +202,20 @@ class Scheduler(Preemption):
                 break
             if limit is not None and self.policy.sort_key(request, now) >= limit:
                 break
-            cached = self.block_manager.cached_prefix(request)
-            num_new = self._num_new_tokens(request, plan.budget, cached)
-            if num_new == 0 or not self._above_watermark(request, num_new, cached):
+            prefix = self.block_manager.cached_prefix(request)
+            num_new = self._num_new_tokens(request, plan.budget, prefix)
+            if num_new == 0 or not self._above_watermark(request, num_new, prefix):
                 break
-            if self.block_manager.allocate_slots(request, num_new, cached) is None:
+            if self.block_manager.allocate_slots(request, num_new, prefix) is None:
                 break
             self._start_running(request, num_new, plan)
             admitted += 1
         del self.waiting[:admitted]
 
-    def _above_watermark(self, request: Request, num_new: int, num_cached_tokens: int = 0) -> bool:
+    def _above_watermark(self, request: Request, num_new: int, prefix: CachedPrefix) -> bool:
         if not self.running:
             return True  # an empty cache always takes the request (it fits: checked on add)
-        needed = self.block_manager.num_new_blocks_needed(request, num_new, num_cached_tokens)
+        needed = self.block_manager.num_new_blocks_needed(request, num_new, prefix)
         reserve = self.config.kv_watermark * self.config.num_gpu_blocks
         return self.block_manager.num_free_blocks - needed >= reserve
 

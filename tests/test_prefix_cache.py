@@ -100,7 +100,7 @@ def manager(num_blocks: int = 8) -> BlockManager:
 def computed(manager: BlockManager, r: Request) -> Request:
     """Allocate and compute r's whole prompt, as a step would, registering its blocks."""
     cached = manager.cached_prefix(r)
-    assert manager.allocate_slots(r, r.num_tokens - cached, cached) is not None
+    assert manager.allocate_slots(r, r.num_tokens - cached.num_tokens, cached) is not None
     r.num_computed_tokens = r.num_tokens
     manager.commit_cached_blocks()
     return r
@@ -110,21 +110,23 @@ def test_a_prefix_is_shared_while_held_and_kept_after_it_is_freed() -> None:
     m = manager()
     first = computed(m, request("a", range(1, 11)))  # blocks [1-4] [5-8] [9-10]
     second = request("b", list(range(1, 9)) + [50, 51, 52])
-    assert m.cached_prefix(second) == 8
-    assert m.allocate_slots(second, 3, 8)[:2] == first.block_ids[:2] and second.num_computed_tokens == 8
+    assert m.cached_prefix(second).num_tokens == 8
+    assert m.allocate_slots(second, 3, m.cached_prefix(second))[:2] == first.block_ids[:2]
+    assert second.num_computed_tokens == 8
     assert m.device.ref_count(first.block_ids[0]) == 2
     m.free(first)
     m.free(second)
     m.check_integrity()
-    assert m.num_free_blocks == 8 and m.cached_prefix(request("c", range(1, 10))) == 8  # found on the free list
-    assert m.cached_prefix(request("d", [99] + list(range(2, 10)))) == 0  # another first token
+    assert m.num_free_blocks == 8
+    assert m.cached_prefix(request("c", range(1, 10))).num_tokens == 8  # found on the free list
+    assert m.cached_prefix(request("d", [99] + list(range(2, 10)))).num_tokens == 0  # another first token
 
 
 def test_at_least_one_token_is_fed_from_a_block_of_its_own() -> None:
     m = manager()
     computed(m, request("a", range(1, 9)))  # two full blocks
-    assert m.cached_prefix(request("same", range(1, 9))) == 4  # (8 - 1) // 4 blocks
-    assert m.cached_prefix(request("longer", range(1, 10))) == 8
+    assert m.cached_prefix(request("same", range(1, 9))).num_tokens == 4  # (8 - 1) // 4 blocks
+    assert m.cached_prefix(request("longer", range(1, 10))).num_tokens == 8
 
 
 def test_the_least_recently_freed_blocks_are_evicted_first_a_tables_tail_before_its_head() -> None:
@@ -133,9 +135,9 @@ def test_the_least_recently_freed_blocks_are_evicted_first_a_tables_tail_before_
     m.free(old)
     # The two never used blocks go first, then the old table's tail, then its head.
     m.allocate_slots(request("x", [70] * 12), 12)
-    assert m.cached_prefix(request("again", range(1, 10))) == 4
+    assert m.cached_prefix(request("again", range(1, 10))).num_tokens == 4
     m.allocate_slots(request("y", [80] * 4), 4)
-    assert m.cached_prefix(request("again2", range(1, 10))) == 0
+    assert m.cached_prefix(request("again2", range(1, 10))).num_tokens == 0
     m.check_integrity()
 
 
@@ -144,7 +146,7 @@ def test_a_prefix_evicted_before_its_allocation_allocates_nothing() -> None:
     m.free(computed(m, request("a", range(1, 9))))
     late = request("late", range(1, 10))
     cached = m.cached_prefix(late)
-    assert cached == 8
+    assert cached.num_tokens == 8
     m.allocate_slots(request("x", [70] * 12), 12)  # evicts every free block
     assert m.allocate_slots(late, 1, cached) is None and late.num_computed_tokens == 0
     m.check_integrity()
@@ -153,15 +155,15 @@ def test_a_prefix_evicted_before_its_allocation_allocates_nothing() -> None:
 def test_a_request_asking_for_prompt_logprobs_finds_nothing() -> None:
     m = manager()
     computed(m, request("a", range(1, 11)))
-    assert m.cached_prefix(request("b", range(1, 11), prompt_logprobs=0)) == 0
+    assert m.cached_prefix(request("b", range(1, 11), prompt_logprobs=0)).num_tokens == 0
 
 
 def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:
     m = manager()
     computed(m, request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # The same second block after another first one: a different prefix, nothing found.
-    assert m.cached_prefix(request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == 0
-    assert m.cached_prefix(request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9])) == 4
+    assert m.cached_prefix(request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])).num_tokens == 0
+    assert m.cached_prefix(request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9])).num_tokens == 4
 
 
 def test_an_urgent_request_preempts_as_many_as_free_its_room_though_they_share_blocks() -> None:
@@ -219,12 +221,12 @@ def test_a_failed_steps_blocks_are_not_found() -> None:
     prompt = list(range(300, 313))
     scheduler.add_request(request("a", prompt))
     output = scheduler.schedule(0.0)
-    assert scheduler.block_manager.cached_prefix(request("probe", prompt)) == 12  # found within the step
+    assert scheduler.block_manager.cached_prefix(request("probe", prompt)).num_tokens == 12  # found in the step
     scheduler.restart_failed_step(output, 0.0)  # the model step raised: its KV may be half written
-    assert scheduler.block_manager.cached_prefix(request("probe", prompt)) == 0
+    assert scheduler.block_manager.cached_prefix(request("probe", prompt)).num_tokens == 0
     scheduler.block_manager.check_integrity()
     runner = PagedTokenRunner(16, 4)
     for step in range(1, 20):  # it starts over, registering its blocks again
         output = scheduler.schedule(float(step))
         scheduler.update_from_output(output, runner.execute(output), float(step))
-    assert scheduler.block_manager.cached_prefix(request("later", prompt)) == 12
+    assert scheduler.block_manager.cached_prefix(request("later", prompt)).num_tokens == 12

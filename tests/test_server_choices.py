@@ -202,7 +202,7 @@ def test_a_handler_cancelled_as_its_last_choice_is_admitted_leaves_none_running(
 
         handlers._submit_one = admit_then_cancel_on_the_last
         body = CompletionRequest(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=900, n=3, ignore_eos=True)
-        submit = asyncio.ensure_future(handlers._submit("cmpl-x", body, [1, 2, 3, 4], "x", "prompt"))
+        submit = asyncio.ensure_future(handlers._submit("cmpl-x", body, [([1, 2, 3, 4], "x")], "prompt"))
         with pytest.raises(asyncio.CancelledError):
             await submit
         live = lambda e: [r.request_id for r in e.scheduler.running + e.scheduler.waiting]  # noqa: E731

@@ -25,6 +25,9 @@ MAX_BAD_WORDS = 128  # vLLM's bound too
 # Choices per request: each is an engine request of its own, so the bound keeps one request from
 # filling the seats (OpenAI allows 128).
 MAX_CHOICES = 16
+# Prompts in one completions batch, and sequences (prompts x n) in all: each is an engine request.
+MAX_BATCH_PROMPTS = 256
+MAX_BATCH_SEQUENCES = 256
 
 # apply_chat_template's own parameters, and the conversation's name inside the template: a
 # template variable of these names would change how the prompt is rendered or returned (token
@@ -195,9 +198,10 @@ class _Request(CompletionUnsupportedFields):
 
 
 class CompletionRequest(_Request):
-    # A text, or token ids; batches of prompts are not supported (one request, one sequence), but
-    # a one-prompt batch, as some clients always send ([text], or [[ids]] from lm-eval), is that prompt.
-    prompt: str | list[StrictInt] = Field(min_length=1)
+    # A text, token ids, or a batch of them (a list of texts or of id lists, as lm-eval sends):
+    # prompt i's choice j is choice i * n + j of the reply, as OpenAI and vLLM number them. A
+    # one-prompt batch is that prompt.
+    prompt: str | list[StrictInt] | list[str | list[StrictInt]] = Field(min_length=1)
     # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
     # 0 scores the prompt alone: with echo (and logprobs), as vLLM and the legacy API serve it.
@@ -244,12 +248,35 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-            if len(prompt) > 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
+    def _a_batch_of_one_is_its_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             return prompt[0]
         return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _batch_bounds(cls, prompt: str | list, info: ValidationInfo) -> str | list:
+        batch = cls._batch_of(prompt)
+        if len(batch) > 1:
+            if len(batch) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in a batch, got {len(batch)}")
+            n = info.data.get("n") or 1
+            if len(batch) * n > MAX_BATCH_SEQUENCES:
+                raise ValueError(f"{len(batch)} prompts x n={n} make more than {MAX_BATCH_SEQUENCES} sequences")
+        empty = next((index for index, one in enumerate(batch) if not one), None)
+        if empty is not None and len(batch) > 1:
+            raise ValueError(f"prompt {empty} of the batch is empty")
+        return prompt
+
+    @staticmethod
+    def _batch_of(prompt: str | list) -> list[str | list[int]]:
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: its one prompt, or a batch's in order."""
+        return self._batch_of(self.prompt)
 
 
 class ContentPart(BaseModel):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -79,26 +79,18 @@ class OpenAIServing:
         if body.scores_prompt_only() and (not body.echo or body.stream):
             raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true "
                                        "and no stream")
-        if isinstance(body.prompt, str):
-            self._check_untruncated_text(body, body.prompt, "prompt")
-            # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
-            # add one); a chat's come from its template.
-            prompt_ids = await self.off_loop(self._encode, body.prompt, True)
-            prompt_text = body.prompt
-        else:
-            self._check_token_ids(body.prompt)
-            prompt_ids = list(body.prompt)
-            prompt_text = None
-        prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "prompt")
+        prompts = [await self._completion_prompt(body, prompt) for prompt in body.prompts()]
         head = self._head("cmpl", body)
-        streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "prompt")
-        echo = prompt_text if body.echo else ""
+        streams = await self._submit(head["id"], body, prompts, "prompt")
+        n = body.n  # prompt i's choice j is stream i * n + j
+        echoes = [text if body.echo else "" for _, text in prompts]
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
         echo_due = [body.echo] * len(streams)  # each choice's first chunk carries the echo
 
         def chunk(index: int, text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None,
                   prompt_entries: Sequence[TokenLogprobs | None] | None = None) -> CompletionResponse:
             echoed, echo_due[index] = echo_due[index], False
+            prompt_ids, echo = prompts[index // n][0], echoes[index // n]
             if entries is None:
                 logprobs = None
             elif echoed and prompt_entries is not None:  # the prompt's tokens lead, as in a whole reply
@@ -113,21 +105,38 @@ class OpenAIServing:
             include_usage, continuous = body.usage_in_stream()
             events = stream_events(streams, chunk, (), include_usage,
                                    lambda usage: CompletionResponse(**head, choices=[], usage=usage),
-                                   len(prompt_ids) if continuous else None)
+                                   [len(prompts[i // n][0]) for i in range(len(streams))] if continuous else None,
+                                   choices_per_prompt=n)
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
         if body.scores_prompt_only():
             finals = [_prompt_alone(final) for final in finals]
 
         def reply() -> CompletionReply:
-            prompt_logprobs = self._prompt_logprobs(finals, body.requested_prompt_logprobs())
-            return CompletionReply(**head, usage=usage_of(finals), choices=[CompletionReplyChoice(
-                index=index, text=echo + final.text, finish_reason=final.finish_reason,
-                logprobs=self._completion_logprobs(final, finals[0].prompt_logprobs, prompt_ids, body.echo),
-                prompt_logprobs=prompt_logprobs)
+            # Each prompt's first choice scored it for them all (_choice_params).
+            firsts = finals[::n]
+            asked = body.requested_prompt_logprobs()
+            prompt_logprobs = [self._prompt_logprobs(first, asked) for first in firsts]
+            return CompletionReply(**head, usage=usage_of(finals, n), choices=[CompletionReplyChoice(
+                index=index, text=echoes[index // n] + final.text, finish_reason=final.finish_reason,
+                logprobs=self._completion_logprobs(final, firsts[index // n].prompt_logprobs,
+                                                   prompts[index // n][0], body.echo),
+                prompt_logprobs=prompt_logprobs[index // n])
                 for index, final in enumerate(finals)])
 
         return await _json_reply(reply, finals)
+
+    async def _completion_prompt(self, body: CompletionRequest, prompt: str | list[int]) -> tuple[list[int], str]:
+        """One prompt of a completion request as (ids, text), checked and truncated."""
+        if isinstance(prompt, str):
+            self._check_untruncated_text(body, prompt, "prompt")
+            # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
+            # add one); a chat's come from its template.
+            prompt_ids, prompt_text = await self.off_loop(self._encode, prompt, True), prompt
+        else:
+            self._check_token_ids(prompt)
+            prompt_ids, prompt_text = list(prompt), None
+        return await self._truncated(body, prompt_ids, prompt_text, "prompt")
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_accepting()
@@ -136,7 +145,7 @@ class OpenAIServing:
         prompt_text, prompt_ids = await self.off_loop(self._render_chat, body, messages, body.tools or None)
         prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "messages")
         head = self._head("chatcmpl", body)
-        streams = await self._submit(head["id"], body, prompt_ids, prompt_text, "messages")
+        streams = await self._submit(head["id"], body, [(prompt_ids, prompt_text)], "messages")
         final_message = body.messages[-1]
         role = body.reply_role(final_message.role)
         echo = final_message.text() if body.echo and final_message.role == role else ""  # as vLLM echoes
@@ -155,17 +164,18 @@ class OpenAIServing:
                         for delta in deltas for index in range(len(streams))]
             events = stream_events(streams, chunk, openings, include_usage,
                                    lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage),
-                                   len(prompt_ids) if continuous else None)
+                                   [len(prompt_ids)] * len(streams) if continuous else None,
+                                   choices_per_prompt=len(streams))
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
 
         def reply() -> ChatCompletionResponse:
-            return ChatCompletionResponse(**head, usage=usage_of(finals), choices=[ChatChoice(
+            return ChatCompletionResponse(**head, usage=usage_of(finals, len(finals)), choices=[ChatChoice(
                 index=index, message=ChatMessageOut(role=role, content=echo + final.text),
                 finish_reason=final.finish_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
                 for index, final in enumerate(finals)],
-                prompt_logprobs=self._prompt_logprobs(finals, body.prompt_logprobs))
+                prompt_logprobs=self._prompt_logprobs(finals[0], body.prompt_logprobs))
 
         return await _json_reply(reply, finals)
 
@@ -177,14 +187,13 @@ class OpenAIServing:
             return self.logprobs.echoed_completion(prompt_ids, prompt_entries, final.logprobs)
         return self.logprobs.completion(final.logprobs)
 
-    def _prompt_logprobs(self, finals: Sequence[RequestOutput],
-                         asked: int | None) -> list[dict[str, Any] | None] | None:
+    def _prompt_logprobs(self, first: RequestOutput, asked: int | None) -> list[dict[str, Any] | None] | None:
         """vLLM's prompt_logprobs field, when they were computed (asked for, or for echo with
-        logprobs, as vLLM fills it then too). The choices share one prompt, so only the first
-        choice scores it (_choice_params)."""
-        if asked is None or finals[0].prompt_logprobs is None:
+        logprobs, as vLLM fills it then too), from a prompt's first choice, which scores the
+        prompt its choices share (_choice_params)."""
+        if asked is None or first.prompt_logprobs is None:
             return None
-        return self.logprobs.prompt(finals[0].prompt_logprobs)
+        return self.logprobs.prompt(first.prompt_logprobs)
 
     def _head(self, id_prefix: str, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The fields every object of one response shares: a stream's chunks carry the same id and
@@ -284,8 +293,28 @@ class OpenAIServing:
         return max_tokens
 
     async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                      prompt_ids: list[int], prompt_text: str, prompt_param: str) -> list[RequestStream]:
-        """One stream per choice: request_id itself for one, request_id-i for choice i of several."""
+                      prompts: list[tuple[list[int], str]], prompt_param: str) -> list[RequestStream]:
+        """One stream per choice of each prompt, prompt i's choice j at i * n + j. Their ids:
+        request_id itself for one, request_id-j for choice j of one prompt, request_id-i-j in a
+        batch. Every prompt is checked before any is submitted."""
+        bad_words = await self.off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
+        params = [self._sampling_params(body, prompt_ids, prompt_param, bad_words) for prompt_ids, _ in prompts]
+        tier = SERVICE_TIERS[body.service_tier]
+        submissions = []
+        for index, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params)):
+            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            group = None if body.n == 1 else ChoiceGroup(prompt_id, body.n)
+            for choice in range(body.n):
+                submissions.append(self._submit_one(
+                    prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids, prompt_text,
+                    _choice_params(prompt_params, choice, body.stream), tier, body.priority, group))
+        if len(submissions) == 1:
+            return [await submissions[0]]
+        return await self._all_admitted(submissions)
+
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                         prompt_param: str, bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
+        """A prompt's sampling parameters, or a 400 naming the field that makes them invalid."""
         if not prompt_ids:
             raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
         max_tokens_param, max_tokens = body.requested_max_tokens()
@@ -294,32 +323,27 @@ class OpenAIServing:
         max_tokens = self._check_context(len(prompt_ids), 1 if max_tokens == 0 else max_tokens,
                                          prompt_param, max_tokens_param)
         self._check_sampler_fields(body, max_tokens, max_tokens_param)
-        bad_words = await self.off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
-                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    include_stop_str_in_output=body.include_stop_str_in_output,
-                                    skip_special_tokens=body.skip_special_tokens,
-                                    logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
-                                    prompt_logprobs=body.requested_prompt_logprobs(),
-                                    frequency_penalty=body.frequency_penalty,
-                                    repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
-                                    logit_bias=body.token_logit_bias(),
-                                    allowed_token_ids=None if body.allowed_token_ids is None
-                                    else tuple(body.allowed_token_ids),
-                                    bad_words_token_ids=bad_words)
+            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                  top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
+                                  stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                  include_stop_str_in_output=body.include_stop_str_in_output,
+                                  skip_special_tokens=body.skip_special_tokens,
+                                  logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
+                                  prompt_logprobs=body.requested_prompt_logprobs(),
+                                  frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                                  logit_bias=body.token_logit_bias(),
+                                  allowed_token_ids=None if body.allowed_token_ids is None
+                                  else tuple(body.allowed_token_ids),
+                                  bad_words_token_ids=bad_words)
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
-        tier = SERVICE_TIERS[body.service_tier]
-        if body.n == 1:
-            return [await self._submit_one(request_id, prompt_ids, prompt_text, params, tier, body.priority)]
-        # Submitted at once, so they reach the engine (and the predictor) in one batch.
-        group = ChoiceGroup(request_id, body.n)
-        tasks = [asyncio.ensure_future(self._submit_one(f"{request_id}-{index}", prompt_ids, prompt_text,
-                                                        _choice_params(params, index, body.stream), tier,
-                                                        body.priority, group))
-                 for index in range(body.n)]
+
+    async def _all_admitted(self, submissions: list[Awaitable[RequestStream]]) -> list[RequestStream]:
+        """The streams of submissions made at once, so they reach the engine (and the predictor)
+        in one batch; should one be refused, or this handler be cancelled, none runs for nobody."""
+        tasks = [asyncio.ensure_future(submission) for submission in submissions]
         try:
             await asyncio.wait(tasks)
         except BaseException:  # this handler cancelled, before or after the last admission

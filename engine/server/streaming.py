@@ -1,7 +1,8 @@
 """Server-sent events for one response whose choices stream from one engine request each.
 
-A request with `n` choices runs as `n` engine requests; their outputs interleave on one event
-stream, each chunk naming its choice by index, as OpenAI sends them. Per choice the stream keeps
+A request with `n` choices runs as `n` engine requests (a completions batch, `n` for each of its
+prompts); their outputs interleave on one event stream, each chunk naming its choice by index, as
+OpenAI sends them. Per choice the stream keeps
 what it has sent (text and logprobs), so a reader that fell behind sends everything new in one
 chunk. The usage chunk, when asked for, follows the last choice's end; an engine failure ends the
 whole stream with an error event. However sending ends, every choice still running is aborted,
@@ -55,11 +56,14 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
     return sse(payload)
 
 
-def usage_of(finals: Sequence[RequestOutput]) -> UsageInfo:
-    """One prompt, counted once, and every choice's generated tokens (and, with prefix caching,
-    the first choice's cached prompt tokens)."""
-    return UsageInfo.of(len(finals[0].prompt_token_ids), sum(len(final.token_ids) for final in finals),
-                        finals[0].num_cached_tokens)
+def usage_of(finals: Sequence[RequestOutput], choices_per_prompt: int) -> UsageInfo:
+    """Each prompt counted once (its choices are consecutive, `choices_per_prompt` of them) and
+    every choice's generated tokens; with prefix caching, each prompt's first choice's cached
+    prompt tokens."""
+    firsts = finals[::choices_per_prompt]
+    cached = [first.num_cached_tokens for first in firsts]
+    return UsageInfo.of(sum(len(first.prompt_token_ids) for first in firsts),
+                        sum(len(final.token_ids) for final in finals), None if None in cached else sum(cached))
 
 
 @dataclass
@@ -104,17 +108,18 @@ async def _interleave(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[i
 
 async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, openings: Sequence[BaseModel],
                         include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel],
-                        continuous_usage_of: int | None = None) -> AsyncIterator[str]:
-    """The response's events. With `continuous_usage_of` (the prompt's tokens, for vLLM's
-    continuous_usage_stats) every chunk carries the usage so far: the prompt and its choice's
-    tokens (none yet in an opening)."""
-    def with_usage(made: BaseModel, generated: int) -> BaseModel:
+                        continuous_usage_of: Sequence[int] | None = None,
+                        choices_per_prompt: int = 1) -> AsyncIterator[str]:
+    """The response's events. With `continuous_usage_of` (each choice's prompt tokens, for vLLM's
+    continuous_usage_stats) every chunk carries the usage so far: its choice's prompt and tokens
+    (none yet in an opening). The usage chunk counts each prompt once (usage_of)."""
+    def with_usage(made: BaseModel, index: int, generated: int) -> BaseModel:
         if continuous_usage_of is not None:
-            made.usage = UsageInfo.of(continuous_usage_of, generated)
+            made.usage = UsageInfo.of(continuous_usage_of[index], generated)
         return made
 
     for opening in openings:
-        yield chunk_event(with_usage(opening, 0), include_usage)
+        yield chunk_event(with_usage(opening, opening.choices[0].index, 0), include_usage)
     sent = [_Sent() for _ in streams]
     finals: dict[int, RequestOutput] = {}
     async with aclosing(_interleave(streams)) as items:  # its reads end with the stream, however it ends
@@ -127,7 +132,7 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
                 made = chunk(index, item.text[cursor.text:], "abort", entries, None)
-                yield chunk_event(with_usage(made, cursor.tokens), include_usage)
+                yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
                 continue
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
             # A token's logprobs go out with the step that made it, though its text may wait (an
@@ -137,11 +142,12 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
             if delta or item.finished or entries:
                 made = chunk(index, delta, item.finish_reason if item.finished else None, entries,
                              item.prompt_logprobs)
-                yield chunk_event(with_usage(made, cursor.tokens), include_usage)
+                yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
             if item.finished:
                 finals[index] = item
     if include_usage and len(finals) == len(streams):
-        yield chunk_event(usage_chunk(usage_of([finals[i] for i in range(len(streams))])), include_usage)
+        yield chunk_event(usage_chunk(usage_of([finals[i] for i in range(len(streams))], choices_per_prompt)),
+                          include_usage)
     yield "data: [DONE]\n\n"
 
 

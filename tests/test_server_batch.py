@@ -109,3 +109,20 @@ def test_a_batch_the_engine_refuses_in_part_is_refused_whole(tiny_model_dir, mon
         assert aborted_count(base_url) - before == 1
         reply = openai_client(base_url).completions.create(prompt=[[1, 2, 3], [4, 5]], **GREEDY)
         assert [choice.index for choice in reply.choices] == [0, 1]
+
+
+@pytest.mark.parametrize("prompt", [[["Hello", "there"]], [[[504, 3458]]], [["a"]]])
+def test_a_prompt_nested_too_deep_is_a_400(served, prompt) -> None:
+    assert error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt}), 400)["param"] == "prompt"
+
+
+def test_max_body_bytes_lets_a_larger_batch_body_in(tiny_model_dir) -> None:
+    from test_server import tiny_engine
+
+    # An ignored field pads the body past the default limit (1 MiB here); the batch itself is small.
+    body = {"model": MODEL, "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "padding": "x" * (3 << 20)}
+    with serving(tiny_engine(tiny_model_dir)) as (base_url, _):
+        assert error_of(post(base_url, "/v1/completions", body), 413)["message"].endswith(
+            "(serve --max-body-bytes sets it).")
+    with serving(tiny_engine(tiny_model_dir), max_body_bytes=8 << 20) as (base_url, _):
+        assert len(post(base_url, "/v1/completions", body).json()["choices"]) == 2

@@ -108,6 +108,8 @@ def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages(token
 @pytest.mark.parametrize("body, field, words", [
     ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
+    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs", "may not set conversations"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "may not set"),
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "dictionary"),
     ({"add_generation_prompt": "maybe"}, "add_generation_prompt", "boolean"),
     ({"echo": 3}, "echo", "boolean"),
@@ -160,6 +162,16 @@ def test_detokenize_is_tokenizes_inverse(served, tokenizer) -> None:
 ])
 def test_bad_tokenizer_requests_are_errors_naming_the_field(served, path, body, status, field) -> None:
     assert error_of(post(served[0], path, body), status)["param"] == field
+
+
+def test_tokenize_refuses_untokenized_a_text_too_long_for_the_context(served, tokenizer) -> None:
+    # These routes need no key and share the tokenizer thread with /v1: a huge text must not hold it.
+    huge = "word " * (MAX_MODEL_LEN * 100)
+    for body, field in (({"prompt": huge}, "prompt"), ({"messages": [{"role": "user", "content": huge}]}, "messages")):
+        error = error_of(post(served[0], "/tokenize", body, key=None), 400)
+        assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+    fits = "word " * 50
+    assert post(served[0], "/tokenize", {"prompt": fits}).json()["count"] == len(tokenizer.encode(fits))
 
 
 def test_the_tokenizer_routes_need_no_api_key_as_in_vllm(served) -> None:

@@ -58,7 +58,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     # The engine's own policy says whether a nonzero priority means anything (set before start).
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len,
                             policy=engine.engine.scheduler.policy)
-    tokenization = OpenAIServingTokenization(tokenizer, settings.max_model_len, serving.off_loop)
+    tokenization = OpenAIServingTokenization(tokenizer, settings.max_model_len, serving.max_token_chars,
+                                             serving.off_loop)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

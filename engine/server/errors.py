@@ -50,8 +50,8 @@ def context_exceeded(param: str, message: str) -> APIError:
 
 
 def request_too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes.",
-                    code="request_too_large")
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                    "(serve --max-body-bytes sets it).", code="request_too_large")
 
 
 class BodyTooLarge(StarletteHTTPException):

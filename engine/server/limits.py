@@ -39,7 +39,8 @@ def check_text_length(text: str, param: str, max_model_len: int, max_token_chars
 
 
 def default_body_limit(max_model_len: int, max_token_bytes: int) -> int:
-    """A request body size no request that can fit the context reaches.
+    """A request body size no request of one prompt that can fit the context reaches (a
+    completions batch of many long prompts may: `serve --max-body-bytes` raises the limit).
 
     A prompt that fits has at most max_model_len * max_token_bytes bytes of UTF-8 text (see
     longest_token_lengths), and JSON spends at most 6 bytes on one byte of it (a control

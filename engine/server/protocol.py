@@ -32,11 +32,13 @@ MAX_BATCH_SEQUENCES = 256
 # apply_chat_template's own parameters, and the conversation's name inside the template: a
 # template variable of these names would change how the prompt is rendered or returned (token
 # ids, tensors, truncation) rather than what the template says, so a request may not set them
-# through chat_template_kwargs (the request's own fields set the two switches).
+# through chat_template_kwargs (the request's own fields set the two switches; vLLM lets the
+# kwargs override them and `tools`, which here is a 400 naming the field instead).
 RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
-    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
 })
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
@@ -249,7 +251,8 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _a_batch_of_one_is_its_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        # Only a text or a list of ids: anything nested deeper is no prompt, and fails as such.
+        if isinstance(prompt, list) and len(prompt) == 1 and _is_text_or_ids(prompt[0]):
             return prompt[0]
         return prompt
 
@@ -277,6 +280,10 @@ class CompletionRequest(_Request):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: its one prompt, or a batch's in order."""
         return self._batch_of(self.prompt)
+
+
+def _is_text_or_ids(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))
 
 
 class ContentPart(BaseModel):

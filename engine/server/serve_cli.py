@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", nargs="+", type=cors_origin, default=(), metavar="ORIGIN",
                         help="origins whose browser pages may call the API (CORS), or '*' for any; "
                              "default: none")
+    parser.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="N",
+                        help="the largest request body taken (413 beyond it); default: room for one prompt "
+                             "that fills the context, so a large completions batch may need more")
     parser.add_argument("--shutdown-grace", type=non_negative_float, default=30.0, metavar="S",
                         help="seconds in-flight requests may finish after a stop signal")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -157,7 +160,8 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
                               model_aliases=model_aliases(args.model), shutdown_grace_s=args.shutdown_grace,
-                              allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()))
+                              allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()),
+                              max_body_bytes=args.max_body_bytes)
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.
     async_engine = AsyncLLMEngine(engine, length_predictor,
                                   overlap_prediction=engine.device.type == "cuda")

@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize: a prompt (text, or a conversation through the chat template,
 as chat completions render it) to its token ids, and token ids back to text, with the served
 model's tokenizer. Clients use them to count tokens or to build prompts of ids. As in vLLM they
-live outside /v1, so an API key does not guard them.
+live outside /v1, so an API key does not guard them; unlike vLLM's, a text that cannot fit the
+context is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 
 from engine.server import errors
 from engine.server.chat_template import render_chat
+from engine.server.limits import check_text_length
 from engine.server.protocol import ChatMessage, ChatTemplateFields, null_is_the_default, valid_unicode
 from engine.server.unsupported import ChatUnsupportedFields
 
@@ -66,12 +68,19 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeCompletionRequest | Tokeni
 
 
 class OpenAIServingTokenization:
-    def __init__(self, tokenizer: Any, max_model_len: int, off_loop) -> None:
+    """The routes' handlers. A text too long to fit the context however it tokenizes is refused
+    untokenized (400 context_length_exceeded), as on /v1: these routes need no key, and they
+    share the one tokenizer thread with /v1, which a multi-megabyte text would hold for seconds."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, max_token_chars: int, off_loop) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_token_chars = max_token_chars  # limits.longest_token_lengths
         self.off_loop = off_loop  # runs a function on the tokenizer thread (OpenAIServing.off_loop)
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        if isinstance(request, TokenizeCompletionRequest):  # a chat's text is checked once rendered
+            self._check_length(request.prompt, "prompt")
         ids = await self.off_loop(self._token_ids, request)
         pieces = await self.off_loop(self.tokenizer.convert_ids_to_tokens, ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=pieces)
@@ -86,6 +95,10 @@ class OpenAIServingTokenization:
         if isinstance(request, TokenizeChatRequest):
             text = render_chat(self.tokenizer, [m.for_template() for m in request.messages], request,
                                request.tools or None)
+            self._check_length(text, "messages")
         else:
             text = request.prompt
         return list(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+
+    def _check_length(self, text: str, param: str) -> None:
+        check_text_length(text, param, self.max_model_len, self.max_token_chars)

@@ -16,7 +16,7 @@ import pytest
 
 from engine.server import errors
 from engine.server.chat_template import render_chat
-from engine.server.protocol import ChatCompletionRequest
+from engine.server.chat_protocol import ChatCompletionRequest
 from test_server import MAX_MODEL_LEN, MODEL, error_of, post
 from test_server_logprobs import client, served, tokenizer  # noqa: F401 - the tiny model's server, as fixtures
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.llm import LLM
-from engine.server.serving import _choice_params
+from engine.server.submission import _choice_params
 from scheduler.request import SamplingParams
 from test_server import MAX_MODEL_LEN, MODEL, engine_idle_and_intact, error_of, openai_client, post, serving, tiny_engine
 from test_server_logprobs import CHAT, PROMPT_IDS, DecodeThreads, chat_prompt_ids, client, served  # noqa: F401 - fixtures

@@ -433,7 +433,7 @@ def test_without_allowed_origins_a_preflight_is_405_not_401_and_grants_no_origin
 
 
 def test_a_message_name_and_tool_call_id_reach_the_chat_template():
-    from engine.server.protocol import ChatMessage
+    from engine.server.chat_protocol import ChatMessage
 
     named = ChatMessage(role="user", content="hi", name="ann")
     assert named.for_template() == {"role": "user", "content": "hi", "name": "ann"}

@@ -22,7 +22,9 @@ from engine.async_engine import AsyncLLMEngine
 from engine.server import errors
 from engine.server.limits import BodyLimitMiddleware, default_body_limit
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.server.chat_protocol import ChatCompletionRequest
+from engine.server.protocol import CompletionRequest
+from engine.server.responses import ModelCard, ModelList
 from engine.server.serving import OpenAIServing
 from engine.server.tokenization import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                         TokenizeResponse, tokenize_request)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.server import errors
-from engine.server.protocol import ChatTemplateFields
+from engine.server.chat_protocol import ChatTemplateFields
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], fields: ChatTemplateFields,

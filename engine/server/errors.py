@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDead, EngineShuttingDown
-from engine.server.protocol import ErrorInfo, ErrorResponse
+from engine.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

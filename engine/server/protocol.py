@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+"""Request bodies of the OpenAI-compatible API, as pydantic models: the fields both endpoints
+share and the completions request (chat's are in chat_protocol.py, responses in responses.py).
 
 Requests validate every field the server acts on, so a bad value fails as a 400 naming the field
 (see errors.py). Unknown fields are ignored, as vLLM does, so newer clients keep working. Known
@@ -10,14 +11,12 @@ silently dropped: a client would otherwise get other output than it asked for, a
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from engine.server.text_check import lone_surrogate_at
-from engine.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
+from engine.server.unsupported import CompletionUnsupportedFields
 from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 64
@@ -28,18 +27,6 @@ MAX_CHOICES = 16
 # Prompts in one completions batch, and sequences (prompts x n) in all: each is an engine request.
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
-
-# apply_chat_template's own parameters, and the conversation's name inside the template: a
-# template variable of these names would change how the prompt is rendered or returned (token
-# ids, tensors, truncation) rather than what the template says, so a request may not set them
-# through chat_template_kwargs (the request's own fields set the two switches; vLLM lets the
-# kwargs override them and `tools`, which here is a 400 naming the field instead).
-RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-})
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
 ServiceTier = Literal["auto", "default", "flex", "priority"]
@@ -74,7 +61,7 @@ class StreamOptions(BaseModel):
                                            mode="before")(classmethod(null_is_the_default))
 
 
-class _Request(CompletionUnsupportedFields):
+class BaseRequest(CompletionUnsupportedFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN: "not finite", not a bound's message
 
     model: str | None = None
@@ -101,7 +88,7 @@ class _Request(CompletionUnsupportedFields):
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
-    # never stop anything; the prompt's ids are checked against the vocabulary in serving.py.)
+    # never stop anything; the prompt's ids are checked against the vocabulary in prompt_input.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)  # no stop before this many tokens
     # Each prompt token's logprob with this many alternatives (not streamed, as in vLLM).
@@ -199,7 +186,7 @@ class _Request(CompletionUnsupportedFields):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(BaseRequest):
     # A text, token ids, or a batch of them (a list of texts or of id lists, as lm-eval sends):
     # prompt i's choice j is choice i * n + j of the reply, as OpenAI and vLLM number them. A
     # one-prompt batch is that prompt.
@@ -284,259 +271,3 @@ class CompletionRequest(_Request):
 
 def _is_text_or_ids(prompt: Any) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    # Images, audio and files would be dropped by a text-only model: refused instead.
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    # Never None once validated: a null or absent content is read as "" in an assistant turn.
-    content: str | list[ContentPart] = Field(default=None, validate_default=True)
-    # A turn's tool calls would be dropped, leaving the model a tool result with no call before it.
-    tool_calls: list[Any] | None = None
-    # Passed to the chat template, as vLLM passes them (a template that knows them uses them).
-    name: str | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, calls: list[Any] | None) -> list[Any] | None:
-        if calls:
-            raise ValueError("tool calls are not supported by this server (send tool_calls unset or [])")
-        return calls
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any, info: ValidationInfo) -> Any:
-        if content is None:
-            # OpenAI sends an assistant turn that made tool calls with a null content, and vLLM
-            # takes it; any other turn without text is a client's mistake.
-            role = info.data.get("role")
-            if role != "assistant":
-                raise ValueError(f"content is required{f' in a {role} message' if role else ''}; "
-                                 "only an assistant message may leave it null or out")
-            return ""
-        # Checked before the union is tried, so the 400 says what is wrong with the part.
-        for index, part in enumerate(content if isinstance(content, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content part {index} is of type {kind!r}; only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {index} has no text string")
-        return content
-
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it."""
-        message = {"role": self.template_role(), "content": self.text()}
-        message.update({key: value for key in ("name", "tool_call_id") if (value := getattr(self, key))})
-        return message
-
-    def template_role(self) -> str:
-        """The role the chat template sees: OpenAI treats `developer` as `system` for models that
-        predate it, and chat templates such as SmolLM2's know no `developer` turn."""
-        return "system" if self.role == "developer" else self.role
-
-    def text(self) -> str:
-        """The message's text: its text parts joined with newlines, as vLLM joins them."""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-
-class ChatTemplateFields(BaseModel):
-    """vLLM's switches over how the chat template renders a conversation."""
-
-    # The template's opening of the reply's turn; false renders the conversation as it stands.
-    add_generation_prompt: bool = True
-    # The reply continues the final message (an assistant's prefill, say) instead of a new turn.
-    continue_final_message: bool = False
-    # Further variables for the template (e.g. enable_thinking); a template ignores unknown ones.
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    # Named apart from _Request's validators: a subclass of both would keep only one of the two.
-    _null_switches_are_defaults = field_validator("add_generation_prompt", "continue_final_message",
-                                                  mode="before")(classmethod(null_is_the_default))
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _a_new_turn_or_the_last_one(cls, value: bool, info: ValidationInfo) -> bool:
-        # Checked here, after add_generation_prompt (declared first), so the 400 names a field.
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
-                             "(send add_generation_prompt: false to continue the final message)")
-        return value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_reserved_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs or {}))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} "
-                             "(the request's own fields set how the conversation is rendered)")
-        return kwargs
-
-    def reply_role(self, last_role: str) -> str:
-        """The role of the reply, as vLLM names it: the assistant after a generation prompt, else
-        the final message's role, whose turn the reply extends."""
-        return "assistant" if self.add_generation_prompt else last_role
-
-
-class ChatCompletionRequest(_Request, ChatUnsupportedFields, ChatTemplateFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
-    # vLLM's: the final message's text before the reply, when the reply continues its role.
-    echo: bool = False
-    _null_is_false = field_validator("logprobs", "echo", mode="before")(classmethod(null_is_the_default))
-    _top_logprobs_is_a_count = field_validator("top_logprobs", mode="before")(classmethod(not_a_bool))
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and not info.data.get("logprobs"):  # as OpenAI and vLLM answer
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
-
-    def requested_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def requested_max_tokens(self) -> tuple[str, int | None]:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return "max_tokens", self.max_tokens
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # found in the prefix cache, as OpenAI reports them
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prefix-caching
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
-        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now_s() -> int:
-    return int(time.time())
-
-
-class _ResponseHead(BaseModel):
-    """What every response object and stream chunk carries, in OpenAI's key order (a subclass's
-    override keeps its place). `created` is taken once per request, shared by every chunk of a
-    stream (serving.py)."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list
-    usage: UsageInfo | None = None
-    service_tier: str | None = None
-    system_fingerprint: None = None  # as vLLM: no fingerprint of the backend configuration
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict[str, Any] | None = None  # engine/server/logprobs.py gives its shape
-    finish_reason: str | None = None
-
-
-class CompletionReplyChoice(CompletionChoice):
-    """A choice of a whole (not streamed) reply: vLLM's shape, with its prompt logprobs."""
-
-    # logprobs.py gives its shape: list[dict[str, dict[str, Any]] | None]. Any, because pydantic
-    # would validate every entry again for each choice (a 1,000-token prompt with 20
-    # alternatives and n=4: about 0.2 s).
-    prompt_logprobs: Any = None
-
-
-class CompletionResponse(_ResponseHead):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class CompletionReply(CompletionResponse):
-    """A whole (not streamed) reply. Its own class, because pydantic serializes a field by its
-    declared type: CompletionReplyChoice's extra field would be dropped from a CompletionResponse."""
-
-    choices: list[CompletionReplyChoice]
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"  # the final message's, when it was continued (ChatTemplateFields.reply_role)
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_ResponseHead):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    prompt_logprobs: Any = None  # vLLM's, as in completions
-
-
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_ResponseHead):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now_s)
-    owned_by: str = "lengthwise"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -1,56 +1,44 @@
 """The completion and chat handlers: request -> engine submission -> JSON or server-sent events.
 
-Per request: refuse a text too long to fit the context however it tokenizes, tokenize the rest
-on a worker thread (chat template for chat), check the context length, build SamplingParams and
-the tier, submit to the async engine (admission answers here: 429, 503, 400), then either collect
-the final outputs while watching for a client disconnect, or stream SSE chunks (streaming.py)
-ending in `data: [DONE]`. Every object of one response shares its id, `created`, model name and
-service tier. A request whose client leaves is aborted, which frees its KV blocks at the engine's
-next step boundary.
-
-A request for `n` choices is `n` engine requests with one prompt, submitted at once as one
-ChoiceGroup, which admission judges as a unit (their work together, behind what is queued outside
-the group); should one choice still be refused (the queue moved between them), the admitted ones
-are aborted. With a seed, choice i draws with seed + i (as vLLM's parallel sampling does), so the
-choices differ and each repeats.
+Per request: read the prompt (prompt_input.py: bounded, tokenized on the tokenizer thread, chat
+template for chat, truncated, checked against the context), submit every choice to the async
+engine (submission.py; admission answers there: 429, 503, 400), then either collect the final
+outputs while watching for a client disconnect, or stream SSE chunks (streaming.py) ending in
+`data: [DONE]`. Every object of one response shares its id, `created`, model name and service
+tier. A request whose client leaves is aborted, which frees its KV blocks at the engine's next
+step boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.async_engine import (AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream,
-                                 StreamEnd)
+from engine.async_engine import AsyncLLMEngine, RequestStream, StreamEnd
 from engine.server import errors
-from engine.server.chat_template import render_chat
-from engine.server.limits import check_text_length, longest_token_lengths
+from engine.server.chat_protocol import ChatCompletionRequest
+from engine.server.limits import longest_token_lengths
 from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
-from engine.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-                                    ChatMessageOut, CompletionChoice, CompletionReply,
-                                    CompletionReplyChoice, CompletionRequest, CompletionResponse,
-                                    new_id, now_s)
+from engine.server.prompt_input import PromptInput
+from engine.server.protocol import CompletionRequest
+from engine.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                     ChatDelta, ChatMessageOut, CompletionChoice, CompletionReply,
+                                     CompletionReplyChoice, CompletionResponse, new_id, now_s)
 from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
-from scheduler.admission import AdmissionRejected
+from engine.server.submission import EngineSubmission
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import SEED_MAX, ChoiceGroup, SamplingParams, Tier
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
 
-SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
-                 "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
 
-
-class OpenAIServing:
+class OpenAIServing(PromptInput, EngineSubmission):
     def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, max_model_len: int, *,
                  policy: SchedulingPolicy | None = None) -> None:
         self.engine = engine
@@ -61,16 +49,7 @@ class OpenAIServing:
         # Characters bound a text before it is tokenized; bytes bound the request body.
         self.max_token_chars, self.max_token_bytes = longest_token_lengths(tokenizer)
         self.logprobs = LogprobsFormatter(tokenizer)
-        # Tokenizing a long prompt takes milliseconds of CPU; done on the event loop it would stall
-        # every other stream. One thread, because a HF fast tokenizer shared between threads can
-        # fail with "Already borrowed" while it sets its padding and truncation state.
-        self._tokenize_pool: ThreadPoolExecutor | None = None
-
-    def close(self) -> None:
-        """Stop the tokenizer thread; a later request (a new lifespan) starts another."""
-        pool, self._tokenize_pool = self._tokenize_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool = None  # PromptInput's tokenizer thread, started by the first request
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, raw: Request):
@@ -125,18 +104,6 @@ class OpenAIServing:
                 for index, final in enumerate(finals)])
 
         return await _json_reply(reply, finals)
-
-    async def _completion_prompt(self, body: CompletionRequest, prompt: str | list[int]) -> tuple[list[int], str]:
-        """One prompt of a completion request as (ids, text), checked and truncated."""
-        if isinstance(prompt, str):
-            self._check_untruncated_text(body, prompt, "prompt")
-            # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
-            # add one); a chat's come from its template.
-            prompt_ids, prompt_text = await self.off_loop(self._encode, prompt, True), prompt
-        else:
-            self._check_token_ids(prompt)
-            prompt_ids, prompt_text = list(prompt), None
-        return await self._truncated(body, prompt_ids, prompt_text, "prompt")
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_accepting()
@@ -203,192 +170,6 @@ class OpenAIServing:
         return {"id": new_id(id_prefix), "created": now_s(), "model": body.model or self.model_name,
                 "service_tier": _tier_name(body)}
 
-    # ---- admission ---------------------------------------------------------------------------
-    async def off_loop(self, function: Callable, *args: Any) -> Any:
-        """function(*args) on the tokenizer thread (the one thread that may touch the tokenizer)."""
-        if self._tokenize_pool is None:
-            self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lengthwise-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, function, *args)
-
-    def _render_chat(self, body: ChatCompletionRequest, messages: list[dict[str, str]],
-                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        prompt_text = render_chat(self.tokenizer, messages, body, tools)
-        self._check_untruncated_text(body, prompt_text, "messages")
-        return prompt_text, self._encode(prompt_text, False)
-
-    def _check_untruncated_text(self, body: CompletionRequest | ChatCompletionRequest, text: str, param: str) -> None:
-        """A text too long for any tokenization to fit the context is refused before it is
-        tokenized, unless it is to be truncated (then the body's size limit bounds the work)."""
-        if body.truncate_prompt_tokens is None:
-            check_text_length(text, param, self.max_model_len, self.max_token_chars)
-
-    async def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                         prompt_text: str | None, prompt_param: str) -> tuple[list[int], str]:
-        """The prompt as the model will see it: vLLM's truncate_prompt_tokens keeps its last N
-        tokens (-1: max_model_len), from the left as vLLM cuts. Its text (for echo and the length
-        predictor) is decoded from the ids when they were given as ids or cut; the context is
-        checked before that decode."""
-        keep = body.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.max_model_len if keep == -1 else keep
-            if len(prompt_ids) > keep:
-                prompt_ids, prompt_text = prompt_ids[-keep:], None
-        if prompt_text is None:
-            self._check_context(len(prompt_ids), None, prompt_param, "max_tokens")
-            prompt_text = await self.off_loop(self.tokenizer.decode, prompt_ids)
-        return prompt_ids, prompt_text
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def _check_priority(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        # As vLLM answers: under any other policy the priority would be silently ignored.
-        if body.priority != 0 and not self.policy.orders_by_priority:
-            raise errors.invalid_field("priority", f"priority: this server schedules by {self.policy.name}, not "
-                                       "by priority (--policy priority); send priority 0 or leave it out")
-
-    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word as token ids, as vLLM tokenizes them: as the word would start the text,
-        and also as it would follow a space where that gives other tokens of the same count (a
-        word in the middle of the text)."""
-        found = []
-        for word in words:
-            bare = self._encode(word.lstrip(), False)
-            spaced = self._encode(" " + word.lstrip(), False)
-            if bare:
-                found.append(tuple(bare))
-            if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                found.append(tuple(spaced))
-        return tuple(found)
-
-    def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = len(self.tokenizer)
-        if any(not 0 <= i < vocab for i in ids):
-            raise errors.invalid_field("prompt", f"prompt: token ids must lie in [0, {vocab})")
-
-    def _check_sampler_fields(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                              max_tokens_param: str) -> None:
-        """The checks that need the output limit or the vocabulary, each naming its field."""
-        if body.min_tokens > max_tokens:
-            raise errors.invalid_field("min_tokens", f"min_tokens: {body.min_tokens} is more than the "
-                                       f"{max_tokens} tokens {max_tokens_param} allows")
-        vocab = len(self.tokenizer)
-        for field, ids in (("logit_bias", body.token_logit_bias()), ("allowed_token_ids", body.allowed_token_ids or ())):
-            if any(i >= vocab for i in ids):
-                raise errors.invalid_field(field, f"{field}: token ids must lie in [0, {vocab})")
-
-    def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
-                       max_tokens_param: str) -> int:
-        """The max_tokens to use; raises context_length_exceeded when prompt + output cannot fit."""
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise errors.context_exceeded(prompt_param, f"This model's maximum context length is {limit} "
-                                          f"tokens; the {prompt_param} came to {num_prompt} tokens.")
-        if max_tokens is None:
-            return limit - num_prompt
-        if num_prompt + max_tokens > limit:
-            raise errors.context_exceeded(max_tokens_param, f"This model's maximum context length is {limit} "
-                                          f"tokens; you requested {num_prompt + max_tokens} ({num_prompt} "
-                                          f"in the {prompt_param}, {max_tokens} for the completion).")
-        return max_tokens
-
-    async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                      prompts: list[tuple[list[int], str]], prompt_param: str) -> list[RequestStream]:
-        """One stream per choice of each prompt, prompt i's choice j at i * n + j. Their ids:
-        request_id itself for one, request_id-j for choice j of one prompt, request_id-i-j in a
-        batch. Every prompt is checked before any is submitted."""
-        bad_words = await self.off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
-        params = [self._sampling_params(body, prompt_ids, prompt_param, bad_words) for prompt_ids, _ in prompts]
-        tier = SERVICE_TIERS[body.service_tier]
-        submissions = []
-        for index, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params)):
-            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            group = None if body.n == 1 else ChoiceGroup(prompt_id, body.n)
-            for choice in range(body.n):
-                submissions.append(self._submit_one(
-                    prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids, prompt_text,
-                    _choice_params(prompt_params, choice, body.stream), tier, body.priority, group))
-        if len(submissions) == 1:
-            return [await submissions[0]]
-        return await self._all_admitted(submissions)
-
-    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                         prompt_param: str, bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
-        """A prompt's sampling parameters, or a 400 naming the field that makes them invalid."""
-        if not prompt_ids:
-            raise errors.invalid_field(prompt_param, f"{prompt_param}: the prompt is empty")
-        max_tokens_param, max_tokens = body.requested_max_tokens()
-        # A prompt scored alone still has its first token sampled (the engine samples where a
-        # prefill ends, at no extra cost); the handler drops it (_prompt_alone).
-        max_tokens = self._check_context(len(prompt_ids), 1 if max_tokens == 0 else max_tokens,
-                                         prompt_param, max_tokens_param)
-        self._check_sampler_fields(body, max_tokens, max_tokens_param)
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
-                                  stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                  include_stop_str_in_output=body.include_stop_str_in_output,
-                                  skip_special_tokens=body.skip_special_tokens,
-                                  logprobs=body.requested_logprobs(), presence_penalty=body.presence_penalty,
-                                  prompt_logprobs=body.requested_prompt_logprobs(),
-                                  frequency_penalty=body.frequency_penalty,
-                                  repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
-                                  logit_bias=body.token_logit_bias(),
-                                  allowed_token_ids=None if body.allowed_token_ids is None
-                                  else tuple(body.allowed_token_ids),
-                                  bad_words_token_ids=bad_words)
-        except ValueError as exc:
-            raise errors.invalid_field(None, str(exc)) from exc
-
-    async def _all_admitted(self, submissions: list[Awaitable[RequestStream]]) -> list[RequestStream]:
-        """The streams of submissions made at once, so they reach the engine (and the predictor)
-        in one batch; should one be refused, or this handler be cancelled, none runs for nobody."""
-        tasks = [asyncio.ensure_future(submission) for submission in submissions]
-        try:
-            await asyncio.wait(tasks)
-        except BaseException:  # this handler cancelled, before or after the last admission
-            self._roll_back(tasks)
-            raise
-        failed = next((task for task in tasks if task.cancelled() or task.exception() is not None), None)
-        if failed is not None:
-            self._roll_back(tasks)
-            raise asyncio.CancelledError() if failed.cancelled() else failed.exception()
-        return [task.result() for task in tasks]
-
-    def _roll_back(self, submissions: Sequence[asyncio.Future]) -> None:
-        """No choice of a refused or abandoned request runs for nobody: the pending submissions are
-        cancelled (AsyncLLMEngine.submit aborts each), the admitted ones aborted."""
-        for submission in submissions:
-            submission.cancel()
-        self._abort_unfinished([submission.result() for submission in submissions if submission.done()
-                                and not submission.cancelled() and submission.exception() is None])
-
-    async def _submit_one(self, request_id: str, prompt_ids: list[int], prompt_text: str, params: SamplingParams,
-                          tier: Tier, priority: int, group: ChoiceGroup | None = None) -> RequestStream:
-        try:
-            return await self.engine.submit(request_id, prompt_ids, prompt_text, params, tier=tier, priority=priority,
-                                            group=group)
-        except AdmissionRejected as exc:
-            raise errors.rate_limited(exc.reason, exc.retry_after_s) from exc
-        except (EngineShuttingDown, EngineDead) as exc:
-            raise errors.engine_state_error(exc) from exc
-        except ValueError as exc:
-            raise errors.invalid_field(None, str(exc)) from exc
-
-    def _abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
-        for stream in streams:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
-
-    def _check_accepting(self) -> None:
-        """503 while draining, 500 after an engine failure, before the prompt is tokenized: the
-        one tokenizer thread serves requests in order, and a refusal queued behind a long prompt
-        could outlast the server's last seconds and go unanswered."""
-        try:
-            self.engine.check_accepting()
-        except (EngineShuttingDown, EngineDead) as exc:
-            raise errors.engine_state_error(exc) from exc
-
     # ---- results -----------------------------------------------------------------------------
     async def _collect(self, streams: Sequence[RequestStream], raw: Request) -> list[RequestOutput]:
         """Every choice's finished output; aborts them all if the client disconnects first."""
@@ -433,17 +214,6 @@ def _prompt_alone(final: RequestOutput) -> RequestOutput:
     scored alone) gets back, as vLLM answers it (finish_reason "length", no completion tokens)."""
     return replace(final, token_ids=(), new_token_ids=(), text="", new_text="", finish_reason="length",
                    logprobs=None if final.logprobs is None else ())
-
-
-def _choice_params(params: SamplingParams, index: int, streamed: bool) -> SamplingParams:
-    """Choice i's parameters: seed + i (wrapped within a seed's 64 bits). A whole reply takes the
-    prompt logprobs the choices share from the first choice, so the others score none; a stream
-    sends each choice's echo in that choice's first chunk, which may come before the first
-    choice's, so there each scores the prompt."""
-    if index == 0:
-        return params
-    seed = None if params.seed is None else (params.seed + index) & SEED_MAX
-    return replace(params, seed=seed, prompt_logprobs=params.prompt_logprobs if streamed else None)
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from engine.async_stream import RequestStream, StreamEnd
 from engine.server import errors
-from engine.server.protocol import UsageInfo
+from engine.server.responses import UsageInfo
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput

@@ -2,7 +2,7 @@
 
 JSON may escape a lone UTF-16 surrogate ("\\ud800"), and Python then holds a str that is not valid
 Unicode: the tokenizer refuses it with a TypeError, and an error message echoing it cannot be
-encoded. protocol.py refuses such a body at validation, as a 400 naming the field.
+encoded. The request models (protocol.py) refuse such a body at validation, as a 400 naming the field.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from engine.server import errors
 from engine.server.chat_template import render_chat
 from engine.server.limits import check_text_length
-from engine.server.protocol import ChatMessage, ChatTemplateFields, null_is_the_default, valid_unicode
+from engine.server.chat_protocol import ChatMessage, ChatTemplateFields
+from engine.server.protocol import null_is_the_default, valid_unicode
 from engine.server.unsupported import ChatUnsupportedFields
 
 

@@ -3,7 +3,8 @@ implement: accepted only with a value that changes nothing (clients often send t
 explicitly), refused otherwise with a 400 naming the field. Dropping them silently would give a
 client other output than it asked for, and no signal.
 
-The request models in protocol.py inherit these declarations; one validator checks them all.
+The request models in protocol.py and chat_protocol.py inherit these declarations; one validator
+checks them all.
 """
 
 from __future__ import annotations

@@ -1,0 +1,137 @@
+"""Response bodies of the OpenAI-compatible API (whole replies, stream chunks, usage, models,
+errors), as pydantic models in OpenAI's key order."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the prefix cache, as OpenAI reports them
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prefix-caching
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class _ResponseHead(BaseModel):
+    """What every response object and stream chunk carries, in OpenAI's key order (a subclass's
+    override keeps its place). `created` is taken once per request, shared by every chunk of a
+    stream (serving.py)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+    service_tier: str | None = None
+    system_fingerprint: None = None  # as vLLM: no fingerprint of the backend configuration
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict[str, Any] | None = None  # engine/server/logprobs.py gives its shape
+    finish_reason: str | None = None
+
+
+class CompletionReplyChoice(CompletionChoice):
+    """A choice of a whole (not streamed) reply: vLLM's shape, with its prompt logprobs."""
+
+    # logprobs.py gives its shape: list[dict[str, dict[str, Any]] | None]. Any, because pydantic
+    # would validate every entry again for each choice (a 1,000-token prompt with 20
+    # alternatives and n=4: about 0.2 s).
+    prompt_logprobs: Any = None
+
+
+class CompletionResponse(_ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class CompletionReply(CompletionResponse):
+    """A whole (not streamed) reply. Its own class, because pydantic serializes a field by its
+    declared type: CompletionReplyChoice's extra field would be dropped from a CompletionResponse."""
+
+    choices: list[CompletionReplyChoice]
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"  # the final message's, when it was continued (ChatTemplateFields.reply_role)
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_ResponseHead):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    prompt_logprobs: Any = None  # vLLM's, as in completions
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_ResponseHead):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "lengthwise"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

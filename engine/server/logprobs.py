@@ -92,7 +92,8 @@ class LogprobsFormatter:
         prompt_values = [None if e is None else e.logprob for e in prompt_entries]
         prompt_tops = [None if e is None else self._top_dict(e) for e in prompt_entries]
         return {"tokens": tokens + generated["tokens"], "token_logprobs": prompt_values + generated["token_logprobs"],
-                "top_logprobs": prompt_tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+                "top_logprobs": prompt_tops + generated["top_logprobs"],
+                "text_offset": offsets + generated["text_offset"]}
 
     def prompt(self, entries: Sequence[TokenLogprobs | None]) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob,

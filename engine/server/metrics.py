@@ -123,7 +123,8 @@ class ServerMetrics:
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg)
-        self.rejections = Counter(PREFIX + "admission_rejections", "Engine requests refused by admission control (a request for n choices counts n).",
+        self.rejections = Counter(PREFIX + "admission_rejections",
+                                  "Engine requests refused by admission control (a request for n choices counts n).",
                                   tiered, registry=reg)
         self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "tier", "finished_reason"], registry=reg)

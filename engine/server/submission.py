@@ -49,7 +49,8 @@ class EngineSubmission:
             raise errors.invalid_field("min_tokens", f"min_tokens: {body.min_tokens} is more than the "
                                        f"{max_tokens} tokens {max_tokens_param} allows")
         vocab = len(self.tokenizer)
-        for field, ids in (("logit_bias", body.token_logit_bias()), ("allowed_token_ids", body.allowed_token_ids or ())):
+        for field, ids in (("logit_bias", body.token_logit_bias()),
+                           ("allowed_token_ids", body.allowed_token_ids or ())):
             if any(i >= vocab for i in ids):
                 raise errors.invalid_field(field, f"{field}: token ids must lie in [0, {vocab})")
 

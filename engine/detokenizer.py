@@ -82,16 +82,17 @@ def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[in
 
 
 def advance(tokenizer, state: DetokenizerState, new_token_ids: list[int], stops: tuple[str, ...],
-            final: bool = False, keep_stop: bool = False) -> bool:
-    """Decode new tokens into `state.text`; True when a stop string matched (the text cut before
-    it, or after it with `keep_stop`)."""
+            final: bool = False, keep_stop: bool = False) -> str | None:
+    """Decode new tokens into `state.text`; the stop string that matched, if one did (the text
+    cut before it, or after it with `keep_stop`)."""
     new_text = append_tokens(tokenizer, state, new_token_ids, final)
     if stops and new_text:
         found = find_stop(state.text, len(new_text), stops)
         if found is not None:
+            matched = state.text[found[0]:found[1]]
             state.text = state.text[:found[1] if keep_stop else found[0]]
-            return True
-    return False
+            return matched
+    return None
 
 
 def release(state: DetokenizerState, stops: tuple[str, ...], finished: bool, keep_stop: bool = False) -> str:

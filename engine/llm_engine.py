@@ -267,19 +267,21 @@ class LLMEngine:
         # As in vLLM, a token that stopped the request (end of sequence, or one of stop_token_ids)
         # counts in token_ids and usage but not in the text, unless include_stop_str_in_output.
         # Stop strings are found below, so FINISHED_STOPPED here means a stop token.
-        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and new_ids and not keep_stop
-        text_ids = new_ids[:-1] if stopped_by_token else new_ids
+        token_stop = request.status is RequestStatus.FINISHED_STOPPED and bool(new_ids)
+        text_ids = new_ids[:-1] if token_stop and not keep_stop else new_ids
         # As in vLLM, stop strings are searched for only once the output is past min_tokens (the
         # held-back tail below still counts every stop string).
         searched = stops if request.num_output_tokens > request.sampling_params.min_tokens else ()
-        stop_string_found = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished,
-                                    keep_stop=keep_stop)
-        if stop_string_found and not request.is_finished:
+        stop_string = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished,
+                              keep_stop=keep_stop)
+        if stop_string is not None and not request.is_finished:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
         # A stop string that came with the last allowed token cut the text as one found earlier
         # does, so the reason is "stop" there too (the scheduler, which owns the request, had
         # already finished it by length).
-        finish_reason = "stop" if stop_string_found else request.status.finish_reason
+        finish_reason = "stop" if stop_string is not None else request.status.finish_reason
+        # A token's stop comes first, as vLLM checks the token before the text.
+        stop_reason = _token_stop_reason(request, new_ids[-1]) if token_stop else stop_string
         new_text = release(state, stops, request.is_finished, keep_stop)
         prompt_logprobs = self._reported_prompt_logprobs(request)
         if request.is_finished:
@@ -293,7 +295,7 @@ class LLMEngine:
             finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
             num_cached_tokens=request.num_cached_tokens,
             logprobs=None if logprobs is None else tuple(logprobs),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, stop_reason=stop_reason)
 
     def _reported_prompt_logprobs(self, request: Request) -> tuple[TokenLogprobs | None, ...] | None:
         """A request's prompt logprobs once every position has them (its first token is sampled
@@ -337,3 +339,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
                            self._forward_time_s, self._num_generated)
+
+
+def _token_stop_reason(request: Request, token: int) -> int | None:
+    """vLLM's stop_reason for a request a token stopped: none for the end-of-sequence token (which
+    stop_status checks first), else the token of stop_token_ids itself."""
+    if token == request.eos_token_id and not request.sampling_params.ignore_eos:
+        return None
+    return token

@@ -32,3 +32,6 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     # One per prompt token, None for the first, when the SamplingParams asked for prompt logprobs.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # vLLM's: what stopped a request that finished with "stop": the stop string, or the stop
+    # token id of stop_token_ids; None for the end-of-sequence token, or any other finish.
+    stop_reason: int | str | None = None

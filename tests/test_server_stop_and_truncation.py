@@ -1,8 +1,9 @@
-"""vLLM's include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens, with the
-official openai client against a real uvicorn server (tiny model, greedy): a kept stop string ends
-the text exactly where it ends in the free-running text, streamed or not, and a stop token's text
-is kept; special tokens' names stay when not skipped; a truncated prompt gives the tokens of its
-last N ids sent alone, for completions and chat."""
+"""vLLM's include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens and stop_reason,
+with the official openai client against a real uvicorn server (tiny model, greedy): a kept stop
+string ends the text exactly where it ends in the free-running text, streamed or not, and a stop
+token's text is kept; special tokens' names stay when not skipped; a truncated prompt gives the
+tokens of its last N ids sent alone, for completions and chat; stop_reason names the stop string
+or stop token that ended a request, and is null for the end of sequence or a length finish."""
 
 from __future__ import annotations
 
@@ -102,3 +103,33 @@ def test_special_tokens_stay_in_the_text_when_not_skipped(client, tokenizer) -> 
     streamed = "".join(event.choices[0].text for event in client.completions.create(
         stream=True, extra_body={**extra, "skip_special_tokens": False}, **kwargs) if event.choices)
     assert streamed == kept
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(served, client, tiny_model_dir) -> None:
+    free = free_text(client)
+    stop = stop_string_past_the_middle(free, 3)
+    whole = client.completions.create(prompt=PROMPT, stop=[stop, "\x07"], extra_body={"ignore_eos": True}, **GREEDY)
+    assert (whole.choices[0].finish_reason, whole.choices[0].stop_reason) == ("stop", stop)
+    last = [event.choices[0] for event in client.completions.create(
+        prompt=PROMPT, stop=[stop], stream=True, extra_body={"ignore_eos": True}, **GREEDY) if event.choices][-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_free = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True},
+                                               **GREEDY).choices[0].message.content
+    chat_stop = stop_string_past_the_middle(chat_free, 3)
+    chat = client.chat.completions.create(messages=messages, stop=[chat_stop], extra_body={"ignore_eos": True},
+                                          **GREEDY).choices[0]
+    assert (chat.finish_reason, chat.stop_reason) == ("stop", chat_stop)
+    assert client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY).choices[0].stop_reason \
+        is None  # a length finish has none
+    # A stop token gives its id; the end of sequence, checked first, none (also when listed).
+    llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
+    prompt = [1, 504, 3458, 314, 253]
+    ids = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    by_token = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=(ids[at],)))[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", ids[at])
+    eos = llm.engine.tokenizer.eos_token_id
+    by_eos = llm.generate([prompt], SamplingParams(max_tokens=4, allowed_token_ids=(eos,), stop_token_ids=(eos,)))[0]
+    assert (by_eos.token_ids, by_eos.finish_reason, by_eos.stop_reason) == ((eos,), "stop", None)

@@ -55,6 +55,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None  # engine/server/logprobs.py gives its shape
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended a "stop" (none for end of sequence).
+    stop_reason: int | str | None = None
 
 
 class CompletionReplyChoice(CompletionChoice):
@@ -88,6 +90,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, as in completions
 
 
 class ChatCompletionResponse(_ResponseHead):
@@ -106,6 +109,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, as in completions
 
 
 class ChatCompletionChunk(_ResponseHead):

@@ -29,7 +29,7 @@ from engine.server.protocol import CompletionRequest
 from engine.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                      ChatDelta, ChatMessageOut, CompletionChoice, CompletionReply,
                                      CompletionReplyChoice, CompletionResponse, new_id, now_s)
-from engine.server.streaming import AbortingStreamingResponse, stream_events, usage_of
+from engine.server.streaming import AbortingStreamingResponse, ChunkContent, stream_events, usage_of
 from engine.server.submission import EngineSubmission
 from scheduler.policy import SchedulingPolicy
 
@@ -66,19 +66,20 @@ class OpenAIServing(PromptInput, EngineSubmission):
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
         echo_due = [body.echo] * len(streams)  # each choice's first chunk carries the echo
 
-        def chunk(index: int, text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None,
-                  prompt_entries: Sequence[TokenLogprobs | None] | None = None) -> CompletionResponse:
+        def chunk(content: ChunkContent) -> CompletionResponse:
+            index = content.index
             echoed, echo_due[index] = echo_due[index], False
             prompt_ids, echo = prompts[index // n][0], echoes[index // n]
-            if entries is None:
+            if content.logprobs is None:
                 logprobs = None
-            elif echoed and prompt_entries is not None:  # the prompt's tokens lead, as in a whole reply
-                logprobs = self.logprobs.echoed_completion(prompt_ids, prompt_entries, entries)
+            elif echoed and content.prompt_logprobs is not None:  # the prompt's tokens lead, as in a whole reply
+                logprobs = self.logprobs.echoed_completion(prompt_ids, content.prompt_logprobs, content.logprobs)
             else:
-                logprobs = self.logprobs.completion(entries, text_offsets[index])
+                logprobs = self.logprobs.completion(content.logprobs, text_offsets[index])
             text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
             return CompletionResponse(**head, choices=[CompletionChoice(
-                index=index, text=echo + text if echoed else text, logprobs=logprobs, finish_reason=finish)])
+                index=index, text=echo + content.text if echoed else content.text, logprobs=logprobs,
+                finish_reason=content.finish_reason, stop_reason=content.stop_reason)])
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
@@ -98,6 +99,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
             prompt_logprobs = [self._prompt_logprobs(first, asked) for first in firsts]
             return CompletionReply(**head, usage=usage_of(finals, n), choices=[CompletionReplyChoice(
                 index=index, text=echoes[index // n] + final.text, finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
                 logprobs=self._completion_logprobs(final, firsts[index // n].prompt_logprobs,
                                                    prompts[index // n][0], body.echo),
                 prompt_logprobs=prompt_logprobs[index // n])
@@ -117,11 +119,11 @@ class OpenAIServing(PromptInput, EngineSubmission):
         role = body.reply_role(final_message.role)
         echo = final_message.text() if body.echo and final_message.role == role else ""  # as vLLM echoes
 
-        def chunk(index: int, text: str, finish: str | None, entries: Sequence[TokenLogprobs] | None,
-                  prompt_entries: object = None) -> ChatCompletionChunk:  # chat streams no prompt logprobs
-            logprobs = None if entries is None else self.logprobs.chat(entries)
+        def chunk(content: ChunkContent) -> ChatCompletionChunk:  # chat streams no prompt logprobs
+            logprobs = None if content.logprobs is None else self.logprobs.chat(content.logprobs)
             return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-                index=index, delta=ChatDelta(content=text), logprobs=logprobs, finish_reason=finish)])
+                index=content.index, delta=ChatDelta(content=content.text), logprobs=logprobs,
+                finish_reason=content.finish_reason, stop_reason=content.stop_reason)])
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
@@ -139,7 +141,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
         def reply() -> ChatCompletionResponse:
             return ChatCompletionResponse(**head, usage=usage_of(finals, len(finals)), choices=[ChatChoice(
                 index=index, message=ChatMessageOut(role=role, content=echo + final.text),
-                finish_reason=final.finish_reason,
+                finish_reason=final.finish_reason, stop_reason=final.stop_reason,
                 logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
                 for index, final in enumerate(finals)],
                 prompt_logprobs=self._prompt_logprobs(finals[0], body.prompt_logprobs))

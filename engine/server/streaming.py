@@ -28,11 +28,22 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
 
-    # A stream chunk from its choice's index, new text, finish reason, new tokens' logprobs
-    # (None: not asked for, or none new) and the prompt's logprobs (None: not asked for, or not
-    # known yet; the engine reports them whole from the first token on).
-    ChunkMaker = Callable[[int, str, "str | None", "Sequence[TokenLogprobs] | None",
-                           "Sequence[TokenLogprobs | None] | None"], BaseModel]
+
+@dataclass(frozen=True)
+class ChunkContent:
+    """What one stream chunk of one choice carries; the endpoint's chunk maker shapes it."""
+
+    index: int  # the choice's
+    text: str  # new since the choice's last chunk
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, with finish_reason "stop" (RequestOutput)
+    logprobs: Sequence[TokenLogprobs] | None = None  # the new tokens' (None: not asked for, or none new)
+    # The prompt's (None: not asked for, or not known yet; the engine reports them whole from the
+    # first token on).
+    prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+
+
+ChunkMaker = Callable[[ChunkContent], BaseModel]
 
 
 def sse(payload: dict) -> str:
@@ -131,7 +142,7 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                     break
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
-                made = chunk(index, item.text[cursor.text:], "abort", entries, None)
+                made = chunk(ChunkContent(index, item.text[cursor.text:], "abort", logprobs=entries))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
                 continue
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
@@ -140,8 +151,8 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
             entries = cursor.new_logprobs(item.logprobs)
             cursor.tokens = len(item.token_ids)
             if delta or item.finished or entries:
-                made = chunk(index, delta, item.finish_reason if item.finished else None, entries,
-                             item.prompt_logprobs)
+                made = chunk(ChunkContent(index, delta, item.finish_reason if item.finished else None,
+                                          item.stop_reason, entries, item.prompt_logprobs))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
             if item.finished:
                 finals[index] = item

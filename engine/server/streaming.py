@@ -2,11 +2,11 @@
 
 A request with `n` choices runs as `n` engine requests (a completions batch, `n` for each of its
 prompts); their outputs interleave on one event stream, each chunk naming its choice by index, as
-OpenAI sends them. Per choice the stream keeps
-what it has sent (text and logprobs), so a reader that fell behind sends everything new in one
-chunk. The usage chunk, when asked for, follows the last choice's end; an engine failure ends the
-whole stream with an error event. However sending ends, every choice still running is aborted,
-which frees its KV blocks at the engine's next step boundary.
+OpenAI sends them. Per choice the stream keeps what it has sent (text and logprobs), so a reader
+that fell behind sends everything new in one chunk. The usage chunk, when asked for, follows the
+last choice's end; an engine failure ends the whole stream with an error event. However sending
+ends, every choice still running is aborted, which frees its KV blocks at the engine's next step
+boundary.
 """
 
 from __future__ import annotations

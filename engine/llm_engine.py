@@ -33,6 +33,7 @@ from predictor.base import Prediction
 from scheduler.output import PromptLogprobs, SchedulerOutput, TokenLogprobs
 from scheduler.request import ChoiceGroup, Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
+from scheduler.step import ends_sequence
 from scheduler.step import SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,4 @@ class LLMEngine:
 def _token_stop_reason(request: Request, token: int) -> int | None:
     """vLLM's stop_reason for a request a token stopped: none for the end-of-sequence token (which
     stop_status checks first), else the token of stop_token_ids itself."""
-    if token == request.eos_token_id and not request.sampling_params.ignore_eos:
-        return None
-    return token
+    return None if ends_sequence(request, token) else token

@@ -77,13 +77,18 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
         num_batched_tokens=sum(len(c.token_ids) for c in chunks))
 
 
+def ends_sequence(request: Request, token: int) -> bool:
+    """Whether `token` is the end of sequence, which stops the request unless it ignores it."""
+    return token == request.eos_token_id and not request.sampling_params.ignore_eos
+
+
 def stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """The finished status a just-sampled token puts the request in, if any."""
     params = request.sampling_params
     # Before min_tokens the sampler rules stop tokens out; one it could not (every allowed token
     # a stop token) does not stop the request either, as in vLLM.
     may_stop = request.num_output_tokens > params.min_tokens
-    if may_stop and token == request.eos_token_id and not params.ignore_eos:
+    if may_stop and ends_sequence(request, token):
         return RequestStatus.FINISHED_STOPPED
     if may_stop and token in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED

@@ -1,4 +1,5 @@
-"""Size limits that refuse oversized input before it costs anything.
+"""Size limits that refuse oversized input before it costs anything, and the vocabulary's bound
+on token ids.
 
 A text prompt longer than any tokenization of max_model_len tokens could spell is refused without
 being tokenized (tokenizing megabytes would hold the one tokenizer thread, and every request behind
@@ -26,6 +27,12 @@ def longest_token_lengths(tokenizer: Any) -> tuple[int, int]:
     characters fused into one <unk>; the Llama-family tokenizers served here do neither.)"""
     pieces = [piece or "" for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
     return max(len(piece) for piece in pieces), max(len(piece.encode("utf-8")) for piece in pieces)
+
+
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """Refuses (400 naming `param`) token ids outside the vocabulary."""
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise errors.invalid_field(param, f"{param}: token ids must lie in [0, {vocab_size})")
 
 
 def check_text_length(text: str, param: str, max_model_len: int, max_token_chars: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from engine.server import errors
 from engine.server.chat_protocol import ChatCompletionRequest
 from engine.server.chat_template import render_chat
-from engine.server.limits import check_text_length
+from engine.server.limits import check_text_length, check_token_ids
 from engine.server.protocol import CompletionRequest
 
 
@@ -79,7 +79,7 @@ class PromptInput:
             # add one); a chat's come from its template.
             prompt_ids, prompt_text = await self.off_loop(self._encode, prompt, True), prompt
         else:
-            self._check_token_ids(prompt)
+            check_token_ids(prompt, len(self.tokenizer), "prompt")
             prompt_ids, prompt_text = list(prompt), None
         return await self._truncated(body, prompt_ids, prompt_text, "prompt")
 
@@ -96,11 +96,6 @@ class PromptInput:
             if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 found.append(tuple(spaced))
         return tuple(found)
-
-    def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = len(self.tokenizer)
-        if any(not 0 <= i < vocab for i in ids):
-            raise errors.invalid_field("prompt", f"prompt: token ids must lie in [0, {vocab})")
 
     def _check_context(self, num_prompt: int, max_tokens: int | None, prompt_param: str,
                        max_tokens_param: str) -> int:

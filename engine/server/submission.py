@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Sequence
 from engine.async_engine import AsyncLLMEngine, EngineDead, EngineShuttingDown, RequestStream
 from engine.server import errors
 from engine.server.chat_protocol import ChatCompletionRequest
+from engine.server.limits import check_token_ids
 from engine.server.protocol import CompletionRequest
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
@@ -48,11 +49,8 @@ class EngineSubmission:
         if body.min_tokens > max_tokens:
             raise errors.invalid_field("min_tokens", f"min_tokens: {body.min_tokens} is more than the "
                                        f"{max_tokens} tokens {max_tokens_param} allows")
-        vocab = len(self.tokenizer)
-        for field, ids in (("logit_bias", body.token_logit_bias()),
-                           ("allowed_token_ids", body.allowed_token_ids or ())):
-            if any(i >= vocab for i in ids):
-                raise errors.invalid_field(field, f"{field}: token ids must lie in [0, {vocab})")
+        check_token_ids(body.token_logit_bias(), len(self.tokenizer), "logit_bias")
+        check_token_ids(body.allowed_token_ids or (), len(self.tokenizer), "allowed_token_ids")
 
     async def _submit(self, request_id: str, body: CompletionRequest | ChatCompletionRequest,
                       prompts: list[tuple[list[int], str]], prompt_param: str) -> list[RequestStream]:

@@ -12,9 +12,8 @@ from typing import Annotated, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from engine.server import errors
 from engine.server.chat_template import render_chat
-from engine.server.limits import check_text_length
+from engine.server.limits import check_text_length, check_token_ids
 from engine.server.chat_protocol import ChatMessage, ChatTemplateFields
 from engine.server.protocol import null_is_the_default, valid_unicode
 from engine.server.unsupported import ChatUnsupportedFields
@@ -87,9 +86,7 @@ class OpenAIServingTokenization:
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=pieces)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        vocab = len(self.tokenizer)
-        if any(token >= vocab for token in request.tokens):
-            raise errors.invalid_field("tokens", f"tokens: token ids must lie in [0, {vocab})")
+        check_token_ids(request.tokens, len(self.tokenizer), "tokens")
         return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))
 
     def _token_ids(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:

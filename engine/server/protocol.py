@@ -247,14 +247,15 @@ class CompletionRequest(BaseRequest):
     @classmethod
     def _batch_bounds(cls, prompt: str | list, info: ValidationInfo) -> str | list:
         batch = cls._batch_of(prompt)
-        if len(batch) > 1:
-            if len(batch) > MAX_BATCH_PROMPTS:
-                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in a batch, got {len(batch)}")
-            n = info.data.get("n") or 1
-            if len(batch) * n > MAX_BATCH_SEQUENCES:
-                raise ValueError(f"{len(batch)} prompts x n={n} make more than {MAX_BATCH_SEQUENCES} sequences")
+        if len(batch) == 1:
+            return prompt  # one prompt: an empty one is refused where it is read (the prompt is empty)
+        if len(batch) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in a batch, got {len(batch)}")
+        n = info.data.get("n") or 1
+        if len(batch) * n > MAX_BATCH_SEQUENCES:
+            raise ValueError(f"{len(batch)} prompts x n={n} make more than {MAX_BATCH_SEQUENCES} sequences")
         empty = next((index for index, one in enumerate(batch) if not one), None)
-        if empty is not None and len(batch) > 1:
+        if empty is not None:
             raise ValueError(f"prompt {empty} of the batch is empty")
         return prompt
 

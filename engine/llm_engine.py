@@ -1,4 +1,4 @@
-"""The engine's step loop: schedule -> execute -> update, plus detokenization and stop strings.
+"""The engine's step loop: schedule -> execute -> update -> report.
 
 `LLMEngine` owns the tokenizer, the model runner (model, KV cache, attention backend, sampler) and
 the scheduler. One `step()`:
@@ -6,7 +6,8 @@ the scheduler. One `step()`:
    running requests by tier, decodes before prefill chunks, then new prefill chunks);
 2. `runner.execute(...)` runs them as one flat batch and samples where a chunk reaches the end;
 3. `scheduler.update_from_output(...)` appends tokens and finishes on eos / stop ids / length;
-4. the engine detokenizes the new tokens and finishes requests whose text hit a stop string.
+4. the output processor (`engine/output_processor.py`) detokenizes the new tokens, finishes
+   requests whose text hit a stop string, and makes each progressed request's `RequestOutput`.
 Times come from `time.monotonic` (`LLMEngine.now`), so arrival times given by callers must too.
 """
 
@@ -21,19 +22,18 @@ import torch
 
 from engine.attention.backend import create_backend
 from engine.config import EngineConfig
-from engine.detokenizer import DetokenizerState, advance, release
 from engine.host_memory import retain_freed_host_memory
 from engine.kv_cache import CacheGeometry, KVCache
 from engine.model.arch import LlamaArch
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
-from scheduler.output import PromptLogprobs, SchedulerOutput, TokenLogprobs
-from scheduler.request import ChoiceGroup, Request, RequestStatus, SamplingParams, Tier
+from scheduler.output import SchedulerOutput
+from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
-from scheduler.step import ends_sequence
 from scheduler.step import SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -119,11 +119,8 @@ class LLMEngine:
             from predictor.saved import load as load_predictor
 
             self.predictor = load_predictor(config.predictor)
-        self._detokenizers: dict[str, DetokenizerState] = {}
-        self._num_reported: dict[str, int] = {}
-        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # requests that asked for them
-        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # likewise, by prompt position
-        self._num_steps, self._step_time_s, self._forward_time_s, self._num_generated = 0, 0.0, 0.0, 0
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self._num_steps, self._step_time_s, self._forward_time_s = 0, 0.0, 0.0
         self.last_step: StepRecord | None = None
         log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
 
@@ -208,23 +205,12 @@ class LLMEngine:
             predicted_p90=None if prediction is None else prediction.p90,
             predicted_rank_len=None if prediction is None else prediction.rank_len, group=group)
         self.scheduler.add_request(request, now)
-        self._detokenizers[request_id] = DetokenizerState.for_prompt(token_ids, params.skip_special_tokens)
-        self._num_reported[request_id] = 0
-        if params.logprobs is not None:
-            self._logprobs[request_id] = []
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs[request_id] = [None]  # the first token has nothing before it
+        self.output_processor.add(request_id, token_ids, params)
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id, self.now())
-        self._release(request_id)
+        self.output_processor.release(request_id)
         return aborted
-
-    def _release(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._num_reported.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -234,7 +220,8 @@ class LLMEngine:
         start = self.now()
         output: SchedulerOutput = self.scheduler.schedule(start)
         try:
-            runner_output = self.runner.execute(output, self.scheduler.get_request, self._prompt_logprobs_held)
+            runner_output = self.runner.execute(output, self.scheduler.get_request,
+                                               self.output_processor.prompt_logprobs_held)
             done = self.now()
             # Inside the guard too: an interrupt while tokens are appended leaves some requests
             # with every token computed and none sampled, which no later step would schedule.
@@ -243,8 +230,8 @@ class LLMEngine:
             self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
         self.scheduler.record_step(done, output.num_batched_tokens, done - start)
-        self._add_prompt_logprobs(runner_output.prompt_logprobs)
-        outputs = [self._report(request, done, runner_output.logprobs) for request in progressed]
+        self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
+        outputs = [self.output_processor.report(request, done, runner_output.logprobs) for request in progressed]
         step_time = self.now() - start
         self._num_steps += 1
         self._step_time_s += step_time
@@ -255,94 +242,7 @@ class LLMEngine:
             self.runner.last_times.forward_s)
         return outputs
 
-    def _report(self, request: Request, now: float, step_logprobs: dict[str, TokenLogprobs]) -> RequestOutput:
-        request_id = request.request_id
-        state = self._detokenizers[request_id]
-        new_ids = request.output_token_ids[self._num_reported[request_id]:]
-        logprobs = self._logprobs.get(request_id)
-        if logprobs is not None and new_ids:
-            logprobs = self._add_logprobs(request_id, new_ids, step_logprobs)
-        self._num_reported[request_id] = request.num_output_tokens
-        self._num_generated += len(new_ids)
-        stops, keep_stop = request.sampling_params.stop, request.sampling_params.include_stop_str_in_output
-        # As in vLLM, a token that stopped the request (end of sequence, or one of stop_token_ids)
-        # counts in token_ids and usage but not in the text, unless include_stop_str_in_output.
-        # Stop strings are found below, so FINISHED_STOPPED here means a stop token.
-        token_stop = request.status is RequestStatus.FINISHED_STOPPED and bool(new_ids)
-        text_ids = new_ids[:-1] if token_stop and not keep_stop else new_ids
-        # As in vLLM, stop strings are searched for only once the output is past min_tokens (the
-        # held-back tail below still counts every stop string).
-        searched = stops if request.num_output_tokens > request.sampling_params.min_tokens else ()
-        stop_string = advance(self.tokenizer, state, text_ids, searched, final=request.is_finished,
-                              keep_stop=keep_stop)
-        if stop_string is not None and not request.is_finished:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
-        # A stop string that came with the last allowed token cut the text as one found earlier
-        # does, so the reason is "stop" there too (the scheduler, which owns the request, had
-        # already finished it by length).
-        finish_reason = "stop" if stop_string is not None else request.status.finish_reason
-        # A token's stop comes first, as vLLM checks the token before the text.
-        stop_reason = _token_stop_reason(request, new_ids[-1]) if token_stop else stop_string
-        new_text = release(state, stops, request.is_finished, keep_stop)
-        prompt_logprobs = self._reported_prompt_logprobs(request)
-        if request.is_finished:
-            self._release(request_id)
-        return RequestOutput(
-            request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-            token_ids=tuple(request.output_token_ids), new_token_ids=tuple(new_ids), text=state.text[:state.released],
-            new_text=new_text, finished=request.is_finished, finish_reason=finish_reason,
-            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finish_time=request.finish_time, num_preemptions=request.num_preemptions, report_time=now,
-            num_cached_tokens=request.num_cached_tokens,
-            logprobs=None if logprobs is None else tuple(logprobs),
-            prompt_logprobs=prompt_logprobs, stop_reason=stop_reason)
-
-    def _reported_prompt_logprobs(self, request: Request) -> tuple[TokenLogprobs | None, ...] | None:
-        """A request's prompt logprobs once every position has them (its first token is sampled
-        only after the whole prompt is prefilled, so every output carries them whole)."""
-        known = self._prompt_logprobs.get(request.request_id)
-        return tuple(known) if known is not None and len(known) == request.num_prompt_tokens else None
-
-    def _prompt_logprobs_held(self, request_id: str) -> int:
-        return len(self._prompt_logprobs.get(request_id, ()))
-
-    def _add_prompt_logprobs(self, found: dict[str, PromptLogprobs]) -> None:
-        """Extend each request's prompt logprobs with the positions it did not have. The runner
-        scores only those (a prefill recomputed after a preemption skips the held ones); should a
-        position come again, the first score is kept."""
-        for request_id, chunk in found.items():
-            known = self._prompt_logprobs.get(request_id)
-            if known is None:
-                continue  # finished or aborted meanwhile
-            if chunk.first_position > len(known):  # chunks come in order, so never: a gap would misplace them
-                log.error("request %s: prompt logprobs from position %d, after only %d; it reports none",
-                          request_id, chunk.first_position, len(known))
-                del self._prompt_logprobs[request_id]
-                continue
-            known.extend(chunk.entries[len(known) - chunk.first_position:])
-
-    def _add_logprobs(self, request_id: str, new_ids: list[int],
-                      step_logprobs: dict[str, TokenLogprobs]) -> list[TokenLogprobs] | None:
-        """The request's logprobs with those of the one token it gained this step (a request samples
-        at most one token a step, and a recomputed request keeps its tokens and so their logprobs).
-        Should that ever not hold, the request goes on without logprobs, not the engine down."""
-        logprobs = self._logprobs[request_id]
-        entry = step_logprobs.get(request_id)
-        if len(new_ids) == 1 and entry is not None and entry.token_id == new_ids[0]:
-            logprobs.append(entry)
-            return logprobs
-        log.error("request %s gained tokens %s without their logprobs; it reports none from now on",
-                  request_id, new_ids)
-        del self._logprobs[request_id]
-        return None
-
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,
-                           self._forward_time_s, self._num_generated)
+                           self._forward_time_s, self.output_processor.num_generated_tokens)
 
-
-def _token_stop_reason(request: Request, token: int) -> int | None:
-    """vLLM's stop_reason for a request a token stopped: none for the end-of-sequence token (which
-    stop_status checks first), else the token of stop_token_ids itself."""
-    return None if ends_sequence(request, token) else token

@@ -199,17 +199,17 @@ def test_abort_frees_everything(llm):
     stats = engine.stats().scheduler
     assert stats.num_free_blocks == stats.num_total_blocks
     # Neither the aborted nor the finished request leaves detokenizer state behind.
-    assert engine._detokenizers == {} and engine._num_reported == {}
+    assert engine.output_processor.num_tracked() == 0
 
 
 def test_an_aborted_request_leaves_no_detokenizer_state(llm):
     engine = llm.engine
     llm.generate(PROMPT, greedy(4))
-    assert engine._detokenizers == {} and engine._num_reported == {}
+    assert engine.output_processor.num_tracked() == 0
     engine.add_request("a", PROMPT, greedy(50))
     engine.step()
     assert engine.abort_request("a")
-    assert engine._detokenizers == {} and engine._num_reported == {}
+    assert engine.output_processor.num_tracked() == 0
     assert not engine.has_unfinished_requests()
 
 

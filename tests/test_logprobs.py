@@ -97,7 +97,7 @@ def test_a_token_without_its_logprobs_drops_the_requests_logprobs_not_the_engine
     llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
     engine = llm.engine
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))
-    assert engine._add_logprobs("r", [5], {"r": TokenLogprobs(6, -1.0, ())}) is None
+    assert engine.output_processor.add_logprobs("r", [5], {"r": TokenLogprobs(6, -1.0, ())}) is None
     assert "without their logprobs" in caplog.text
     outputs = []
     while engine.has_unfinished_requests():

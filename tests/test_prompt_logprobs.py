@@ -47,14 +47,14 @@ def test_prompt_logprobs_match_hf(tiny_model_dir, prompts, setting) -> None:
                "recompute": {"num_gpu_blocks": 9, "preemption_mode": "recompute", "max_num_batched_tokens": 32}}
     llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, **options[setting])
     scored: dict[str, int] = {}  # prompt positions the runner scored, per request
-    add = llm.engine._add_prompt_logprobs
+    add = llm.engine.output_processor.add_prompt_logprobs
 
     def counting(found):
         for request_id, chunk in found.items():
             scored[request_id] = scored.get(request_id, 0) + len(chunk.entries)
         add(found)
 
-    llm.engine._add_prompt_logprobs = counting
+    llm.engine.output_processor.add_prompt_logprobs = counting
     asking = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # All but the second ask, so rows that do and rows that do not share steps.
@@ -69,7 +69,7 @@ def test_prompt_logprobs_match_hf(tiny_model_dir, prompts, setting) -> None:
     # Each position is scored once, a re-prefill included: it skips the positions held.
     assert sorted(scored.values()) == sorted(len(p) - 1 for i, p in enumerate(prompts) if i != 1)
     free = llm.engine.scheduler.block_manager
-    assert free.num_free_blocks == free.num_total_blocks and not llm.engine._prompt_logprobs
+    assert free.num_free_blocks == free.num_total_blocks and llm.engine.output_processor.num_tracked() == 0
 
 
 def test_a_one_token_prompt_has_one_entry_and_the_count_is_bounded(tiny_model_dir) -> None:

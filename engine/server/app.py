@@ -73,13 +73,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     app = FastAPI(title="lengthwise", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     errors.install_error_handlers(app)
-    body_limit = settings.max_body_bytes or default_body_limit(settings.max_model_len, serving.max_token_bytes)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
-    if settings.api_key is not None:  # added after the body limit, so checked before it
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    if settings.allowed_origins:  # outermost: a preflight is answered before the key is asked for
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    _add_middleware(app, settings, serving.max_token_bytes)
+    _add_operational_routes(app, engine, metrics, settings)
     served = {settings.model_name, *settings.model_aliases}
 
     def check_model(name: str | None) -> None:
@@ -108,6 +103,22 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
         check_model(body.model)
         return await tokenization.detokenize(body)
 
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings, max_token_bytes: int) -> None:
+    """Starlette runs the middleware added last first: CORS, then the API key, then the body limit."""
+    body_limit = settings.max_body_bytes or default_body_limit(settings.max_model_len, max_token_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=body_limit)
+    if settings.api_key is not None:  # added after the body limit, so checked before it
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+
+
+def _add_operational_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics,
+                            settings: ServerSettings) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
@@ -123,8 +134,6 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 class ApiKeyMiddleware:

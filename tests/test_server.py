@@ -7,6 +7,7 @@ status and body, and a successful request after them shows the server kept servi
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import socket
 import threading
@@ -206,6 +207,9 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(served[0] + "/health", timeout=60).status_code == 200
+    # vLLM's probes: /ping (GET or POST) answers as /health, /version names the installed build.
+    assert [httpx.request(m, served[0] + "/ping", timeout=60).status_code for m in ("GET", "POST")] == [200, 200]
+    assert httpx.get(served[0] + "/version", timeout=60).json() == {"version": importlib.metadata.version("lengthwise")}
 
 
 def test_chat_matches_hf_greedy_with_usage(client, tokenizer, hf_greedy):

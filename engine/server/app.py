@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version as distribution_version
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -130,6 +131,21 @@ def _add_operational_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: Serve
         if engine.failure:
             return errors.engine_failed(engine.failure).response()
         return errors.shutting_down().response()
+
+    # vLLM answers /ping (GET or POST, for SageMaker-style probes) exactly as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
+
+
+def package_version() -> str:
+    """The installed lengthwise distribution's version; "unknown" when run from an uninstalled tree."""
+    try:
+        return distribution_version("lengthwise")
+    except PackageNotFoundError:
+        return "unknown"
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

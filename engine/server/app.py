@@ -139,6 +139,10 @@ def _add_operational_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: Serve
     async def version() -> dict[str, str]:
         return {"version": package_version()}
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
 
 def package_version() -> str:
     """The installed lengthwise distribution's version; "unknown" when run from an uninstalled tree."""
@@ -146,10 +150,6 @@ def package_version() -> str:
         return distribution_version("lengthwise")
     except PackageNotFoundError:
         return "unknown"
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 class ApiKeyMiddleware:

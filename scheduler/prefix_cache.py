@@ -2,8 +2,12 @@
 
 A full block of a sequence is named by its key: (the previous block's chain hash, its own tokens),
 so two sequences share a block exactly when they agree on every token up to its end (the tokens
-are compared, not only hashed; a chain hash stands for the blocks before). A request's chain
-hashes are computed once and kept on it (`Request.block_hashes`), extended as its tokens grow.
+are compared, not only hashed; a chain hash stands for the blocks before). The chain hash is a
+SHA-256 digest of the previous one and the block's tokens, not Python's `hash()`: that one is
+64-bit and unsalted for ints and tuples, so a client could search offline for two prefixes that
+collide and be served KV computed for another client's context (vLLM's CVE-2025-25183). A
+request's chain hashes are computed once and kept on it (`Request.block_hashes`), extended as its
+tokens grow.
 
 A block is registered when a step is granted the tokens that fill it (`register`, from the block
 manager's allocation), so a request admitted later in the same step finds it too: the `n`
@@ -23,10 +27,20 @@ hidden state.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from scheduler.request import Request
 from scheduler.step import token_slice
 
-BlockKey = tuple[int | None, tuple[int, ...]]
+BlockKey = tuple[bytes | None, tuple[int, ...]]
+
+
+def chain_hash(previous: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """The digest naming a block whose tokens are `tokens`, after the blocks `previous` names."""
+    digest = hashlib.sha256(previous or b"")
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return digest.digest()
 
 
 class PrefixCache:
@@ -45,7 +59,7 @@ class PrefixCache:
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) <= index:
             at = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else None, token_slice(request, at * size, (at + 1) * size))))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, token_slice(request, at * size, (at + 1) * size)))
         return (hashes[index - 1] if index else None, token_slice(request, index * size, (index + 1) * size))
 
     def lookup(self, request: Request) -> list[int]:

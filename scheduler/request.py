@@ -247,7 +247,7 @@ class Request:
     group: ChoiceGroup | None = None
     # Prefix caching (prefix_cache.py): the chain hash of each full block of its tokens, computed
     # once; and how many prompt tokens its first admission found cached (None before it).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:

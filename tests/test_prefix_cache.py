@@ -166,6 +166,18 @@ def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:
     assert m.cached_prefix(request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9])).num_tokens == 4
 
 
+def test_a_first_block_that_collides_under_pythons_hash_is_not_taken_for_another() -> None:
+    # CPython hashes an int modulo 2**61 - 1, so these two first blocks have one hash() and so
+    # would one chain hash: the second block, computed after (0, 0, 0, 0), was served after them.
+    collider = 2**61 - 1
+    assert hash((None, (0, 0, 0, 0))) == hash((None, (collider, 0, 0, 0)))
+    m = manager()
+    computed(m, request("a", [0, 0, 0, 0, 5, 6, 7, 8, 9]))
+    computed(m, request("own", [collider, 0, 0, 0, 1]))  # its first block, cached by itself
+    # Its own first block is found, a's second is not: another context computed its KV.
+    assert m.cached_prefix(request("b", [collider, 0, 0, 0, 5, 6, 7, 8, 9])).num_tokens == 4
+
+
 def test_an_urgent_request_preempts_as_many_as_free_its_room_though_they_share_blocks() -> None:
     # Two batch requests share two blocks; an interactive one needs six of eight. Preempting one
     # of them frees only its own block: both go, in the same step, and it is admitted at once.

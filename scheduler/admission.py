@@ -1,7 +1,8 @@
 """Token-level admission control and the stability margin.
 
 Work is counted in tokens, not requests: a request in the system owes its prompt tokens not yet
-computed plus its predicted output tokens not yet generated. The controller learns the served token
+computed (after a recompute preemption, its generated tokens too, fed again) plus its predicted
+output tokens not yet generated. The controller learns the served token
 throughput as an EWMA (the engine or the simulator reports each step with `record_step`), and
 estimates a new request's delay by Little's law in tokens: the work that will be served before or
 alongside it divided by the throughput.
@@ -78,12 +79,16 @@ def predicted_output_tokens(request: Request) -> float:
     return max(0.0, request.predicted_total - request.num_output_tokens)
 
 
-def prompt_tokens_left(request: Request) -> int:
-    return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+def tokens_to_prefill(request: Request) -> int:
+    """Known tokens still to feed before the request decodes again: its prompt's uncomputed part,
+    and after a recompute preemption its generated tokens too (all but the last, whose feed is the
+    next decode step, counted in the predicted output)."""
+    pending_decode = 1 if request.num_output_tokens else 0
+    return max(0, request.num_tokens - request.num_computed_tokens - pending_decode)
 
 
 def token_work(requests: Iterable[Request]) -> float:
-    return sum(prompt_tokens_left(r) + predicted_output_tokens(r) for r in requests)
+    return sum(tokens_to_prefill(r) + predicted_output_tokens(r) for r in requests)
 
 
 class AdmissionController:
@@ -228,7 +233,7 @@ class AdmissionController:
         if request.tier == Tier.INTERACTIVE:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
-            ahead = sum(prompt_tokens_left(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
+            ahead = sum(tokens_to_prefill(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
             one_s = request.num_prompt_tokens / throughput  # the last choice's TTFT waits for n prefills
             self._check_slo(ahead / throughput, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
                             request)

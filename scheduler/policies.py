@@ -32,7 +32,9 @@ within a tier.
   `goodput_urgent_slack_s`) go first by slack; requests
   that can wait follow in sjf order; requests already past saving come last, until their aged
   score reaches 0 (they have waited their aging bound): then they join those that can wait,
-  ahead of any not aged as far, so a late request is not starved by savable arrivals.
+  ahead of any not aged as far, so arrivals that can wait never starve a late request. Urgent
+  ones still go before it: while urgent arrivals keep coming, sjf's aging bound does not hold
+  for it (the simulator's overtaken-beyond-bound count reports how often).
 """
 
 from __future__ import annotations

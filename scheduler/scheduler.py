@@ -72,7 +72,10 @@ class Scheduler(Preemption):
         self.waiting.append(request)
 
     def _validate(self, request: Request) -> None:
-        if request.request_id in self._requests:
+        # A finished request's id is free at once, though the next step still reports it finished:
+        # an idle engine takes no next step, and its caller may send the id again.
+        known = self._requests.get(request.request_id)
+        if known is not None and not known.is_finished:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room for output "
@@ -133,8 +136,9 @@ class Scheduler(Preemption):
             touched = [request.request_id for request, _ in plan.grants] + plan.preempted_ids
             self._restart_by_recompute(touched, now)
             raise
-        for request_id in finished_ids:  # reported to the runner: the ids may be reused now
-            self._requests.pop(request_id, None)
+        for request_id in finished_ids:  # reported to the runner: forgotten, unless sent again since
+            if (known := self._requests.get(request_id)) is not None and known.is_finished:
+                del self._requests[request_id]
         del self._finished_ids[:len(finished_ids)]
         return output
 

@@ -130,6 +130,23 @@ def test_interactive_ttft_counts_the_unfed_prompt_of_running_interactive_request
     ctl.check(req("i", 100, 50, Tier.INTERACTIVE), [], [long_prompt])
 
 
+def test_a_recompute_preempted_request_owes_its_generated_tokens_again() -> None:
+    from scheduler.admission import token_work
+
+    preempted = req("p", 100, 600)
+    preempted.output_token_ids = [5] * 500
+    # Decoding, it owes the 100 tokens still to generate (each the feed of the one before).
+    preempted.num_computed_tokens = 599
+    assert token_work([preempted]) == 100
+    # Recomputed, it feeds its 600 tokens again, the last of which is its next decode.
+    preempted.num_computed_tokens = 0
+    assert token_work([preempted]) == 599 + 100
+    # Ahead of an interactive request, that re-prefill delays its first token too: 0.6 s.
+    preempted.tier = Tier.INTERACTIVE
+    with pytest.raises(AdmissionRejected, match="TTFT"):
+        controller(slo_ttft_interactive_s=0.5).check(req("i", 10, 50, Tier.INTERACTIVE), [preempted], [])
+
+
 def test_a_request_larger_than_the_queue_bound_is_refused_only_while_the_queue_is_full() -> None:
     # On its own it overflows any queue: refused whenever anything was queued, it never got in
     # under steady traffic, and every retry its 429 invited was refused again.

@@ -195,9 +195,6 @@ def test_a_failed_schedule_holds_finished_ids_and_requeues_new_work_as_waiting()
     scheduler.fail_next = True
     with pytest.raises(RuntimeError):
         scheduler.schedule(now=10.0)
-    # r1's id is not reported yet, so it is not free for reuse: a new r1 would be dropped with it.
-    with pytest.raises(ValueError, match="already in use"):
-        scheduler.add_request(make_request("r1", 6, 4))
     r2 = scheduler.get_request("r2")
     assert r2.status is RequestStatus.WAITING and r2.requeued_at is None and not r2.block_ids
     output = scheduler.schedule(now=20.0)
@@ -319,6 +316,26 @@ def test_abort_frees_blocks_and_reports_once() -> None:
     assert scheduler.block_manager.num_free_blocks == 16 - 1  # r2: 4 computed tokens, one block (lazy)
     assert scheduler.schedule(1.0).finished_ids == ("r1",)
     assert scheduler.schedule(2.0).finished_ids == ()
+
+
+def test_a_finished_requests_id_is_free_at_once_though_not_yet_reported() -> None:
+    # An idle scheduler takes no step that would report r1 finished; its id is free all the same,
+    # and the step that reports the old r1 keeps the new one, even if that step fails.
+    scheduler = FailingOnDemand(SchedulerConfig(num_gpu_blocks=32, block_size=4, max_model_len=64))
+    scheduler.add_request(make_request("r1", 6, 4))
+    scheduler.abort_request("r1", now=0.0)
+    assert not scheduler.has_unfinished_requests()
+    again = make_request("r1", 6, 4)
+    scheduler.add_request(again)
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("r1", 6, 4))  # now live
+    scheduler.fail_next = True
+    with pytest.raises(RuntimeError):
+        scheduler.schedule(now=1.0)
+    output = scheduler.schedule(now=2.0)
+    assert output.finished_ids == ("r1",) and [c.request_id for c in output.chunks] == ["r1"]
+    assert scheduler.get_request("r1") is again and not again.is_finished
+    assert scheduler.schedule(now=3.0).finished_ids == ()
 
 
 def test_bad_input_raises_value_error() -> None:

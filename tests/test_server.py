@@ -387,9 +387,12 @@ def test_a_cors_preflight_is_answered_without_the_key_for_allowed_origins_only(s
     assert post(served[0], "/v1/completions", body, key=None, origin=BROWSER_ORIGIN).status_code == 401
 
 
-def test_unknown_model_is_404(served):
+def test_unknown_model_is_404_and_an_empty_one_is_the_served_model(served):
     body = {"model": "gpt-9", "prompt": "Hello", "max_tokens": 2}
     assert error_of(post(served[0], "/v1/completions", body), 404)["code"] == "model_not_found"
+    # As vLLM takes it: clients send "" when no model is chosen.
+    reply = post(served[0], "/v1/completions", {**body, "model": ""})
+    assert reply.status_code == 200 and reply.json()["model"] == MODEL
 
 
 def test_a_wrong_method_is_405_with_allow(served):

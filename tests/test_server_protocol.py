@@ -114,14 +114,20 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_keeps_ser
     cases = [("/v1/completions", '{"model": "%s", "prompt": "hi %s", "max_tokens": 2}' % (MODEL, lone), "prompt"),
              ("/v1/completions", '{"model": "%s", "prompt": "hi %s", "stream": true}' % (MODEL, lone), "prompt"),
              ("/v1/completions", '{"model": "%s", "prompt": "hi"}' % lone, "model"),
-             ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["a", "%s"]}' % (MODEL, lone), "stop"),
+             ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["a", "%s"]}' % (MODEL, lone), "stop.1"),
              ("/v1/chat/completions",
-              '{"model": "%s", "messages": [{"role": "user", "content": "a%s"}]}' % (MODEL, lone), "messages")]
+              '{"model": "%s", "messages": [{"role": "user", "content": "a%s"}]}' % (MODEL, lone),
+              "messages.0.content"),
+             ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a"}], '
+              '"chat_template_kwargs": {"%s": 1}}' % (MODEL, lone), "chat_template_kwargs"),
+             ("/detokenize", '{"model": "%s", "tokens": [1]}' % lone, "model"),  # was a 500
+             ("/tokenize", '{"model": "%s", "prompt": "hi"}' % lone, "model")]
     with httpx.Client(base_url=served[0], headers=headers, timeout=60) as http:  # one kept-alive connection
         for path, body, field in cases:
             error = error_of(http.post(path, content=body), 400)
             assert error["param"] == field and "lone UTF-16 surrogate" in error["message"], body
-            assert error["message"].split(" in ")[-1].startswith(field), error["message"]  # the path in it
+            assert error["message"].startswith(f"{field}: "), error["message"]  # the nested path, not its field
+        assert "in a key" in error_of(http.post(cases[5][0], content=cases[5][1]), 400)["message"]
         pair = '{"model": "%s", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2}' % MODEL  # a valid pair
         answer = http.post("/v1/completions", content=pair)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
@@ -540,3 +546,11 @@ def test_echo_puts_the_prompt_before_each_choice(served, client):
     ids = served[2].encode("Once upon", add_special_tokens=False)
     by_ids = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
     assert by_ids.startswith(served[2].decode(ids)) and len(by_ids) > len(served[2].decode(ids))
+
+
+def test_an_error_renders_though_its_message_echoes_text_that_is_not_unicode() -> None:
+    from engine.server.errors import APIError
+
+    body = APIError(404, "The model `\ud800` does not exist.").response().body
+    assert json.loads(body)["error"]["message"] == "The model `\ud800` does not exist."
+    assert APIError(400, "caf\u00e9").response().body.decode().count("caf\u00e9") == 1  # UTF-8 as before

@@ -79,7 +79,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     served = {settings.model_name, *settings.model_aliases}
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in served:
+        # An empty name means the served model, as vLLM takes it (clients send "" when none is chosen).
+        if name and name not in served:
             raise errors.APIError(404, f"The model `{name}` does not exist.", type="not_found_error",
                                   param="model", code="model_not_found")
 

@@ -7,6 +7,7 @@ keeps serving: validation errors become 400 naming the offending field in `param
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDead, EngineShuttingDown
 from engine.server.responses import ErrorInfo, ErrorResponse
+from engine.server.text_check import LONE_SURROGATE
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,18 @@ class APIError(Exception):
         return ErrorResponse(error=self.info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+        return _ErrorJSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorJSONResponse(JSONResponse):
+    """JSONResponse, but an error must render whatever its message echoes: text that is not
+    Unicode (a lone surrogate), which UTF-8 cannot encode, goes out escaped as JSON allows."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def invalid_field(param: str | None, message: str) -> APIError:
@@ -105,6 +118,8 @@ _BARE_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "di
 
 
 def _validation_param(error: dict) -> str | None:
+    if error.get("type") == LONE_SURROGATE:  # the validator found the nested path itself
+        return error["ctx"]["param"]
     # loc is like ("body", "messages", 0, "content", "str"): after "body", the path to the field the
     # client must fix, with the name of each union member pydantic tried (here "str") mixed in.
     # Those tags name no field, so they are dropped, and "messages.0.content" is left.

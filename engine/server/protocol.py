@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from engine.server.text_check import lone_surrogate_at
+from engine.server.text_check import KEY_SUFFIX, LONE_SURROGATE, lone_surrogate_at
 from engine.server.unsupported import CompletionUnsupportedFields
 from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
@@ -38,10 +39,13 @@ def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
 
 
 def valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-    """A "before" validator: a lone UTF-16 surrogate (JSON allows "\\ud800") is no text a tokenizer takes."""
+    """A "before" validator: a lone UTF-16 surrogate (JSON allows "\\ud800") is no text a tokenizer takes.
+    The error carries the nested path to it (`param`), which its field's location alone would not."""
     where = lone_surrogate_at(value, info.field_name)
     if where is not None:
-        raise ValueError(f"not valid Unicode text: a lone UTF-16 surrogate in {where}")
+        path = where.removesuffix(KEY_SUFFIX)
+        raise PydanticCustomError(LONE_SURROGATE, "not valid Unicode text: a lone UTF-16 surrogate{in_key}",
+                                  {"param": path, "in_key": " in a key" if path != where else ""})
     return value
 
 

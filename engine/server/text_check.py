@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+LONE_SURROGATE = "lone_surrogate"  # the validation error's type; its context names the path as `param`
+KEY_SUFFIX = " (a key)"  # a path's ending when the surrogate is in a dict key, not a value
+
 
 def _is_unicode(text: str) -> bool:
     try:
@@ -33,7 +36,7 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
         return None
     for key, item in items:
         if isinstance(key, str) and not _is_unicode(key):
-            return f"{path} (a key)"
+            return f"{path}{KEY_SUFFIX}"
         found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
         if found is not None:
             return found

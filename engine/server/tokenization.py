@@ -51,6 +51,7 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    _valid_unicode = field_validator("model", mode="before")(classmethod(valid_unicode))
 
 
 class DetokenizeResponse(BaseModel):

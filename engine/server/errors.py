@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDead, EngineShuttingDown
 from engine.server.responses import ErrorInfo, ErrorResponse
-from engine.server.text_check import LONE_SURROGATE
+from engine.server.text_check import LoneSurrogate
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,9 @@ _BARE_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "di
 
 
 def _validation_param(error: dict) -> str | None:
-    if error.get("type") == LONE_SURROGATE:  # the validator found the nested path itself
-        return error["ctx"]["param"]
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, LoneSurrogate):  # the validator found the nested path itself
+        return cause.param
     # loc is like ("body", "messages", 0, "content", "str"): after "body", the path to the field the
     # client must fix, with the name of each union member pydantic tried (here "str") mixed in.
     # Those tags name no field, so they are dropped, and "messages.0.content" is left.

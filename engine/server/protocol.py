@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
 
-from engine.server.text_check import KEY_SUFFIX, LONE_SURROGATE, lone_surrogate_at
+from engine.server.text_check import KEY_SUFFIX, LoneSurrogate, lone_surrogate_at
 from engine.server.unsupported import CompletionUnsupportedFields
 from scheduler.request import MAX_LOGPROBS, PENALTY_LIMIT, PRIORITY_LIMIT, SEED_MAX, SEED_MIN
 
@@ -44,8 +43,7 @@ def valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
     where = lone_surrogate_at(value, info.field_name)
     if where is not None:
         path = where.removesuffix(KEY_SUFFIX)
-        raise PydanticCustomError(LONE_SURROGATE, "not valid Unicode text: a lone UTF-16 surrogate{in_key}",
-                                  {"param": path, "in_key": " in a key" if path != where else ""})
+        raise LoneSurrogate(path, in_key=path != where)
     return value
 
 

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-LONE_SURROGATE = "lone_surrogate"  # the validation error's type; its context names the path as `param`
 KEY_SUFFIX = " (a key)"  # a path's ending when the surrogate is in a dict key, not a value
+
+
+class LoneSurrogate(ValueError):
+    """A validator's error for such text; `param` is the nested path to it, which the error
+    handler names (pydantic's location stops at the validated field)."""
+
+    def __init__(self, param: str, in_key: bool) -> None:
+        super().__init__("not valid Unicode text: a lone UTF-16 surrogate" + (" in a key" if in_key else ""))
+        self.param = param
 
 
 def _is_unicode(text: str) -> bool:

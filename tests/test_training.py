@@ -233,6 +233,19 @@ def test_download_champion_without_registry_raises(tmp_path):
         tracking.download_champion(store=tmp_path / "empty")
 
 
+def test_eval_predictor_champion_falls_back_to_the_default_only_in_the_repositorys_own_store(
+        tmp_path, monkeypatch, capsys):
+    from engine.config import DEFAULT_PREDICTOR
+    from training import evaluate
+
+    monkeypatch.setattr(tracking, "default_store", lambda: tmp_path / "fresh-clone")
+    assert evaluate.resolve_predictor("champion", None) == DEFAULT_PREDICTOR
+    assert f"evaluating {DEFAULT_PREDICTOR}" in capsys.readouterr().err
+    # A store the caller named must hold a champion: a typo there is no reason to score another model.
+    with pytest.raises(ValueError, match="--predictor champion: no MLflow store at"):
+        evaluate.resolve_predictor("champion", tmp_path / "typo")
+
+
 def test_saving_replaces_a_predictor_folder_or_a_symlink_to_one_whole(tmp_path):
     from training.train import replace_folder
 

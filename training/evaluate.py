@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from engine.arg_types import check_output_location, positive_int, prepare_output_file
+from engine.config import DEFAULT_PREDICTOR
+from predictor.saved import SPEC_FILENAME
 from training.labels import LABEL_SOURCES
 
 LATENCY_CALLS = {1: 64, 32: 12}  # batch size -> timed calls
@@ -74,6 +77,9 @@ def latency_ms_per_prompt(model, prompts: Sequence[str], batch_size: int, calls:
 
 
 def resolve_predictor(spec: str, store: Path | None) -> Path:
+    """'champion' is the registered champion; with none registered in the repository's own store
+    (a fresh clone), the committed default, as `serve` resolves it. A store named with --store
+    must hold a champion: a typo there should not quietly evaluate another model."""
     if spec != "champion":
         return Path(spec)
     from training import tracking
@@ -81,6 +87,10 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
     try:
         return tracking.download_champion(store=store)
     except LookupError as exc:  # a fresh clone: nothing trained and registered yet
+        if store is None and (DEFAULT_PREDICTOR / SPEC_FILENAME).is_file():
+            print(f"eval-predictor: no registered champion ({exc}); evaluating {DEFAULT_PREDICTOR}",
+                  file=sys.stderr)
+            return DEFAULT_PREDICTOR
         raise ValueError(f"--predictor champion: {exc}; train one with `lengthwise train` "
                          f"or pass --predictor PATH (e.g. data/predictors/default)") from None
 
@@ -139,7 +149,9 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--predictor", default="champion", help="saved predictor folder, or 'champion'")
+    parser.add_argument("--predictor", default="champion",
+                        help="saved predictor folder, or 'champion' (the registered one; with none in the "
+                             "repository's store, data/predictors/default)")
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt")
     parser.add_argument("--limit", type=positive_int, default=None, help="evaluate on a seeded subsample of the test split")
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder for 'champion'")

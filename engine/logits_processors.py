@@ -37,15 +37,16 @@ class RequestTensors:
 
     def __init__(self, build: Callable[[Request, int, torch.device], tuple[torch.Tensor, ...]]) -> None:
         self._build = build
-        self._kept: dict[str, tuple[object, tuple[torch.Tensor, ...]]] = {}
+        self._kept: dict[str, tuple[Request, tuple[torch.Tensor, ...]]] = {}
 
     def of(self, requests: Sequence[Request], vocab: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         kept = {}
         for request in requests:
             entry = self._kept.get(request.request_id)
-            # A reused request id with other parameters is another request.
-            if entry is None or entry[0] is not request.sampling_params:
-                entry = (request.sampling_params, self._build(request, vocab, device))
+            # A reused request id is another Request, even with the same parameters object: the
+            # penalties' tensors come from its prompt, not from its parameters.
+            if entry is None or entry[0] is not request:
+                entry = (request, self._build(request, vocab, device))
             kept[request.request_id] = entry
         self._kept = kept
         return [kept[request.request_id][1] for request in requests]

@@ -50,7 +50,21 @@ def test_a_requests_tensors_are_built_once_while_it_keeps_coming_back() -> None:
     assert built == ["a", "b", "b"]  # b was dropped when a step went without it
     reused = Request("a", [5, 6], SamplingParams(max_tokens=3), arrival_time=0.0, eos_token_id=EOS)
     tensors.of([reused], 6, cpu)
-    assert built[-1] == "a"  # the same id with other parameters is another request
+    assert built[-1] == "a" and len(built) == 4  # the same id with other parameters is another request
+    again = Request("a", [1, 2], reused.sampling_params, arrival_time=0.0, eos_token_id=EOS)
+    tensors.of([again], 6, cpu)
+    assert len(built) == 5  # and so is it with the same parameters object: its prompt may differ
+
+
+def test_a_reused_id_with_the_same_parameters_is_penalized_by_its_own_prompt() -> None:
+    processors = default_processors()
+    params = SamplingParams(max_tokens=8, repetition_penalty=2.0)
+    logits = torch.ones(1, 6)
+    first = Request("r", [1, 2], params, arrival_time=0.0, eos_token_id=EOS)
+    process_logits(logits, [first], processors)
+    second = Request("r", [4, 5], params, arrival_time=0.0, eos_token_id=EOS)
+    torch.testing.assert_close(process_logits(logits, [second], processors), process_logits(logits, [second]))
+    assert process_logits(logits, [second], processors)[0].tolist() == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5]
 
 
 def test_kept_tensors_give_what_fresh_processors_give_over_steps() -> None:

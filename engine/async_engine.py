@@ -14,6 +14,8 @@ cancelled before the engine thread reaches it is skipped there, because its admi
 cancelled and `set_running_or_notify_cancel` says so atomically. A request aborted while the
 predictor thread still holds it is marked abandoned before the abort is queued (the abort may
 reach the engine thread first and find nothing), and the engine thread refuses it on arrival.
+An aborted id is free for a new request at once: until the engine thread reports the abort
+applied, outputs under that id come from a step that still held the old request, and are dropped.
 """
 
 from __future__ import annotations
@@ -62,16 +64,22 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._to_predict: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        # Aborts queued and not yet applied by the engine thread, per id (the loop's only). Until
+        # then a step already under way may still report the aborted request, and its outputs
+        # must not reach a later request that reuses the id.
+        self._aborts_in_flight: dict[str, int] = {}
+        self._loop_thread: int | None = None
         # Submitted, not yet answered: written by the loop, looked up by `abort` from any thread.
         self._pending: dict[str, Submission] = {}
         self._no_streams = asyncio.Event()
         self._worker = EngineWorker(engine, self._commands, None if self.overlap_prediction else self.predictor,
-                                    self._outputs_ready, self._engine_failed)
+                                    self._outputs_ready, self._engine_failed, self._abort_applied)
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._no_streams = asyncio.Event()
         self._no_streams.set()
         self.state = EngineState.RUNNING
@@ -177,7 +185,7 @@ class AsyncLLMEngine:
             # a cancelled submission, and the abort covers one it had already added.
             self._forget(request_id)
             if isinstance(exc, asyncio.CancelledError):
-                self._commands.put(Abort(request_id))
+                self._queue_abort(request_id)
             else:
                 self.listener.on_rejected(tier, exc)
             raise
@@ -205,7 +213,28 @@ class AsyncLLMEngine:
         pending = self._pending.get(request_id)
         if pending is not None:
             pending.abandoned = error  # first: the abort may reach the engine thread before it
+        self._queue_abort(request_id)
+
+    def _queue_abort(self, request_id: str) -> None:
+        """Queue an Abort, counted in flight first. From another thread the count is posted to the
+        loop before the Abort is queued, so it lands before the engine thread's word that the
+        Abort was applied."""
+        if self._loop is not None:
+            if threading.get_ident() == self._loop_thread:
+                self._count_abort(request_id)
+            else:
+                self._loop.call_soon_threadsafe(self._count_abort, request_id)
         self._commands.put(Abort(request_id))
+
+    def _count_abort(self, request_id: str) -> None:
+        self._aborts_in_flight[request_id] = self._aborts_in_flight.get(request_id, 0) + 1
+
+    def _uncount_abort(self, request_id: str) -> None:
+        left = self._aborts_in_flight.get(request_id, 0) - 1
+        if left > 0:
+            self._aborts_in_flight[request_id] = left
+        else:
+            self._aborts_in_flight.pop(request_id, None)
 
     def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
@@ -227,7 +256,9 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is None:
+            # The commands are applied in order, so while an abort of this id is in flight, its
+            # outputs are the aborted request's, even if a new stream has taken the id.
+            if stream is None or output.request_id in self._aborts_in_flight:
                 continue
             self.listener.on_output(output, stream.tier)
             stream.put(output)
@@ -245,6 +276,10 @@ class AsyncLLMEngine:
     # ---- engine thread callbacks (called on it) ------------------------------------------------
     def _outputs_ready(self, outputs: Sequence[RequestOutput]) -> None:
         self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _abort_applied(self, request_id: str) -> None:
+        # Posted after every output of the steps before the abort: FIFO, as call_soon_threadsafe is.
+        self._loop.call_soon_threadsafe(self._uncount_abort, request_id)
 
     def _engine_failed(self, message: str) -> None:
         self.failure = message

@@ -21,12 +21,14 @@ logger = logging.getLogger(__name__)
 
 class EngineWorker:
     def __init__(self, engine: Any, commands: queue.SimpleQueue, inline_predictor: ArrivalPredictor | None,
-                 on_outputs: Callable[[Sequence[Any]], None], on_failure: Callable[[str], None]) -> None:
+                 on_outputs: Callable[[Sequence[Any]], None], on_failure: Callable[[str], None],
+                 on_abort_applied: Callable[[str], None] = lambda request_id: None) -> None:
         self.engine = engine
         self.commands = commands
         self.inline_predictor = inline_predictor  # None: no predictor, or a predictor thread scores
         self._on_outputs = on_outputs
         self._on_failure = on_failure
+        self._on_abort_applied = on_abort_applied  # after each Abort, whether or not it found its request
         self.stats: Any = engine.stats()  # replaced (never mutated) after each step
         self._live: set[str] = set()  # request ids inside the LLMEngine
         self._stop_taken = False  # a failure after it must not wait for another Stop
@@ -91,6 +93,7 @@ class EngineWorker:
             if command.request_id in self._live:
                 self._live.discard(command.request_id)
                 self.engine.abort_request(command.request_id)
+            self._on_abort_applied(command.request_id)
         elif command.result.set_running_or_notify_cancel():
             try:
                 command.result.set_result(command.fn(self.engine))

@@ -212,6 +212,45 @@ def test_a_second_submit_with_a_live_id_is_refused_and_the_first_request_finishe
     assert free == total
 
 
+def test_an_id_reused_while_its_abort_is_in_flight_gets_only_its_own_outputs(tiny_model_dir, monkeypatch):
+    # The engine thread is inside a step with the old request when it is aborted and its id taken
+    # again: that step's outputs are the old request's and must not end the new stream.
+    engine = tiny_engine(tiny_model_dir)
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def gated_step():
+        in_step.set()
+        release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    async_engine = AsyncLLMEngine(engine)
+    old_prompt, new_prompt = prompt_ids(engine, "Hello there"), prompt_ids(engine, "Something else entirely")
+
+    async def scenario():
+        await async_engine.start()
+        await async_engine.submit("x", old_prompt, "Hello there",
+                                  SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        async_engine.abort("x")
+        await asyncio.sleep(0)  # the old stream is dropped: the id is free
+        new = asyncio.ensure_future(async_engine.submit(
+            "x", new_prompt, "Something else entirely", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        release.set()  # the step with the old request ends; every later step runs at once
+        outputs = await asyncio.wait_for(drain(await new), timeout=60)
+        await async_engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == new_prompt
+    assert len(outputs[-1].token_ids) == 12
+    assert not async_engine._aborts_in_flight
+    free, total = free_and_total(engine)
+    assert free == total
+
+
 def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     async_engine = AsyncLLMEngine(engine)
     tokenizer = EncodeRecordingTokenizer(engine.tokenizer)

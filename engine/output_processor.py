@@ -79,8 +79,11 @@ class OutputProcessor:
         # does, so the reason is "stop" there too (the scheduler, which owns the request, had
         # already finished it by length).
         finish_reason = "stop" if stop_string is not None else request.status.finish_reason
-        # A token's stop comes first, as vLLM checks the token before the text.
-        stop_reason = _token_stop_reason(request, new_ids[-1]) if token_stop else stop_string
+        # A stop string found in the text is the reason even when a stop token came with it (kept
+        # in the text by include_stop_str_in_output), as vLLM's output processor overrides the
+        # token's reason with the string its detokenizer finds.
+        stop_reason = stop_string if stop_string is not None else (
+            _token_stop_reason(request, new_ids[-1]) if token_stop else None)
         new_text = release(state, stops, request.is_finished, keep_stop)
         prompt_logprobs = self._reported_prompt_logprobs(request)
         if request.is_finished:

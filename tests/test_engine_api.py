@@ -105,6 +105,20 @@ def test_stop_token_id_finishes_at_its_first_occurrence(llm):
     assert llm.tokenizer.decode([tokens[first]], skip_special_tokens=True).strip()  # a token with text
 
 
+def test_a_stop_string_inside_a_kept_stop_token_is_the_stop_reason(llm):
+    # vLLM's output processor: a stop string its detokenizer finds overrides the token's reason.
+    tokens = list(llm.generate(PROMPT, greedy())[0].token_ids)
+    first = next(i for i in range(5, len(tokens)) if tokens.index(tokens[i]) == i
+                 and llm.tokenizer.decode([tokens[i]], skip_special_tokens=True).strip())
+    word = llm.tokenizer.decode([tokens[first]], skip_special_tokens=True).strip()
+    both = dict(stop_token_ids=(tokens[first],), stop=(word,))
+    kept = llm.generate(PROMPT, greedy(include_stop_str_in_output=True, **both))[0]
+    assert (kept.finish_reason, kept.stop_reason, len(kept.token_ids)) == ("stop", word, first + 1)
+    assert kept.text.endswith(word)
+    dropped = llm.generate(PROMPT, greedy(**both))[0]  # the token's text is never searched
+    assert (dropped.finish_reason, dropped.stop_reason) == ("stop", tokens[first])
+
+
 def test_text_is_the_decoded_tokens(llm):
     out = llm.generate(PROMPT, greedy())[0]
     assert out.text == llm.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)

@@ -95,6 +95,20 @@ def test_chat_template_kwargs_reach_the_template(tokenizer) -> None:
     assert render_chat(tokenizer, messages, unknown) == render_chat(tokenizer, messages, plain)  # unused: ignored
 
 
+def test_template_kwargs_set_the_switches_and_tools_as_vllm_merges_them(client, tokenizer) -> None:
+    # vLLM renders with the kwargs over the switches; here they are the switches, role and echo too.
+    by_kwargs = chat(client, PREFILL, echo=True, chat_template_kwargs=CONTINUE)
+    by_fields = chat(client, PREFILL, echo=True, **CONTINUE)
+    assert by_kwargs.usage.prompt_tokens == len(template_ids(tokenizer, PREFILL, continue_final_message=True))
+    assert by_kwargs.choices[0].message == by_fields.choices[0].message
+    assert by_kwargs.choices[0].message.content.startswith("Red, green")
+    lists = copy.copy(tokenizer)
+    lists.chat_template = "{{ tools | length }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = ChatCompletionRequest(messages=PREFILL[:1], chat_template_kwargs={"tools": [{"a": 1}, {"b": 2}]})
+    assert render_chat(lists, [m.for_template() for m in body.messages], body, tools=[{"c": 3}]) == \
+        "2:Name three colours."
+
+
 def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages(tokenizer) -> None:
     strict = copy.copy(tokenizer)
     strict.chat_template = "{{ raise_exception('no assistant turns here') }}"
@@ -109,7 +123,8 @@ def test_a_template_that_rejects_the_conversation_is_a_400_naming_messages(token
     ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
     ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs", "may not set conversations"),
-    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "may not set"),
+    ({"chat_template_kwargs": {"continue_final_message": True}}, "continue_final_message", "cannot both be true"),
+    ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs", "may not set documents"),
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "dictionary"),
     ({"add_generation_prompt": "maybe"}, "add_generation_prompt", "boolean"),
     ({"echo": 3}, "echo", "boolean"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.server.protocol import BaseRequest, not_a_bool, null_is_the_default
 from engine.server.unsupported import ChatUnsupportedFields
@@ -14,14 +14,15 @@ from scheduler.request import MAX_LOGPROBS
 # apply_chat_template's own parameters, and the conversation's name inside the template: a
 # template variable of these names would change how the prompt is rendered or returned (token
 # ids, tensors, truncation) rather than what the template says, so a request may not set them
-# through chat_template_kwargs (the request's own fields set the two switches; vLLM lets the
-# kwargs override them and `tools`, which here is a 400 naming the field instead).
+# through chat_template_kwargs. The two switches and `tools` it may set, as vLLM merges the kwargs
+# over them (ChatTemplateFields, chat_template.render_chat).
 RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+    "conversation", "conversations", "messages", "documents", "chat_template",
+    "tokenize", "sanitize_control_tokens", "padding",
     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 })
+TEMPLATE_SWITCHES = ("add_generation_prompt", "continue_final_message")
 
 
 class ContentPart(BaseModel):
@@ -98,6 +99,19 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
     # Further variables for the template (e.g. enable_thinking); a template ignores unknown ones.
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches_from_template_kwargs(cls, data: Any) -> Any:
+        # vLLM renders with chat_template_kwargs merged over the switches, the kwargs winning; here
+        # they become the switches themselves, so the reply's role and echo follow the prompt as
+        # rendered, and the checks below read them.
+        kwargs = data.get("chat_template_kwargs") if isinstance(data, dict) else None
+        if not isinstance(kwargs, dict) or not any(switch in kwargs for switch in TEMPLATE_SWITCHES):
+            return data
+        rest = {key: value for key, value in kwargs.items() if key not in TEMPLATE_SWITCHES}
+        return {**data, **{switch: kwargs[switch] for switch in TEMPLATE_SWITCHES if switch in kwargs},
+                "chat_template_kwargs": rest}
 
     # Named apart from BaseRequest's validators: a subclass of both would keep only one of the two.
     _null_switches_are_defaults = field_validator("add_generation_prompt", "continue_final_message",

@@ -13,11 +13,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], fields: ChatTemp
                 tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text, or a 400 naming `messages` when the template rejects the conversation
     (a template that raises, or a final message to continue that it does not render)."""
-    try:  # tools (with tool_choice "none") go to the template, as vLLM passes them
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+    # tools (with tool_choice "none") go to the template, as vLLM passes them, and, as there,
+    # chat_template_kwargs may replace them (the switches it sets are the fields by now).
+    variables = {"tools": tools, **(fields.chat_template_kwargs or {})}
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=fields.add_generation_prompt,
-                                             continue_final_message=fields.continue_final_message,
-                                             **(fields.chat_template_kwargs or {}))
+                                             continue_final_message=fields.continue_final_message, **variables)
     except Exception as exc:  # noqa: BLE001 - the conversation's fault, answered as such
         raise errors.invalid_field("messages", f"messages: {exc}") from exc
 

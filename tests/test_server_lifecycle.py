@@ -235,8 +235,8 @@ def test_an_id_reused_while_its_abort_is_in_flight_gets_only_its_own_outputs(tin
         assert await asyncio.to_thread(in_step.wait, 30)
         async_engine.abort("x")
         await asyncio.sleep(0)  # the old stream is dropped: the id is free
-        new = asyncio.ensure_future(async_engine.submit(
-            "x", new_prompt, "Something else entirely", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+        twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        new = asyncio.ensure_future(async_engine.submit("x", new_prompt, "Something else entirely", twelve))
         await asyncio.sleep(0.05)
         release.set()  # the step with the old request ends; every later step runs at once
         outputs = await asyncio.wait_for(drain(await new), timeout=60)

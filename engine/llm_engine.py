@@ -104,8 +104,10 @@ class LLMEngine:
         if config.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"{self.arch.max_position_embeddings} positions")
-        backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads)
-        self.kv_cache = self._make_cache(getattr(torch, config.dtype))
+        dtype = getattr(torch, config.dtype)
+        backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads,
+                                 dtype)
+        self.kv_cache = self._make_cache(dtype)
         self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, config.dtype, self.device, config.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(config.seed), self.device)

@@ -126,6 +126,11 @@ def test_the_triton_backend_is_refused_where_its_kernels_cannot_run(capsys, tmp_
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs the kernels on the CPU
     assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
+    # ... except bfloat16 arithmetic, which it gets wrong: auto takes the reference, triton is refused.
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="computes bfloat16 wrongly"):
+        resolve_backend_name("triton", torch.device("cpu"), torch.bfloat16)
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.float16) == "triton"
 
 
 def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_dir, monkeypatch) -> None:

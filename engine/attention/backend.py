@@ -4,7 +4,9 @@
 attention kernel in engine/kernels (imported lazily, so the CPU path never needs Triton to
 compile). "auto" picks Triton when CUDA is available or TRITON_INTERPRET=1 is set (the Triton
 interpreter then runs the kernels on the CPU, slowly; tests use it), else the torch reference;
-"triton" asked for without either is refused.
+"triton" asked for without either is refused. The interpreter's bfloat16 arithmetic is wrong (its
+fp32-to-bf16 store truncates instead of rounding), so there "auto" takes the reference for a
+bf16 model and "triton" is refused.
 
 A backend prepares a per-step plan once (`prepare`) and every layer calls `forward` with it.
 """
@@ -66,21 +68,26 @@ class TritonBackend:
                                                     **plan)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto" made concrete; ValueError for "triton" where its kernels cannot run (the engine would
-    start, then fail every request)."""
-    runs_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """"auto" made concrete; ValueError for "triton" where its kernels cannot run, or would run
+    wrongly (the engine would start, then fail or corrupt every request)."""
+    interpreted = device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
+    runs_triton = device.type == "cuda" or (interpreted and dtype != torch.bfloat16)
     if name == "auto":
         return "triton" if runs_triton else "torch"
     if name == "triton" and not runs_triton:
+        if interpreted:
+            raise ValueError("the Triton interpreter computes bfloat16 wrongly: use --dtype float32 or "
+                             "float16 with the triton backend, or --attention-backend torch")
         raise ValueError("the triton backend needs a CUDA GPU (or TRITON_INTERPRET=1); "
                          "use --attention-backend torch")
     return name
 
 
-def create_backend(name: str, device: torch.device, heads_per_kv: int) -> AttentionBackend:
+def create_backend(name: str, device: torch.device, heads_per_kv: int,
+                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """`heads_per_kv`: query heads sharing one KV head (the GQA group size)."""
-    resolved = resolve_backend_name(name, device)
+    resolved = resolve_backend_name(name, device, dtype)
     if resolved == "torch":
         return TorchReferenceBackend(heads_per_kv)
     if resolved == "triton":

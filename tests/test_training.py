@@ -98,15 +98,16 @@ def test_each_metric_by_hand():
 
 
 def test_a_reply_cut_at_the_cap_counts_for_calibration_only_where_its_outcome_is_known():
-    # The last three replies were cut at 256 tokens: their true lengths are at least 256.
-    true = np.array([10.0, 100.0, 256.0, 256.0, 256.0])
-    censored = np.array([False, False, True, True, True])
-    p90 = [20.0, 50.0, 256.0, 300.0, 200.0]  # covers, misses, unknown, unknown, misses
+    # The last four replies were cut at 256 tokens before they ended: their true lengths are at
+    # least 257, so a quantile at the cap, or a hair under it, misses them.
+    true = np.array([10.0, 100.0, 256.0, 256.0, 256.0, 256.0])
+    censored = np.array([False, False, True, True, True, True])
+    p90 = [20.0, 50.0, 256.0, 300.0, 200.0, 255.999999]  # covers, misses, misses, unknown, misses, misses
     predictions = [Prediction(point=q, p50=q, p90=q, score=q, rank_len=q) for q in p90]
     result = metrics.prediction_metrics(true, predictions, censored)
-    assert result.p90_coverage == pytest.approx(1 / 3) and result.num_censored == 3
+    assert result.p90_coverage == pytest.approx(1 / 5) and result.num_censored == 4
     assert result.mae_log == pytest.approx(np.mean(np.abs(np.log1p([20.0, 50.0]) - np.log1p([10.0, 100.0]))))
-    assert metrics.prediction_metrics(true, predictions).p90_coverage == pytest.approx(3 / 5)  # uncensored reading
+    assert metrics.prediction_metrics(true, predictions).p90_coverage == pytest.approx(3 / 6)  # uncensored reading
     assert result.kendall_tau == metrics.prediction_metrics(true, predictions).kendall_tau  # ranking unchanged
 
 
@@ -463,6 +464,128 @@ def test_a_fresh_clone_extends_the_committed_trace_table_instead_of_replacing_it
     with pytest.raises(ValueError, match="its own --log and --out"):
         trace.run(parser.parse_args(["--num-prompts", "5", "--resample-split", "test", "--out", relative,
                                      "--log", str(tmp_path / "other.jsonl")]))
+
+
+def _legacy_trace_table(path, lengths=(10, 11)) -> None:
+    """A trace table as written before its rows carried their sampling settings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training import trace
+
+    rows = [{"key": f"k{i}", "conversation_id": f"c{i}", "turn_index": 0, "prompt": f"p{i}", "prompt_tokens": 5,
+             "output_tokens": n, "finish_reason": "stop", "split": "test", "in_train": False}
+            for i, n in enumerate(lengths)]
+    pq.write_table(pa.table({name: [row[name] for row in rows] for name in trace.TRACE_COLUMNS}), path)
+
+
+def test_a_trace_table_keeps_its_settings_and_a_legacy_one_is_read_at_the_committed_defaults(tmp_path):
+    # Before, rows copied from a table came without settings, so a clone could extend the committed
+    # trace at another temperature unchecked.
+    from training import trace
+
+    legacy, log = tmp_path / "legacy.parquet", tmp_path / "trace.jsonl"
+    _legacy_trace_table(legacy)
+    assert trace.seed_log_from_table(log, legacy) == 2
+    records = trace.read_log(log)
+    with pytest.raises(ValueError, match="sampled with temperature 1.0"):
+        trace.check_resume_settings(records, max_tokens=256, temperature=0.5, seed=0)
+    with pytest.raises(ValueError, match="sampled with max_tokens 256"):
+        trace.check_resume_settings(records, max_tokens=128, temperature=1.0, seed=3)
+    trace.check_resume_settings(records, max_tokens=256, temperature=1.0, seed=3)  # the seed is unknown
+    assert trace.trace_seeds(legacy) == {trace.LEGACY_TRACE_SEED}
+    # Written again, the table carries the settings, and a fresh log copied from it has them.
+    with log.open("a") as more:
+        more.write(json.dumps({**records[0], "key": "k9", "max_tokens": 256, "temperature": 1.0, "seed": 4}) + "\n")
+    table = tmp_path / "trace.parquet"
+    assert trace.write_trace_table(log, table) == 3
+    fresh = tmp_path / "fresh.jsonl"
+    trace.seed_log_from_table(fresh, table)
+    assert [(r.get("temperature"), r.get("seed")) for r in trace.read_log(fresh)] == [(1.0, None), (1.0, None),
+                                                                                       (1.0, 4)]
+    assert trace.trace_seeds(table) == {4}
+
+
+def test_a_resample_may_not_redraw_the_traces_own_seeds(tmp_path):
+    from training import trace
+
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    with pytest.raises(ValueError, match="a seed the trace was drawn with"):
+        trace.run(parser.parse_args(["--num-prompts", "5", "--resample-split", "test", "--out",
+                                     str(tmp_path / "again.parquet"), "--log", str(tmp_path / "again.jsonl")]))
+
+
+def test_a_whole_last_log_line_without_its_line_break_is_kept_and_ended(tmp_path):
+    from training import trace
+
+    log = tmp_path / "trace.jsonl"
+    log.write_text('{"key": "a"}\n{"key": "b"}')  # killed between the record and its line break
+    trace.trim_partial_line(log)
+    assert log.read_text() == '{"key": "a"}\n{"key": "b"}\n'
+    log.write_text('{"key": "a"}\n{"key": "b", "outp')  # killed inside the record
+    trace.trim_partial_line(log)
+    assert log.read_text() == '{"key": "a"}\n'
+
+
+def test_tables_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from training import data_prepare, dataset, trace
+
+    table = tmp_path / "trace.parquet"
+    _legacy_trace_table(table)
+    log = tmp_path / "trace.jsonl"
+    trace.seed_log_from_table(log, table)
+    real_write = pq.write_table
+
+    def interrupted(data, where, **kwargs):
+        real_write(data.slice(0, 1), where, **kwargs)
+        raise KeyboardInterrupt  # Ctrl-C as the file is being written
+
+    monkeypatch.setattr(pq, "write_table", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trace.write_trace_table(log, table)
+    assert trace.load_trace(path=table)["output_tokens"] == [10, 11]
+    # The turn table: an interrupt while any split is written leaves every split as it was.
+    columns = data_prepare.TurnColumns()
+    for i, split in enumerate(("train", "validation", "test")):
+        for name, value in {"conversation_id": f"c{i}", "turn_index": 0,
+                            "prompt": f"p{i}", "prompt_tokens": 3, "response_tokens": 4, "split": split,
+                            "in_train": False}.items():
+            getattr(columns, name).append(value)
+    monkeypatch.setattr(pq, "write_table", real_write)
+    turns = tmp_path / "turns"
+    data_prepare.write_table(columns, turns)
+    before = {name: (turns / f"{name}.parquet").read_bytes() for name in dataset.SPLITS}
+    calls = []
+
+    def fails_on_the_second(data, where, **kwargs):
+        calls.append(where)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_write(data, where, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", fails_on_the_second)
+    columns.prompt_tokens = [9, 9, 9]
+    with pytest.raises(KeyboardInterrupt):
+        data_prepare.write_table(columns, turns)
+    assert {name: (turns / f"{name}.parquet").read_bytes() for name in dataset.SPLITS} == before
+
+
+def test_a_table_rewritten_under_its_old_modification_time_loads_its_new_rows(tmp_path):
+    # datasets knows a local file by path and mtime; the cache is keyed by content as well.
+    import os
+
+    from training import trace
+
+    table = tmp_path / "trace.parquet"
+    _legacy_trace_table(table, lengths=(10, 11))
+    assert trace.load_trace(path=table)["output_tokens"] == [10, 11]
+    stamp = os.stat(table).st_mtime_ns
+    _legacy_trace_table(table, lengths=(20, 21))
+    os.utime(table, ns=(stamp, stamp))
+    assert trace.load_trace(path=table)["output_tokens"] == [20, 21]
 
 
 def test_trace_agreement_needs_an_existing_table(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,17 +143,24 @@ def mark_in_train(columns: TurnColumns) -> None:
 
 
 def write_table(columns: TurnColumns, table_dir: Path) -> dict[str, int]:
-    """One zstd parquet file per split; returns the row count of each."""
+    """One zstd parquet file per split; returns the row count of each. Every split is written
+    beside its file first and the three renamed into place only once all are whole: an interrupt
+    during the minute of writing must not leave splits of two builds side by side, whose in_train
+    flags would name a train split that is not there."""
     table_dir.mkdir(parents=True, exist_ok=True)
     table = pa.table({name: getattr(columns, name) for name in dataset.TURN_COLUMNS})
-    counts = {}
+    counts, written = {}, []
     for split_name, path in dataset.table_files(table_dir).items():
         part = table.filter(pa.compute.equal(table["split"], split_name))
+        partial = Path(path).with_name(f".{Path(path).name}.partial")
         # Level 19 and large pages let zstd see the prefix each turn shares with the one before:
         # the table is committed, so its size matters more than the minute it takes to write.
-        pq.write_table(part, path, compression="zstd", compression_level=19,
+        pq.write_table(part, partial, compression="zstd", compression_level=19,
                        data_page_size=8 << 20, row_group_size=100_000)
+        written.append((partial, path))
         counts[split_name] = part.num_rows
+    for partial, path in written:
+        os.replace(partial, path)
     return counts
 
 

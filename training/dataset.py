@@ -106,17 +106,27 @@ def load_turns(split: str | None = None, table_dir: Path | None = None) -> datas
     missing = [files[name] for name in wanted if not Path(files[name]).exists()]
     if missing:
         raise FileNotFoundError(f"turn table missing ({missing[0]}); run `lengthwise data prepare`")
-    cache_dir = str(REPO_ROOT / "data" / "cache" / "hf_datasets")
-    return datasets.load_dataset(
-        "parquet", data_files=[files[name] for name in wanted], split="train", cache_dir=cache_dir
-    )
+    paths = [files[name] for name in wanted]
+    return datasets.load_dataset("parquet", data_files=paths, split="train", cache_dir=hf_cache_dir(paths))
+
+
+def hf_cache_dir(paths: list[str | Path]) -> str:
+    """The `datasets` cache for these parquet files, one folder per content hash: the library
+    knows a local file by its path and modification time only, so new bytes under an old time
+    (`cp -p`, an unpacked archive) would load the old rows while table_hash named the new ones."""
+    return str(REPO_ROOT / "data" / "cache" / "hf_datasets" / files_hash(paths))
+
+
+def files_hash(paths: list[str | Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def table_hash(table_dir: Path | None = None) -> str:
     """Short content hash of the table files: identifies the training data of a predictor."""
-    digest = hashlib.sha256()
-    for name in SPLITS:
-        with open(table_files(table_dir)[name], "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+    files = table_files(table_dir)
+    return files_hash([files[name] for name in SPLITS])

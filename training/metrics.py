@@ -68,12 +68,15 @@ def tau_interval(true: Sequence[float], score: Sequence[float], num_resamples: i
 def coverage(true: np.ndarray, quantile: np.ndarray, censored: np.ndarray) -> float:
     """Share of rows whose true length is at most `quantile`, over the rows where that is known.
 
-    A censored row's reply was cut at a cap: its true length is at least the recorded one, so it
-    is known uncovered when the quantile is below that, and unknown otherwise (counting it
-    covered, as a plain `true <= quantile` does, credits a quantile at the cap with every cut
-    reply: 306 of 499 on the trace's test split). Unknown rows are left out."""
-    known = ~censored | (quantile < true)
-    return float(np.mean(true[known] <= quantile[known])) if known.any() else float("nan")
+    A censored row's reply was cut at a cap before it ended (the end token is checked before the
+    cap): its true length is at least the recorded one plus one, so it is known uncovered when the
+    quantile is below that, and unknown otherwise (counting it covered, as a plain
+    `true <= quantile` does, credits a quantile at the cap with every cut reply: 306 of 499 on the
+    trace's test split). Unknown rows are left out. (Below `true` alone, a quantile head that
+    lands a hair under or on the cap flipped every cut reply between a miss and unknown.)"""
+    known = ~censored | (quantile < true + 1)
+    covered = ~censored & (true <= quantile)  # a cut reply is known only where it is a miss
+    return float(np.mean(covered[known])) if known.any() else float("nan")
 
 
 def prediction_metrics(true_lengths: Sequence[int], predictions: Sequence[Prediction],

@@ -4,12 +4,14 @@ Algorithm. Candidate prompts are the turn table's prompts that fit the context w
 `max_tokens` of output, deduplicated by text, in a seeded random order (so any prefix is a
 random sample across splits, and each row keeps its turn-table split). They run through the
 offline engine (`engine.llm.LLM`), fed continuously, with the served defaults (temperature 1.0, top_p
-1.0) and a per-prompt seed, so a rerun reproduces a length. (Rows logged before session 6 drew
-from per-request generator streams, which the stateless sampler replaced: a rerun of those
-prompts now gives another sample from the same distribution.) Each finished prompt is appended
-to a JSONL log at once, with its sampling settings: an interrupted run resumes by skipping the
-keys already logged, and refuses a log sampled with other settings. The
-log is then written as a parquet table that `lengthwise train --labels trace` learns from. The
+1.0) and a per-prompt seed, so a rerun draws each prompt from the same seeds (mostly the same
+length, though a draw can flip on the last bits of a batch-dependent logit; engine/sampler.py).
+(Rows logged before session 6 drew from per-request generator streams, which the stateless
+sampler replaced.) Each finished prompt is appended to a JSONL log at once, with its sampling
+settings: an interrupted run resumes by skipping the keys already logged, and refuses a log
+sampled with other settings. The log is then written as a parquet table, settings included, that
+`lengthwise train --labels trace` learns from; a table written before session 20 holds none, and
+its rows are taken to have the defaults every committed table used (LEGACY_TABLE_SETTINGS). The
 `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
 costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
 token, one less). The log is git-ignored and the table committed, so a run first copies into
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +39,12 @@ DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
 DEFAULT_RESAMPLE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt_test_resample.parquet"
 TRACE_COLUMNS = ("key", "conversation_id", "turn_index", "prompt", "prompt_tokens", "output_tokens",
                  "finish_reason", "split", "in_train")
+SETTING_COLUMNS = ("max_tokens", "temperature", "seed")  # null where a row's setting is unknown
+# What every table written before the settings were columns was sampled with: the defaults below.
+# Their seeds are unknown (rows before session 6 drew from generator streams), except that the
+# committed trace's later rows used --seed 0, which a resample must therefore not reuse.
+LEGACY_TABLE_SETTINGS = {"max_tokens": 256, "temperature": 1.0, "seed": None}
+LEGACY_TRACE_SEED = 0
 
 
 def prompt_key(prompt: str) -> str:
@@ -71,13 +80,22 @@ def read_log(log_path: Path) -> list[dict]:
 
 
 def trim_partial_line(log_path: Path) -> None:
-    """Cut a last line left unfinished by an interrupted write, so appending starts a new line."""
+    """End the log on a line break before appending: a last line an interrupted write cut off is
+    removed, and one written whole but for its line break (which read_log counts) is ended."""
     if not log_path.exists():
         return
     data = log_path.read_bytes()
-    if data and not data.endswith(b"\n"):
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+    except ValueError:
         with log_path.open("r+b") as log:
-            log.truncate(data.rfind(b"\n") + 1)
+            log.truncate(start)
+        return
+    with log_path.open("ab") as log:
+        log.write(b"\n")
 
 
 def seed_log_from_table(log_path: Path, table_path: Path) -> int:
@@ -90,8 +108,26 @@ def seed_log_from_table(log_path: Path, table_path: Path) -> int:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         trim_partial_line(log_path)
         with log_path.open("a", encoding="utf-8") as log:
-            log.writelines(json.dumps({name: row[name] for name in TRACE_COLUMNS}) + "\n" for row in missing)
+            log.writelines(json.dumps(table_record(row)) + "\n" for row in missing)
     return len(missing)
+
+
+def table_record(row: dict) -> dict:
+    """A table row as a log record: its settings, or the legacy ones for a table without them."""
+    settings = {name: row[name] for name in SETTING_COLUMNS} if "seed" in row else LEGACY_TABLE_SETTINGS
+    return {**{name: row[name] for name in TRACE_COLUMNS},
+            **{name: value for name, value in settings.items() if value is not None}}
+
+
+def trace_seeds(path: Path = DEFAULT_TRACE) -> set[int]:
+    """The --seed values a trace table's rows were drawn with (the legacy trace's for one without)."""
+    import pyarrow.parquet as pq
+
+    if not Path(path).exists():
+        return set()
+    if "seed" not in pq.read_schema(path).names:
+        return {LEGACY_TRACE_SEED}
+    return {seed for seed in pq.read_table(path, columns=["seed"])["seed"].to_pylist() if seed is not None}
 
 
 def seed_of(key: str, seed: int) -> int:
@@ -106,7 +142,7 @@ def check_resume_settings(records: list[dict], max_tokens: int, temperature: flo
     wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     for record in records:
         for name, value in wanted.items():
-            if name in record and record[name] != value:
+            if record.get(name) is not None and record[name] != value:
                 raise ValueError(f"the log holds prompts sampled with {name} {record[name]}, this run asks "
                                  f"{value}: pass the log's settings, or another --log and --out")
         if "max_tokens" not in record and record["finish_reason"] == "length" and record["output_tokens"] != max_tokens:
@@ -164,9 +200,16 @@ def write_trace_table(log_path: Path, table_path: Path) -> int:
     import pyarrow.parquet as pq
 
     records = read_log(log_path)
-    table = pa.table({name: [record[name] for record in records] for name in TRACE_COLUMNS})
+    columns = {name: [record[name] for record in records] for name in TRACE_COLUMNS}
+    types = {"max_tokens": pa.int64(), "temperature": pa.float64(), "seed": pa.int64()}
+    columns.update({name: pa.array([record.get(name) for record in records], types[name]) for name in SETTING_COLUMNS})
+    table = pa.table(columns)
     table_path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, table_path, compression="zstd", compression_level=19)
+    # Written beside the table and renamed over it: an interrupt (Ctrl-C, a kill) mid-write would
+    # leave the committed trace truncated, and every later run failing on it.
+    partial = table_path.with_name(f".{table_path.name}.partial")
+    pq.write_table(table, partial, compression="zstd", compression_level=19)
+    os.replace(partial, table_path)
     return table.num_rows
 
 
@@ -177,7 +220,7 @@ def load_trace(split: str | None = None, path: Path = DEFAULT_TRACE):
     if not Path(path).exists():
         raise FileNotFoundError(f"trace table {path} missing; run `lengthwise trace`")
     table = datasets.load_dataset("parquet", data_files=str(path), split="train",
-                                  cache_dir=str(dataset.REPO_ROOT / "data" / "cache" / "hf_datasets"))
+                                  cache_dir=dataset.hf_cache_dir([path]))
     return table if split is None else table.filter(lambda s: s == split, input_columns="split")
 
 
@@ -201,7 +244,7 @@ def check_trace_table(path: Path, flag: str) -> None:
 
 
 def trace_hash(path: Path = DEFAULT_TRACE) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return dataset.files_hash([path])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resample_split is not None and (args.out.resolve() == DEFAULT_TRACE.resolve()
                                             or args.log.resolve() == DEFAULT_LOG.resolve()):
         raise ValueError("--resample-split needs its own --log and --out (not the committed trace's)")
+    if args.resample_split is not None and args.seed in trace_seeds():
+        raise ValueError(f"--resample-split with --seed {args.seed}, a seed the trace was drawn with, would "
+                         "redraw its tokens rather than sample again: pass another --seed")
     check_model_dir(args.model)
     max_model_len = EngineConfig(model=args.model).max_model_len  # what LLM(model=...) runs with
     if args.max_tokens >= max_model_len:  # no prompt would fit: it would trace nothing and say so with 0

@@ -133,6 +133,27 @@ def test_the_triton_backend_is_refused_where_its_kernels_cannot_run(capsys, tmp_
     assert resolve_backend_name("auto", torch.device("cpu"), torch.float16) == "triton"
 
 
+def test_a_bfloat16_engine_under_the_interpreter_never_runs_the_triton_kernels(tiny_model_dir, monkeypatch) -> None:
+    import torch
+
+    from engine import llm_engine
+    from engine.attention.backend import TorchReferenceBackend
+    from engine.config import EngineConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the kernels are compiled, not interpreted")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def config(backend: str) -> EngineConfig:
+        return EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", device="cpu", attention_backend=backend,
+                            num_gpu_blocks=16, max_model_len=256, num_threads=1)
+
+    assert isinstance(llm_engine.LLMEngine(config("auto")).runner.backend, TorchReferenceBackend)
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match="computes bfloat16 wrongly"):
+        llm_engine.LLMEngine(config("triton"))
+
+
 def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_dir, monkeypatch) -> None:
     import torch
 

@@ -193,3 +193,11 @@ def test_the_tokenizer_routes_need_no_api_key_as_in_vllm(served) -> None:
     assert post(served[0], "/tokenize", {"prompt": "Hi"}, key=None).status_code == 200
     assert httpx.post(served[0] + "/v1/completions", json={"prompt": "Hi"}, timeout=60).status_code == 401
     assert post(served[0], "/detokenize", {"tokens": [1]}, key="wrong").status_code == 200
+
+
+def test_template_kwargs_win_over_switches_the_request_also_sets() -> None:
+    # vLLM merges chat_template_kwargs over the request's own switches: the kwargs' values render.
+    body = ChatCompletionRequest(messages=PREFILL, add_generation_prompt=True, continue_final_message=False,
+                                 chat_template_kwargs={**CONTINUE, "enable_thinking": False})
+    assert (body.add_generation_prompt, body.continue_final_message) == (False, True)
+    assert body.chat_template_kwargs == {"enable_thinking": False}

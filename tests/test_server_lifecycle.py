@@ -716,3 +716,101 @@ def test_a_request_ended_while_the_engine_adds_it_counts_as_admitted_and_aborted
     assert not engine.has_unfinished_requests()
     free, total = free_and_total(engine)
     assert free == total
+
+
+def test_a_submission_cancelled_while_the_engine_adds_it_keeps_its_outputs_from_a_reused_id(
+        tiny_model_dir, monkeypatch):
+    # The client leaves while the engine thread is adding its request: the Abort queued on the way
+    # out is in flight, and the step that runs the old request must not end a new stream under the id.
+    engine = tiny_engine(tiny_model_dir)
+    in_add, release = threading.Event(), threading.Event()
+    real_add = engine.add_request
+
+    def gated_add(request_id, *args, **kwargs):
+        if not in_add.is_set():
+            in_add.set()
+            release.wait(30)
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", gated_add)
+    async_engine = AsyncLLMEngine(engine)
+    old_prompt, new_prompt = prompt_ids(engine, "Hello there"), prompt_ids(engine, "Something else entirely")
+
+    async def scenario():
+        await async_engine.start()
+        old = asyncio.ensure_future(async_engine.submit(
+            "x", old_prompt, "Hello there", SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        assert await asyncio.to_thread(in_add.wait, 30)  # past the cancellation check: it will run
+        old.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await old
+        twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        new = asyncio.ensure_future(async_engine.submit("x", new_prompt, "Something else entirely", twelve))
+        await asyncio.sleep(0.05)  # the new stream holds the id
+        release.set()  # the old request is added and runs a step; then its Abort, then the new one
+        outputs = await asyncio.wait_for(drain(await new), timeout=60)
+        await async_engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == new_prompt
+    assert len(outputs[-1].token_ids) == 12
+    assert not async_engine._aborts_in_flight
+
+
+def test_an_id_aborted_twice_before_the_first_abort_is_applied_stays_closed_until_both_are(
+        tiny_model_dir, monkeypatch):
+    # A's abort is applied and B added on the engine thread while the loop has not yet read the
+    # word; B is aborted then. Until B's abort is applied too, the outputs under the id are B's.
+    engine = tiny_engine(tiny_model_dir)
+    permits, in_step = threading.Semaphore(0), threading.Event()
+    in_add, release_add = threading.Event(), threading.Event()
+    real_step, real_add = engine.step, engine.add_request
+    adds = []
+
+    def gated_step():
+        in_step.set()
+        permits.acquire(timeout=30)
+        return real_step()
+
+    def gated_add(request_id, *args, **kwargs):
+        adds.append(request_id)
+        if len(adds) == 2:  # B: A's Abort was applied just before
+            in_add.set()
+            release_add.wait(30)
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    monkeypatch.setattr(engine, "add_request", gated_add)
+    async_engine = AsyncLLMEngine(engine)
+    texts = ["Hello there", "A second prompt", "Something else entirely"]
+    prompts = [prompt_ids(engine, text) for text in texts]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await async_engine.start()
+        await async_engine.submit("x", prompts[0], texts[0], one)  # A, held in its step
+        assert await asyncio.to_thread(in_step.wait, 30)
+        async_engine.abort("x")
+        await asyncio.sleep(0)  # A's stream is dropped
+        second = asyncio.ensure_future(async_engine.submit("x", prompts[1], texts[1], one))  # B
+        await asyncio.sleep(0.05)
+        permits.release()  # A's step ends; A's Abort is applied and B is being added
+        assert in_add.wait(30)  # on the loop thread: the word of A's Abort is not read yet
+        async_engine.abort("x")  # B's
+        assert async_engine._aborts_in_flight == {"x": 2}
+        release_add.set()  # B runs a step (held), its Abort still queued
+        with pytest.raises(RequestAborted):
+            await asyncio.wait_for(second, 60)
+        twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        third = asyncio.ensure_future(async_engine.submit("x", prompts[2], texts[2], twelve))  # C
+        await asyncio.sleep(0.05)  # C's stream holds the id
+        permits.release(1000)  # B's step reports B; then B's Abort, C, and every later step
+        outputs = await asyncio.wait_for(drain(await third), timeout=60)
+        await async_engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == prompts[2]
+    assert len(outputs[-1].token_ids) == 12
+    assert not async_engine._aborts_in_flight

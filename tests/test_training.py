@@ -721,3 +721,79 @@ def test_latency_per_prompt_is_the_median_call_time_over_the_batch_it_timed(monk
     sizes.clear()
     assert evaluate.latency_ms_per_prompt(Model(), prompts[:8], 32, calls=3) == pytest.approx(2.0 + 10.0 / 8)
     assert sizes == [8] * 4
+
+
+def test_eval_predictor_champion_without_a_default_predictor_says_how_to_get_one(tmp_path, monkeypatch):
+    from training import evaluate
+
+    monkeypatch.setattr(tracking, "default_store", lambda: tmp_path / "fresh-clone")
+    monkeypatch.setattr(evaluate, "DEFAULT_PREDICTOR", tmp_path / "no-default")
+    with pytest.raises(ValueError, match="train one with `lengthwise train`"):
+        evaluate.resolve_predictor("champion", None)
+
+
+def test_a_quantile_at_the_cap_plus_one_leaves_a_cut_reply_unknown():
+    # A reply cut at 256 has a true length of at least 257: a p90 of 257 may cover it, 256.5 cannot.
+    true = np.array([10.0, 256.0, 256.0])
+    censored = np.array([False, True, True])
+    assert metrics.coverage(true, np.array([20.0, 257.0, 256.5]), censored) == pytest.approx(1 / 2)
+
+
+def test_a_trace_tables_settings_come_back_as_they_were_logged(tmp_path):
+    from training import trace
+
+    row = {"key": "k0", "conversation_id": "c0", "turn_index": 0, "prompt": "p0", "prompt_tokens": 5,
+           "output_tokens": 128, "finish_reason": "length", "split": "test", "in_train": False}
+    log, table, fresh = tmp_path / "trace.jsonl", tmp_path / "trace.parquet", tmp_path / "fresh.jsonl"
+    # A temperature float32 cannot hold, and a row logged before the settings were (cap unknown).
+    log.write_text(json.dumps({**row, "max_tokens": 128, "temperature": 0.7, "seed": 3}) + "\n"
+                   + json.dumps({**row, "key": "k1"}) + "\n")
+    trace.write_trace_table(log, table)
+    trace.seed_log_from_table(fresh, table)
+    records = trace.read_log(fresh)
+    assert records[0]["temperature"] == 0.7 and "max_tokens" not in records[1]
+    trace.check_resume_settings(records, max_tokens=128, temperature=0.7, seed=3)
+    with pytest.raises(ValueError, match="cut at 128 tokens"):  # the unknown cap is still checked
+        trace.check_resume_settings(records[1:], max_tokens=256, temperature=0.7, seed=3)
+    assert trace.trace_seeds(tmp_path / "none.parquet") == set()  # no trace: no seed to avoid
+
+
+def test_a_plain_trace_run_may_use_the_traces_own_seed(tmp_path):
+    # Only a resample is barred from the trace's seeds: extending the trace draws with them.
+    from training import trace
+
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    args = parser.parse_args(["--num-prompts", "5", "--max-tokens", "100000", "--out", str(tmp_path / "t.parquet"),
+                              "--log", str(tmp_path / "t.jsonl")])
+    assert args.seed in trace.trace_seeds()
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):  # the next check, past the seed's
+        trace.run(args)
+
+
+def test_the_turn_tables_hash_and_cache_follow_every_splits_bytes(tmp_path):
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from training import data_prepare, dataset
+
+    def build(lengths):
+        columns = data_prepare.TurnColumns()
+        for i, split in enumerate(dataset.SPLITS):
+            for name, value in {"conversation_id": f"c{i}", "turn_index": 0, "prompt": f"p{i}", "prompt_tokens": 3,
+                                "response_tokens": lengths[i], "split": split, "in_train": False}.items():
+                getattr(columns, name).append(value)
+        data_prepare.write_table(columns, tmp_path)
+
+    build([10, 11, 12])
+    files = dataset.table_files(tmp_path)
+    whole = hashlib.sha256(b"".join(Path(files[s]).read_bytes() for s in dataset.SPLITS)).hexdigest()[:16]
+    assert dataset.table_hash(tmp_path) == whole  # as the registered runs' data_hash tags recorded it
+    assert dataset.load_turns(table_dir=tmp_path)["response_tokens"] == [10, 11, 12]
+    stamps = {s: os.stat(files[s]).st_mtime_ns for s in dataset.SPLITS}
+    build([10, 11, 21])  # only the test split changes, and keeps its old modification time
+    for s, stamp in stamps.items():
+        os.utime(files[s], ns=(stamp, stamp))
+    assert dataset.table_hash(tmp_path) != whole
+    assert dataset.load_turns(table_dir=tmp_path)["response_tokens"] == [10, 11, 21]

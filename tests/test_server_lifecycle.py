@@ -212,6 +212,24 @@ def test_a_second_submit_with_a_live_id_is_refused_and_the_first_request_finishe
     assert free == total
 
 
+async def resubmit_and_drain(async_engine, prompt: list[int], release: threading.Event) -> list:
+    """Submit a 12-token request under the id "x" the last one held, let the engine go on
+    (`release`) once its stream holds the id, and return its outputs."""
+    twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    new = asyncio.ensure_future(async_engine.submit("x", prompt, "Something else entirely", twelve))
+    await asyncio.sleep(0.05)  # the new stream holds the id
+    release.set()
+    outputs = await asyncio.wait_for(drain(await new), timeout=60)
+    await async_engine.shutdown()
+    return outputs
+
+
+def assert_only_the_new_reply(outputs: list, async_engine, prompt: list[int]) -> None:
+    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == prompt
+    assert len(outputs[-1].token_ids) == 12
+    assert not async_engine._aborts_in_flight
+
+
 def test_an_id_reused_while_its_abort_is_in_flight_gets_only_its_own_outputs(tiny_model_dir, monkeypatch):
     # The engine thread is inside a step with the old request when it is aborted and its id taken
     # again: that step's outputs are the old request's and must not end the new stream.
@@ -235,18 +253,10 @@ def test_an_id_reused_while_its_abort_is_in_flight_gets_only_its_own_outputs(tin
         assert await asyncio.to_thread(in_step.wait, 30)
         async_engine.abort("x")
         await asyncio.sleep(0)  # the old stream is dropped: the id is free
-        twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        new = asyncio.ensure_future(async_engine.submit("x", new_prompt, "Something else entirely", twelve))
-        await asyncio.sleep(0.05)
-        release.set()  # the step with the old request ends; every later step runs at once
-        outputs = await asyncio.wait_for(drain(await new), timeout=60)
-        await async_engine.shutdown()
-        return outputs
+        # release: the step with the old request ends; every later step runs at once
+        return await resubmit_and_drain(async_engine, new_prompt, release)
 
-    outputs = asyncio.run(scenario())
-    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == new_prompt
-    assert len(outputs[-1].token_ids) == 12
-    assert not async_engine._aborts_in_flight
+    assert_only_the_new_reply(asyncio.run(scenario()), async_engine, new_prompt)
     free, total = free_and_total(engine)
     assert free == total
 
@@ -744,18 +754,10 @@ def test_a_submission_cancelled_while_the_engine_adds_it_keeps_its_outputs_from_
         old.cancel()
         with pytest.raises(asyncio.CancelledError):
             await old
-        twelve = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        new = asyncio.ensure_future(async_engine.submit("x", new_prompt, "Something else entirely", twelve))
-        await asyncio.sleep(0.05)  # the new stream holds the id
-        release.set()  # the old request is added and runs a step; then its Abort, then the new one
-        outputs = await asyncio.wait_for(drain(await new), timeout=60)
-        await async_engine.shutdown()
-        return outputs
+        # release: the old request is added and runs a step; then its Abort, then the new one
+        return await resubmit_and_drain(async_engine, new_prompt, release)
 
-    outputs = asyncio.run(scenario())
-    assert outputs[-1].finished and list(outputs[-1].prompt_token_ids) == new_prompt
-    assert len(outputs[-1].token_ids) == 12
-    assert not async_engine._aborts_in_flight
+    assert_only_the_new_reply(asyncio.run(scenario()), async_engine, new_prompt)
 
 
 def test_an_id_aborted_twice_before_the_first_abort_is_applied_stays_closed_until_both_are(

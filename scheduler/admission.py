@@ -11,7 +11,7 @@ alongside it divided by the throughput.
   / throughput; rejected above `slo_ttft_interactive_s`. A fluid estimate: it leaves out the
   rest of the step in flight and the other tiers' decodes that share each step, work that tier
   order cannot move and a refusal would not shorten, so where steps are slow it reads low (on the
-  CPU a step of 32 seats takes about 0.3-0.7 s, and most interactive requests miss 500 ms).
+  CPU a step of 32 seats takes about 0.2-0.7 s, and most interactive requests miss 500 ms).
 - standard: predicted end-to-end = (token work of interactive and standard requests in the system +
   its own prompt) / throughput + its predicted output tokens * the mean step time, since one request
   gains one token per step however fast the server is; rejected above `slo_e2e_standard_s`. This is

@@ -68,7 +68,6 @@ class AsyncLLMEngine:
         # then a step already under way may still report the aborted request, and its outputs
         # must not reach a later request that reuses the id.
         self._aborts_in_flight: dict[str, int] = {}
-        self._loop_thread: int | None = None
         # Submitted, not yet answered: written by the loop, looked up by `abort` from any thread.
         self._pending: dict[str, Submission] = {}
         self._no_streams = asyncio.Event()
@@ -79,7 +78,6 @@ class AsyncLLMEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._no_streams = asyncio.Event()
         self._no_streams.set()
         self.state = EngineState.RUNNING
@@ -220,11 +218,17 @@ class AsyncLLMEngine:
         loop before the Abort is queued, so it lands before the engine thread's word that the
         Abort was applied."""
         if self._loop is not None:
-            if threading.get_ident() == self._loop_thread:
+            if self._on_loop():
                 self._count_abort(request_id)
             else:
                 self._loop.call_soon_threadsafe(self._count_abort, request_id)
         self._commands.put(Abort(request_id))
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs in this thread
+            return False
 
     def _count_abort(self, request_id: str) -> None:
         self._aborts_in_flight[request_id] = self._aborts_in_flight.get(request_id, 0) + 1

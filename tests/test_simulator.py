@@ -232,6 +232,10 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
                  "--predictions", "noisy-oracle", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["load"] == 0.8 and set(report["policies"]) == {"fcfs", "sjf"}
+    # What the workload was drawn with, so a JSON can be traced to its settings.
+    assert (report["arrival"], report["arrival_cv"], report["seed"]) == ("poisson", 1.0, 0)
+    assert (report["max_prompt_tokens"], report["max_output_tokens"]) == (1024, 1024)
+    assert report["kv_budget"]["num_cpu_blocks"] == 0
     for figures in report["policies"].values():
         assert figures["num_served"] == 40 and figures["leaked_blocks"] == 0
         assert {"mean_e2e_s", "p99_e2e_s", "p99_e2e_longest10pct_s", "max_wait_s", "output_tokens_per_s"} <= set(figures)
@@ -248,8 +252,11 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
     # The flags reach the scheduler and the report, with the tiers in their own order.
     assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--sweep-loads", "", "--tier-mix", "3,1,0",
                  "--aging-tokens-per-step", "0.5", "--admission", "--predictions", "noisy-oracle", "--no-plots",
+                 "--arrival", "gamma", "--arrival-cv", "4", "--seed", "3", "--max-output-tokens", "256",
                  "--json", str(out)]) == 0
     flagged = json.loads(out.read_text())
+    assert (flagged["arrival"], flagged["arrival_cv"], flagged["seed"], flagged["max_output_tokens"]) == (
+        "gamma", 4.0, 3, 256)
     assert flagged["tier_mix"] == {"interactive": 3.0, "standard": 1.0, "batch": 0.0}
     scheduler = flagged["scheduler"]
     assert scheduler["aging_tokens_per_step"] == 0.5 and scheduler["admission"] is True
@@ -316,7 +323,10 @@ def test_cli_refuses_impossible_numbers_and_missing_paths_in_one_line(tmp_path, 
     for argv, flag in ((["simulate", "--load", "-1"], "--load"), (["simulate", "--sweep-loads", "0.5,0"], "--sweep-loads"),
                        (["simulate", "--num-requests", "0"], "--num-requests"), (["serve", "--port", "99999"], "--port"),
                        (["simulate", "--load", "inf"], "--load"), (["simulate", "--aging-tokens-per-s", "nan"],
-                                                                  "--aging-tokens-per-s")):
+                                                                  "--aging-tokens-per-s"),
+                       # A gamma shape of 1e400 or 1e-400 divided by zero mid-run (a traceback).
+                       (["simulate", "--arrival-cv", "1e-200"], "--arrival-cv"),
+                       (["simulate", "--arrival-cv", "1e200"], "--arrival-cv")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and last_line_names(capsys.readouterr().err, flag), argv
@@ -387,6 +397,16 @@ def test_the_longest_decile_is_the_top_tenth_by_true_length_and_its_p99_is_their
     result = SimulationResult(records=tuple(records), makespan_s=100.0, num_steps=1, num_preemptions=0,
                               peak_kv_usage=0.0, stability_margins=(), leaked_blocks=0)
     assert summarize(result)["p99_e2e_longest10pct_s"] == pytest.approx(percentile([90.0, 100.0], 99))
+
+
+def test_the_longest_decile_stays_a_tenth_when_replies_tie_at_the_cap() -> None:
+    from training.sim_metrics import longest_decile
+
+    # 30 of 100 replies cut at a 256-token cap: a threshold at the 90th percentile kept all 30.
+    records = [record_of(f"r{n:03d}", 256 if n < 30 else n, float(n)) for n in range(100)]
+    decile = longest_decile(records)
+    assert len(decile) == 10 and {r.output_tokens for r in decile} == {256}
+    assert longest_decile(list(reversed(records))) == decile  # the same set whatever the order
 
 
 def test_goal_ratios_have_the_issue_s_direction_and_bounds() -> None:

@@ -34,8 +34,10 @@ def mean(values: Sequence[float]) -> float:
 
 
 def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
-    threshold = percentile([r.output_tokens for r in records], 90)
-    return [r for r in records if r.output_tokens >= threshold]
+    """The ceil(10%) longest by true output length; ties (replies cut at a low cap) broken by
+    request id, the same set for every policy, so it stays a tenth."""
+    count = math.ceil(len(records) / 10)
+    return sorted(records, key=lambda r: (-r.output_tokens, r.request_id))[:count]
 
 
 class SeatLog:

@@ -39,6 +39,17 @@ DEFAULT_STEP_COST = REPO_ROOT / "data" / "step_cost.json"
 DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
 DEFAULT_KV_BLOCKS = 1024  # 16k tokens of 16: binds at 32 seats of ShareGPT-sized requests
 KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head dim 64
+ARRIVAL_CV_RANGE = (0.01, 100.0)
+
+
+def arrival_cv(text: str) -> float:
+    """A gamma CV whose shape (1/CV^2) and gaps stay finite floats; past these bounds the draws
+    divide by zero or collapse onto one instant."""
+    value = positive_float(text)
+    if not ARRIVAL_CV_RANGE[0] <= value <= ARRIVAL_CV_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"must be between {ARRIVAL_CV_RANGE[0]:g} and {ARRIVAL_CV_RANGE[1]:g}, "
+                                         f"got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra loads, reported beside --load and plotted against the arrival rate "
                              "(default 0.7,1.0; '' for none)")
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    parser.add_argument("--arrival-cv", type=positive_float, default=2.0,
+    parser.add_argument("--arrival-cv", type=arrival_cv, default=2.0,
                         help="gamma arrivals: coefficient of variation")
     parser.add_argument("--tier-mix", type=tier_weights, default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
@@ -211,12 +222,15 @@ def run(args: argparse.Namespace) -> int:
     sweep.sort(key=lambda entry: entry["load"])
     report = {
         "load": args.load, "arrival_rate_per_s": main["arrival_rate_per_s"], "arrival": args.arrival,
+        "arrival_cv": args.arrival_cv if args.arrival == "gamma" else 1.0, "seed": args.seed,
+        "max_prompt_tokens": args.max_prompt_tokens, "max_output_tokens": args.max_output_tokens,
         "num_requests": len(base), "saturated_output_tokens_per_s": saturated,
         "predictions": prediction_source, "exclude_train_prompts": args.exclude_train_prompts,
         "policies": main["policies"],
         "goals": goal_checks(main["policies"], aging_bound),
         "kv_budget": {"num_gpu_blocks": config.num_gpu_blocks, "block_size": config.block_size,
                       "tokens": config.num_gpu_blocks * config.block_size,
+                      "num_cpu_blocks": config.num_cpu_blocks,
                       "smollm2_fp32_gib": config.num_gpu_blocks * config.block_size
                       * KV_BYTES_PER_TOKEN_SMOLLM2_FP32 / 2**30},
         "cost_model": {**cost.to_dict(), "source": cost_source},

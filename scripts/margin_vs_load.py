@@ -47,7 +47,7 @@ def margin_summary(load: float, samples: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sim_cli.add_arguments(parser)
     parser.add_argument("--loads", type=positive_float_list, default=[0.5, 0.7, 0.9, 1.0, 1.3])
     parser.set_defaults(predictions="noisy-oracle", num_requests=1000, json=REPO_ROOT / "out" / "margin_vs_load.json")

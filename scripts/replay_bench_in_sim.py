@@ -29,6 +29,10 @@ from pathlib import Path
 # The scheduler's knobs (engine/scheduler_args.py) are all server configuration.
 SERVER_FLAGS = frozenset({"step_cost", "kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                           "preemption_mode", "admission"})
+# The bench arguments the replayed prompts, caps and arrival times come from: a measured run's JSON
+# must record the same ones (bench_serve_compare's WORKLOAD_KEYS less those no replay depends on).
+WORKLOAD_ARGS = ("num_prompts", "seed", "split", "tier_mix", "max_output_tokens", "max_model_len",
+                 "request_rate", "burstiness")
 
 
 def parse_sim_args(text: str) -> argparse.Namespace:
@@ -81,8 +85,9 @@ def main(argv: list[str]) -> None:
     if not bench_args.ignore_eos:
         raise ValueError("the replay takes each reply's length to be its max_tokens, which holds only "
                          "for a bench run with --ignore-eos: pass it after --")
-    items = bench_serve.sample_workload(bench_args)
     real = {p.stem: json.loads(p.read_text()) for p in args.result_dir.glob("*.json")}
+    check_same_workload(real, bench_args)  # before the workload loads
+    items = bench_serve.sample_workload(bench_args)
     starts = ({r["index"]: r["start_s"] for r in real["fcfs"]["requests"]} if "fcfs" in real else
               dict(enumerate(bench_serve.arrival_offsets(len(items), bench_args.request_rate,
                                                          bench_args.burstiness, bench_args.seed))))
@@ -96,7 +101,9 @@ def main(argv: list[str]) -> None:
     print(ranking_taus(workload))
     # sjf once more with every request capped at --max-output-tokens, as a client that does not
     # know its reply's length sends it: the order then comes from the prediction alone.
-    capped = [replace(r, max_tokens=bench_args.max_output_tokens) for r in workload]
+    # Without --max-output-tokens such a client can ask at most for the rest of the context.
+    capped = [replace(r, max_tokens=bench_args.max_output_tokens or bench_args.max_model_len - r.prompt_tokens)
+              for r in workload]
     runs = (("fcfs", "fcfs", workload), ("sjf", "sjf", workload), ("oracle", "oracle", workload),
             ("sjf, prediction alone", "sjf", capped))
     for label, name, requests in runs:
@@ -107,6 +114,18 @@ def main(argv: list[str]) -> None:
             r = real[label]
             line += f" | real mean {r['mean_e2e_s']:.1f} p50 {r['p50_e2e_s']:.1f} p99 {r['p99_e2e_s']:.1f}"
         print(line)
+
+
+def check_same_workload(real: dict, bench_args: argparse.Namespace) -> None:
+    """The measured runs must have been made with the bench arguments given: else the replay would
+    print their figures beside another workload's (or miss an index of theirs)."""
+    for label, run in real.items():
+        config = run.get("config", {})
+        differ = [f"--{k.replace('_', '-')} {config[k]} (given {getattr(bench_args, k)})"
+                  for k in WORKLOAD_ARGS if k in config and config[k] != getattr(bench_args, k)]
+        if differ:
+            raise ValueError(f"{label}.json was measured with {', '.join(differ)}: "
+                             "pass its bench arguments after --")
 
 
 def ranking_taus(workload) -> str:

@@ -226,8 +226,10 @@ def test_margin_vs_load_refuses_the_length_policies_knobs_it_would_ignore(capsys
     assert exited.value.code == 2 and f"{flag}: not used here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cap_args, capped", [(["--max-output-tokens", "512"], 512),
+                                               ([], 2048 - 20)])  # the rest of the context, not the true length
 def test_replay_in_sim_runs_sjf_again_on_the_prediction_alone_and_compares_only_like_with_like(
-        tmp_path, monkeypatch, capsys) -> None:
+        tmp_path, monkeypatch, capsys, cap_args, capped) -> None:
     import json
 
     import scheduler.simulation
@@ -248,10 +250,35 @@ def test_replay_in_sim_runs_sjf_again_on_the_prediction_alone_and_compares_only_
     monkeypatch.setattr(scheduler.simulation, "simulate", recording_simulate)
     (tmp_path / "sjf.json").write_text(json.dumps({"mean_e2e_s": 1.0, "p50_e2e_s": 1.0, "p99_e2e_s": 1.0,
                                                    "requests": []}))
-    replay.main(["--result-dir", str(tmp_path), "--", "--num-prompts", "3", "--ignore-eos",
-                 "--max-output-tokens", "512", "--request-rate", "inf"])
+    replay.main(["--result-dir", str(tmp_path), "--", "--num-prompts", "3", "--ignore-eos", *cap_args,
+                 "--request-rate", "inf"])
     assert [policy for policy, _ in runs] == ["fcfs", "sjf", "oracle", "sjf"]
-    assert runs[1][1] == [None, None, None] and runs[3][1] == [512, 512, 512]  # true lengths, then the cap
+    assert runs[1][1] == [None, None, None] and runs[3][1] == [capped] * 3  # true lengths, then the cap
     lines = capsys.readouterr().out.splitlines()
     real = {line.split(" sim ")[0].strip(): "| real" in line for line in lines if " sim mean " in line}
     assert real == {"fcfs": False, "sjf": True, "oracle": False, "sjf, prediction alone": False}
+
+
+def test_replay_in_sim_refuses_a_measured_run_of_another_workload_before_loading(tmp_path, monkeypatch) -> None:
+    # Replayed with other bench arguments, its figures sat beside another workload's (or a missing
+    # index was a KeyError).
+    import json
+
+    from training import bench_serve
+
+    replay = load_script("replay_bench_in_sim")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    (tmp_path / "fcfs.json").write_text(json.dumps({"config": {"num_prompts": 20, "seed": 0}, "requests": []}))
+    for bench_args, named in ((["--num-prompts", "30"], "--num-prompts 20 (given 30)"),
+                              (["--num-prompts", "20", "--seed", "7"], "--seed 0 (given 7)")):
+        with pytest.raises(ValueError, match=r"fcfs\.json was measured with " + named.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            replay.main(["--result-dir", str(tmp_path), "--", *bench_args, "--ignore-eos"])
+
+
+def test_margin_vs_load_refuses_an_abbreviation_of_a_flag_it_decides(capsys) -> None:
+    # An abbreviation slipped past the check on whole flag names and was silently ignored.
+    script = load_script("margin_vs_load")
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--polic", "sjf"])
+    assert exited.value.code == 2 and "unrecognized arguments: --polic" in capsys.readouterr().err

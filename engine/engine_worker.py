@@ -18,6 +18,10 @@ from engine.engine_commands import Abort, Call, Stop, Submission, refuse_until_s
 
 logger = logging.getLogger(__name__)
 
+# How often an idle engine thread renews its stats snapshot. The stability margin is over a sliding
+# window of time: without this, /metrics kept the last margin under load on a server gone idle.
+IDLE_STATS_REFRESH_S = 1.0
+
 
 class EngineWorker:
     def __init__(self, engine: Any, commands: queue.SimpleQueue, inline_predictor: ArrivalPredictor | None,
@@ -55,7 +59,13 @@ class EngineWorker:
 
     def run_commands(self, block: bool) -> bool:
         """Apply every queued command; wait for one first when `block`. False once told to stop."""
-        commands = [self.commands.get()] if block else []
+        commands = []
+        if block:
+            try:
+                commands.append(self.commands.get(timeout=IDLE_STATS_REFRESH_S))
+            except queue.Empty:  # idle: stats that move with time alone still move
+                self.stats = self.engine.stats()
+                return True
         while not self.commands.empty():
             commands.append(self.commands.get_nowait())
         applied, stopped = 0, False

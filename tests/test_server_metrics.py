@@ -83,9 +83,13 @@ def test_prompts_scored_are_counted_beside_the_batch_latency():
     metrics = ServerMetrics(MODEL, lambda: None)
     metrics.on_prediction(0.032, 32)
     metrics.on_prediction(0.010, 1)
+    metrics.on_prediction(2.4, 64)  # a probe's batch: it had landed in +Inf, past a 1 s top bucket
     samples = samples_of(metrics)
-    assert total(samples, "lengthwise:predictor_prompts_total") == 33
-    assert total(samples, "lengthwise:predictor_latency_seconds_count") == 2
+    assert total(samples, "lengthwise:predictor_prompts_total") == 97
+    assert total(samples, "lengthwise:predictor_latency_seconds_count") == 3
+    counts = {float(dict(ls)["le"]): v for (n, ls), v in samples.items()
+              if n == "lengthwise:predictor_latency_seconds_bucket"}
+    assert counts[2.5] == 3 and counts[1.0] == 2
 
 
 def test_the_engine_state_gauges_read_the_schedulers_snapshot_stability_margin_included():
@@ -116,3 +120,38 @@ def test_the_engine_state_gauges_read_the_schedulers_snapshot_stability_margin_i
     idle_samples = samples_of(ServerMetrics(MODEL, lambda: EngineStats(idle, 0, 0.0, 0.0, 0)))
     assert not any(name == "lengthwise:stability_margin" for name, _ in idle_samples)
     assert total(idle_samples, "lengthwise:num_requests_waiting") == 0
+
+
+def test_an_idle_engine_thread_renews_the_stats_the_gauges_read(monkeypatch):
+    # The stability margin is over a window of time: an idle thread that waited for a command
+    # before renewing its snapshot kept the last margin under load on /metrics for good.
+    import queue
+    import threading
+    import time
+
+    from engine import engine_worker
+    from engine.engine_commands import Stop
+
+    class IdleEngine:
+        renewals = 0
+
+        def stats(self):
+            self.renewals += 1
+            return self.renewals
+
+        def has_unfinished_requests(self):
+            return False
+
+    monkeypatch.setattr(engine_worker, "IDLE_STATS_REFRESH_S", 0.01)
+    commands = queue.SimpleQueue()
+    worker = engine_worker.EngineWorker(IdleEngine(), commands, None, on_outputs=lambda outputs: None,
+                                        on_failure=lambda message: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while worker.stats < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    renewed = worker.stats
+    commands.put(Stop())
+    thread.join(timeout=30)
+    assert renewed >= 3 and not thread.is_alive()  # renewed with no command queued, and still stops

@@ -41,6 +41,8 @@ class PredictorSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown predictor kind {self.kind!r}; known: {sorted(KINDS)}")
+        if not isinstance(self.feature_spec, dict):  # a kind's loader reads its fields by name
+            raise ValueError(f"feature_spec must be a JSON object, got {type(self.feature_spec).__name__}")
         if self.version > FORMAT_VERSION:
             raise ValueError(f"predictor format {self.version} is newer than this code ({FORMAT_VERSION})")
 
@@ -69,7 +71,7 @@ def read_spec(folder: Path) -> PredictorSpec:
         raise ValueError(f"predictor format {version} is newer than this code ({FORMAT_VERSION})")
     try:
         return PredictorSpec(**fields)
-    except TypeError as exc:  # missing or unknown fields
+    except (TypeError, ValueError) as exc:  # missing or unknown fields, or a field's value
         raise ValueError(f"{path}: not a predictor spec ({exc})") from None
 
 

@@ -120,6 +120,9 @@ def test_length_predictor_round_trip(tmp_path):
     ("[1, 2]", "a JSON object is expected"),
     ('{"kind": "length", "feature_spec": {}, "data_hash": "", "weights": 3}', "not a predictor spec"),
     ('{"kind": "forest", "feature_spec": {}, "data_hash": ""}', "unknown predictor kind"),
+    # Was an AttributeError (a traceback from serve --predictor) once the kind read a field of it.
+    ('{"kind": "lexical", "feature_spec": null, "data_hash": ""}', "feature_spec must be a JSON object"),
+    ('{"kind": "lexical", "feature_spec": [], "data_hash": ""}', "feature_spec must be a JSON object"),
 ])
 def test_a_spec_that_is_not_a_predictors_is_a_value_error_naming_the_file(tmp_path, text, message):
     (tmp_path / "predictor.json").write_text(text)

@@ -176,6 +176,10 @@ def test_the_committed_probe_reproduces_its_recorded_tau_on_the_converted_model(
     # The states are deterministic, so training's figure comes back. Close variants do not: the
     # final norm applied to the states gives 0.3085, layer 20 0.2945, layer 12 0.1855.
     assert tau == pytest.approx(model.spec.metrics["test_kendall_tau"], abs=5e-4)
+    # A one-token prompt ("Hi" sent to /v1/completions, or "" read as one eos) is read at the
+    # attention-sink state: the linear head had predicted 1e11-1e12 tokens for it.
+    for odd in model.predict(["Hi", ""]):
+        assert 1 <= odd.rank_len <= odd.p90 < 1000 and odd.point < 1000
 
 
 def test_the_cache_refuses_an_encoder_other_than_its_config(probe, tmp_path):

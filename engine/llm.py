@@ -64,11 +64,13 @@ class LLM:
                  params: ParamsLike | Sequence[ParamsLike] | None = None) -> list[RequestOutput]:
         prompts, params_list = self._normalise(prompts, params)
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        predictions = self.engine.predict(prompts)  # in batches, not one predictor call per prompt
         added: list[str] = []
         try:
-            for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
+            for request_id, prompt, request_params, prediction in zip(request_ids, prompts, params_list,
+                                                                      predictions):
                 added.append(request_id)  # first: a Ctrl-C right after the add must still abort it
-                self.engine.add_request(request_id, prompt, request_params)
+                self.engine.add_request(request_id, prompt, request_params, prediction=prediction)
         except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
             for request_id in added:
                 self.engine.abort_request(request_id)

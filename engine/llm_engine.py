@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -31,12 +32,15 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
+from predictor.batching import predict_in_batches
 from scheduler.output import SchedulerOutput
 from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
 
 log = logging.getLogger(__name__)
+
+PREDICT_BATCH = 32  # prompts scored at once by `predict`: the batch the predictors' latency is timed at
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,7 @@ class LLMEngine:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         self._check_sampler_token_ids(params)
         if prediction is None and self.predictor is not None:
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
-            prediction = self.predictor.predict([text])[0]
+            prediction = self.predict([prompt])[0]
         now = self.now()
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
@@ -208,6 +211,21 @@ class LLMEngine:
             predicted_rank_len=None if prediction is None else prediction.rank_len, group=group)
         self.scheduler.add_request(request, now)
         self.output_processor.add(request_id, token_ids, params)
+
+    def predict(self, prompts: Sequence[str | list[int]]) -> list[Prediction | None]:
+        """Each prompt's predicted length, scored in batches; all None without a predictor or when
+        it fails, which serves them on with their lengths unknown to the policy, as the server
+        does. ValueError for a prompt that add_request would refuse."""
+        ids = [self._prompt_ids(prompt) for prompt in prompts]
+        if self.predictor is None or not prompts:
+            return [None] * len(prompts)
+        texts = [prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+                 for prompt, prompt_ids in zip(prompts, ids)]
+        try:
+            return predict_in_batches(self.predictor, texts, batch_size=PREDICT_BATCH)
+        except Exception:  # noqa: BLE001 - a length estimate is never worth a request
+            log.exception("predictor failed on %d prompts; they are served without a prediction", len(texts))
+            return [None] * len(prompts)
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id, self.now())

@@ -385,3 +385,31 @@ def test_each_seeded_token_is_the_draw_at_its_own_position(llm, monkeypatch):
 def test_a_swap_space_smaller_than_a_block_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="swap_space_gib 1e-09 holds no KV block"):
         LLM(model=str(tiny_model_dir), preemption_mode="swap", swap_space_gib=1e-9)
+
+
+def test_generate_scores_its_prompts_in_one_batch_and_serves_on_when_the_predictor_fails(llm, monkeypatch):
+    # Each prompt had been scored alone, and a failing predictor failed the whole generate call,
+    # where the server serves such requests with their lengths unknown.
+    from predictor.base import Prediction
+
+    class Recording:
+        def __init__(self, error: Exception | None = None):
+            self.calls: list[list[str]] = []
+            self.error = error
+
+        def predict(self, prompts):
+            self.calls.append(list(prompts))
+            if self.error is not None:
+                raise self.error
+            return [Prediction(point=5.0, p50=5.0, p90=9.0, score=5.0, rank_len=5.0) for _ in prompts]
+
+    recording = Recording()
+    monkeypatch.setattr(llm.engine, "predictor", recording)
+    prompts = [PROMPT, "Count to ten", [5, 6, 7]]
+    assert len(llm.generate(prompts, greedy(3))) == 3
+    assert recording.calls == [[PROMPT, "Count to ten", llm.tokenizer.decode([5, 6, 7])]]
+    failing = Recording(RuntimeError("predictor broke"))
+    monkeypatch.setattr(llm.engine, "predictor", failing)
+    outputs = llm.generate(prompts, greedy(3))
+    assert [len(output.token_ids) for output in outputs] == [3, 3, 3]
+    assert not llm.engine.has_unfinished_requests()

@@ -44,6 +44,17 @@ def test_engine_config_rejects_bad_values(fields):
         EngineConfig(**fields)
 
 
+# These had passed and failed inside torch (TypeError, OverflowError, RuntimeError), the seeds only
+# after the weights had loaded; at the CLI, a traceback.
+@pytest.mark.parametrize("field, value", [
+    ("kv_cache_memory_gib", float("inf")), ("kv_cache_memory_gib", "1"), ("num_gpu_blocks", 10.5),
+    ("swap_space_gib", float("inf")), ("seed", 1.5), ("seed", 2**70), ("num_threads", 1.5),
+])
+def test_engine_config_refuses_by_name_what_torch_would_fail_on(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"policy": "shortest"}, "unknown policy 'shortest'"),
     ({"scheduler_options": {"aging_per_step": 1.0}}, "scheduler_options: .*'aging_per_step'"),

@@ -518,3 +518,45 @@ def test_scheduler_knobs_parse_their_bounds_and_only_admission_knobs_need_admiss
         "enable_admission": False, "srpt_max_preempt_share": 0.0}  # 0 is a share: never preempt
     assert (share_of_one("0"), share_of_one("1")) == (0.0, 1.0)
     assert "(default 0.25)" in parser.format_help() and "(default 10)" in parser.format_help()
+
+
+def test_bench_engine_refuses_a_context_that_would_cut_the_engines_replies(capsys, tmp_path, tiny_model_dir,
+                                                                          monkeypatch):
+    # The engine ends a reply at max_model_len where the HF baselines run on: a ratio of unequal work.
+    from training import bench_engine
+
+    monkeypatch.setattr(bench_engine, "run_engine", lambda *args: pytest.fail("ran before the check"))
+    assert "exceed --max-model-len 64" in one_line_error(
+        capsys, ["bench", "engine", "--model", str(tiny_model_dir), "--max-prompt-tokens", "60",
+                 "--max-output-tokens", "40", "--max-model-len", "64", "--json", str(tmp_path / "b.json")],
+        "bench engine")
+
+
+def test_train_checks_its_save_path_before_training(capsys, tmp_path, monkeypatch):
+    # It had been checked after the training, whose work was then lost.
+    from training import train
+
+    monkeypatch.setattr(train, "load_data", lambda *args, **kwargs: pytest.fail("trained before --save was checked"))
+    store = ["--store", str(tmp_path / "store")]
+    assert "--save /proc/nope/p: not writable" in one_line_error(
+        capsys, ["train", "--model", "length", "--save", "/proc/nope/p", *store], "train")
+    (tmp_path / "file").write_text("x")
+    assert "is a file, not a folder" in one_line_error(
+        capsys, ["train", "--model", "length", "--save", str(tmp_path / "file" / "sub"), *store], "train")
+
+
+def test_trace_refuses_one_file_for_its_log_and_its_table(capsys, tmp_path, tiny_model_dir):
+    # The table overwrote the resume log, and the next run failed on its bytes.
+    same = tmp_path / "t"
+    assert "the same file as --log" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log", str(same),
+                 "--out", str(same)], "trace")
+    assert not same.exists()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8x", "http://[::1"])
+def test_bench_serve_names_a_base_url_httpx_cannot_parse(capsys, tmp_path, url):
+    # httpx.InvalidURL is no HTTPError: it had been a 47-line traceback.
+    assert "cannot list its models" in one_line_error(
+        capsys, ["bench", "serve", "--base-url", url, "--no-mlflow", "--result-dir", str(tmp_path / "r")],
+        "bench serve")

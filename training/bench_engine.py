@@ -149,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.calibrate and Path(args.step_cost_out).resolve() == Path(args.json).resolve():
         raise ValueError(f"--step-cost-out {args.step_cost_out}: the same file as --json")
+    if args.max_prompt_tokens + args.max_output_tokens > args.max_model_len:
+        # The engine ends a reply at max_model_len; the HF baselines would run it to max_tokens.
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-output-tokens "
+                         f"{args.max_output_tokens} exceed --max-model-len {args.max_model_len}: the engine "
+                         f"would cut replies the HF baselines run to the end")
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_gib=args.kv_cache_memory, num_threads=args.threads,

@@ -230,7 +230,7 @@ def server_model(args: argparse.Namespace) -> str:
     try:
         response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
         response.raise_for_status()
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (a bad port) is no HTTPError
         raise ValueError(f"--base-url {args.base_url}: cannot list its models ({exc})") from None
     try:
         return response.json()["data"][0]["id"]

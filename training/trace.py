@@ -316,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens >= max_model_len:  # no prompt would fit: it would trace nothing and say so with 0
         raise ValueError(f"--max-tokens {args.max_tokens}: leaves no room for a prompt in the "
                          f"{max_model_len}-token context")
+    if args.log.resolve() == args.out.resolve():  # the table would overwrite the log, the resume point
+        raise ValueError(f"--out {args.out}: the same file as --log")
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
     llm = LLM(model=args.model)

@@ -121,7 +121,13 @@ def _plots(data, trained, folder: Path, kind: str) -> list[Path]:
 def check_save_target(path: Path | None) -> None:
     """--save replaces a predictor folder whole (a stale `prior/` left in it would make it load as a
     stacked model); anything else already there is refused, never deleted."""
-    if path is None or not path.exists():
+    if path is None:
+        return
+    from engine.arg_types import check_output_location
+
+    # Before the training: the folder is staged beside `path`, so its parent must take a new one.
+    check_output_location(path.parent if path.exists() else path, "--save", folder=True)
+    if not path.exists():
         return
     if path.is_file() or (any(path.iterdir()) and not (path / "predictor.json").exists()):
         raise ValueError(f"--save {path}: exists and is not a predictor folder; choose another path")

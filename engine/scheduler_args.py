@@ -24,6 +24,7 @@ class Knob:
     metavar: str
     help: str
     needs_admission: bool = False
+    read_by_admission: bool = False  # an SLO: admission judges by it whatever the policy
 
 
 KNOBS = (
@@ -34,9 +35,9 @@ KNOBS = (
     Knob("--srpt-max-preempt-share", "srpt_max_preempt_share", share_of_one, "SHARE",
          "srpt never preempts a request past this share of its predicted length"),
     Knob("--slo-ttft-interactive", "slo_ttft_interactive_s", non_negative_float, "S",
-         "interactive tier's TTFT target in seconds (admission control, goodput policy)"),
+         "interactive tier's TTFT target in seconds (admission control, goodput policy)", read_by_admission=True),
     Knob("--slo-e2e-standard", "slo_e2e_standard_s", non_negative_float, "S",
-         "standard tier's end-to-end target in seconds (admission control, goodput policy)"),
+         "standard tier's end-to-end target in seconds (admission control, goodput policy)", read_by_admission=True),
     Knob("--goodput-urgent-slack", "goodput_urgent_slack_s", non_negative_float, "S",
          "goodput policy: a request this close (seconds) to missing its SLO goes first"),
     Knob("--max-queued-tokens", "max_queued_tokens", positive_int, "N",
@@ -63,14 +64,24 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                             help=knob.help + shown)
 
 
-def scheduler_options(args: argparse.Namespace) -> dict:
-    """The SchedulerConfig fields the flags set: `enable_admission` and each knob given."""
+def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> dict:
+    """The SchedulerConfig fields the flags set: `enable_admission` and each knob given. With the
+    one `policy` that will run (serve; simulate runs several), a knob that neither it nor admission
+    reads is refused, as an admission knob is without --admission: it would do nothing."""
+    from scheduler.policies import POLICIES
+
     options = {"enable_admission": bool(args.admission)}
+    policy_knobs = frozenset().union(*(getattr(factory, "reads_knobs", frozenset()) for factory in POLICIES.values()))
     for knob in KNOBS:
         value = getattr(args, knob.field)
         if value is None:
             continue
         if knob.needs_admission and not args.admission:
             raise ValueError(f"{knob.flag} needs --admission: without it nothing is refused")
+        read_by_admission = knob.read_by_admission and args.admission
+        if (policy is not None and knob.field in policy_knobs and not read_by_admission
+                and knob.field not in getattr(POLICIES[policy], "reads_knobs", frozenset())):
+            also = " (nor, without --admission, does admission)" if knob.read_by_admission else ""
+            raise ValueError(f"{knob.flag}: --policy {policy} does not read it{also}")
         options[knob.field] = value
     return options

@@ -102,6 +102,7 @@ def ranking_length(request: Request) -> float:
 
 class SJFPolicy(TieredPolicy):
     name = "sjf"
+    reads_knobs = frozenset({"aging_tokens_per_step", "aging_tokens_per_s"})
     # Whether to keep every step's aging rate, for per-request bounds after a run. The simulator
     # turns it on; a server, which runs without end and never asks, would only grow the lists.
     record_rate_history = False
@@ -157,6 +158,7 @@ class OraclePolicy(SJFPolicy):
 
     name = "oracle"
     needs_true_length = True
+    reads_knobs = frozenset()  # no aging
 
     def length(self, request: Request) -> float:
         return float(request.true_len) if request.true_len is not None else ranking_length(request)
@@ -199,6 +201,7 @@ def refined_remaining(request: Request) -> float:
 
 class SRPTPolicy(SJFPolicy):
     name = "srpt"
+    reads_knobs = SJFPolicy.reads_knobs | {"srpt_max_preempt_share"}
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -234,6 +237,7 @@ class SRPTPolicy(SJFPolicy):
 
 class GoodputPolicy(SJFPolicy):
     name = "goodput"
+    reads_knobs = SJFPolicy.reads_knobs | {"goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s"}
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)

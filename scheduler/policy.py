@@ -23,6 +23,9 @@ class SchedulingPolicy:
     # Whether it needs each request's true output length, which only a benchmark knows (so a
     # server does not offer it).
     needs_true_length = False
+    # The SchedulerConfig knobs its order reads among those only some policies read (aging, srpt,
+    # goodput, the SLOs): `serve` refuses such a knob when its policy would accept it and do nothing.
+    reads_knobs: frozenset[str] = frozenset()
 
     def sort_key(self, request: Request, now: float) -> tuple:
         """Smaller keys are admitted first. Recomputed every step."""

@@ -513,20 +513,32 @@ def test_serve_arguments_build_the_engine_config():
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
-    args = parser.parse_args(["--model", "m", "--policy", "sjf", "--max-num-seqs", "7",
+    args = parser.parse_args(["--model", "m", "--policy", "goodput", "--max-num-seqs", "7",
                               "--kv-cache-memory", "0.25", "--admission", "--max-queued-tokens", "5000",
                               "--attention-backend", "torch", "--aging-tokens-per-step", "0.5",
-                              "--srpt-max-preempt-share", "0.3", "--slo-ttft-interactive", "0.2",
-                              "--slo-e2e-standard", "20", "--batch-shed-share", "0.25", "--goodput-urgent-slack", "3"])
+                              "--slo-ttft-interactive", "0.2", "--slo-e2e-standard", "20", "--batch-shed-share",
+                              "0.25", "--goodput-urgent-slack", "3"])
     config = serve_cli.build_engine_config(args)
-    assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "sjf", 7, 0.25)
+    assert (config.model, config.policy, config.max_num_seqs, config.kv_cache_memory_gib) == ("m", "goodput", 7, 0.25)
     assert config.attention_backend == "torch" and config.predictor is None
     assert config.scheduler_options == {"enable_admission": True, "max_queued_tokens": 5000,
-                                        "aging_tokens_per_step": 0.5, "srpt_max_preempt_share": 0.3,
-                                        "slo_ttft_interactive_s": 0.2, "slo_e2e_standard_s": 20.0,
-                                        "batch_shed_share": 0.25, "goodput_urgent_slack_s": 3.0}
+                                        "aging_tokens_per_step": 0.5, "slo_ttft_interactive_s": 0.2,
+                                        "slo_e2e_standard_s": 20.0, "batch_shed_share": 0.25,
+                                        "goodput_urgent_slack_s": 3.0}
     scheduler = config.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0)
-    assert (scheduler.slo_e2e_standard_s, scheduler.srpt_max_preempt_share) == (20.0, 0.3)
+    assert scheduler.slo_e2e_standard_s == 20.0
+    srpt = serve_cli.build_engine_config(parser.parse_args(["--model", "m", "--policy", "srpt",
+                                                            "--srpt-max-preempt-share", "0.3"]))
+    assert srpt.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0).srpt_max_preempt_share == 0.3
+    # An SLO is read by admission whatever the policy; without it, only by goodput.
+    with_admission = parser.parse_args(["--model", "m", "--policy", "fcfs", "--admission", "--slo-e2e-standard", "5"])
+    assert serve_cli.build_engine_config(with_admission).scheduler_options["slo_e2e_standard_s"] == 5.0
+    # A knob the served policy never reads is refused, as an admission knob is without --admission.
+    for policy, knob in (("fcfs", "--aging-tokens-per-step"), ("sjf", "--srpt-max-preempt-share"),
+                         ("srpt", "--goodput-urgent-slack"), ("fcfs", "--slo-e2e-standard"),
+                         ("priority", "--aging-tokens-per-s")):
+        with pytest.raises(ValueError, match=f"{knob}: --policy {policy} does not read it"):
+            serve_cli.build_engine_config(parser.parse_args(["--model", "m", "--policy", policy, knob, "0.5"]))
     # Unset knobs keep the scheduler's own defaults.
     plain = serve_cli.build_engine_config(parser.parse_args(["--model", "m"]))
     assert plain.scheduler_options == {"enable_admission": False}

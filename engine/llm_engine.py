@@ -215,12 +215,12 @@ class LLMEngine:
     def predict(self, prompts: Sequence[str | list[int]]) -> list[Prediction | None]:
         """Each prompt's predicted length, scored in batches; all None without a predictor or when
         it fails, which serves them on with their lengths unknown to the policy, as the server
-        does. ValueError for a prompt that add_request would refuse."""
-        ids = [self._prompt_ids(prompt) for prompt in prompts]
+        does. Text is scored as given (add_request checks it); token ids are checked (ValueError)
+        before they are decoded."""
         if self.predictor is None or not prompts:
             return [None] * len(prompts)
-        texts = [prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-                 for prompt, prompt_ids in zip(prompts, ids)]
+        texts = [prompt if isinstance(prompt, str) else self.tokenizer.decode(self._prompt_ids(prompt))
+                 for prompt in prompts]
         try:
             return predict_in_batches(self.predictor, texts, batch_size=PREDICT_BATCH)
         except Exception:  # noqa: BLE001 - a length estimate is never worth a request

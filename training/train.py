@@ -13,7 +13,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from engine.arg_types import non_negative_int, positive_int
+from engine.arg_types import check_output_location, non_negative_int, positive_int
 from predictor.saved import KINDS
 from training import fitters
 from training.labels import LABEL_SOURCES
@@ -123,8 +123,6 @@ def check_save_target(path: Path | None) -> None:
     stacked model); anything else already there is refused, never deleted."""
     if path is None:
         return
-    from engine.arg_types import check_output_location
-
     # Before the training: the folder is staged beside `path`, so its parent must take a new one.
     check_output_location(path.parent if path.exists() else path, "--save", folder=True)
     if not path.exists():

@@ -277,7 +277,7 @@ def test_the_token_term_measures_capacity_by_full_steps_not_the_mean_step() -> N
     # Mostly 32-token decode steps of 0.25 s and a few full 512-token steps of 0.88 s: capacity is
     # 512 / 0.88 tokens/s, not 512 over the mean step.
     ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512,
-                                              max_num_seqs=1024, stability_window_s=10.0))
+                                              max_num_seqs=512, stability_window_s=10.0))
     for i in range(40):
         full = i % 10 == 0
         ctl.record_step(now=i * 0.25, num_tokens=512 if full else 32, step_time_s=0.88 if full else 0.25)
@@ -287,7 +287,7 @@ def test_the_token_term_measures_capacity_by_full_steps_not_the_mean_step() -> N
 
 
 def test_shed_arrivals_count_in_the_offered_load() -> None:
-    config = SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=1024,
+    config = SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500, max_num_seqs=500,
                              max_queued_tokens=1000,
                              enable_admission=True, stability_window_s=10.0)
     scheduler = Scheduler(config)
@@ -306,12 +306,12 @@ def test_small_steps_alone_do_not_stand_for_the_token_capacity() -> None:
     # 100 tokens/s offered against it would read 1.25. No step filled half the budget, so the
     # budget has not bound and the token term stays out.
     ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512,
-                                              max_num_seqs=1024, stability_window_s=10.0))
+                                              max_num_seqs=512, stability_window_s=10.0))
     ctl.record_step(now=0.25, num_tokens=20, step_time_s=0.25)
     ctl.record_step(now=0.5, num_tokens=20, step_time_s=0.25)
     for i in range(10):
         ctl.record_arrival(i * 1.0, req(f"r{i}", 50, 50))
-    seats = 1.0 * (50 + 50 / 512) * 0.25 / 1024
+    seats = 1.0 * (50 + 50 / 512) * 0.25 / 512
     kv = 1.0 * 50 * (50 + 25) * 0.25 / (ROOMY_KV_BLOCKS * 16)
     assert ctl.stability_margin(9.0) == pytest.approx(max(seats, kv))
 

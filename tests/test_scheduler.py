@@ -226,7 +226,8 @@ def test_swap_preemption_moves_blocks_to_host_and_back() -> None:
 
 
 def test_decodes_fill_the_budget_before_prefill_chunks() -> None:
-    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=10, max_model_len=64)
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=10, max_model_len=64,
+                             max_num_seqs=8)
     scheduler = Scheduler(config)
     for i in range(3):
         scheduler.add_request(make_request(f"r{i}", 3, 20, arrival=float(i)))
@@ -369,6 +370,13 @@ def test_a_request_whose_fed_tokens_fill_the_cache_exactly_is_served() -> None:
 def test_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+def test_config_refuses_more_seats_than_the_token_budget_can_feed() -> None:
+    # Each seat decodes a token a step: past the budget, seats would stay empty (vLLM refuses too).
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_num_seqs \(17\)"):
+        SchedulerConfig(num_gpu_blocks=4, max_num_batched_tokens=16, max_num_seqs=17)
+    assert SchedulerConfig(num_gpu_blocks=4, max_num_batched_tokens=16, max_num_seqs=16).max_num_seqs == 16
 
 
 def test_new_work_waits_above_the_kv_watermark() -> None:

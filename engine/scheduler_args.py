@@ -3,7 +3,8 @@ tried in the simulator is given to the server by the same flag.
 
 Each flag maps to one `SchedulerConfig` field and defaults to that field's default (None here:
 the field keeps its own). `scheduler_options` returns only the fields given, and refuses an
-admission-control knob without `--admission`: it would be accepted and do nothing.
+admission-control knob without `--admission`, or a knob beside the one that overrides it: either
+would be accepted and do nothing.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ class Knob:
     help: str
     needs_admission: bool = False
     read_by_admission: bool = False  # an SLO: admission judges by it whatever the policy
+    replaces: str | None = None  # the field of a knob this one overrides: giving both is refused
 
 
 KNOBS = (
     Knob("--aging-tokens-per-step", "aging_tokens_per_step", non_negative_float, "K",
          "sjf/srpt anti-starvation: predicted tokens forgiven per measured step waited"),
     Knob("--aging-tokens-per-s", "aging_tokens_per_s", non_negative_float, "RATE",
-         "a fixed sjf/srpt aging rate per second, instead of --aging-tokens-per-step per measured step"),
+         "a fixed sjf/srpt aging rate per second, instead of --aging-tokens-per-step per measured step",
+         replaces="aging_tokens_per_step"),
     Knob("--srpt-max-preempt-share", "srpt_max_preempt_share", share_of_one, "SHARE",
          "srpt never preempts a request past this share of its predicted length"),
     Knob("--slo-ttft-interactive", "slo_ttft_interactive_s", non_negative_float, "S",
@@ -50,6 +53,10 @@ KNOBS = (
          "of the bound",
          needs_admission=True),
 )
+
+
+def _flag_of(field: str) -> str:
+    return next(knob.flag for knob in KNOBS if knob.field == field)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +85,8 @@ def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> di
             continue
         if knob.needs_admission and not args.admission:
             raise ValueError(f"{knob.flag} needs --admission: without it nothing is refused")
+        if knob.replaces is not None and getattr(args, knob.replaces) is not None:
+            raise ValueError(f"{knob.flag} replaces {_flag_of(knob.replaces)}: give one of them")
         read_by_admission = knob.read_by_admission and args.admission
         if (policy is not None and knob.field in policy_knobs and not read_by_admission
                 and knob.field not in getattr(POLICIES[policy], "reads_knobs", frozenset())):

@@ -520,6 +520,16 @@ def test_scheduler_knobs_parse_their_bounds_and_only_admission_knobs_need_admiss
     assert "(default 0.25)" in parser.format_help() and "(default 10)" in parser.format_help()
 
 
+def test_a_fixed_aging_rate_beside_the_per_step_one_is_refused_not_ignored(capsys, tmp_path) -> None:
+    # --aging-tokens-per-s replaces the per-step rate: the other had been accepted and not read.
+    both = ["--aging-tokens-per-step", "0.5", "--aging-tokens-per-s", "3"]
+    for command in (["serve", "--predictor", "none", "--policy", "sjf"],
+                    ["simulate", "--predictions", "noisy-oracle", "--json", str(tmp_path / "sim.json")]):
+        err = one_line_error(capsys, [*command, *both], command[0])
+        assert "--aging-tokens-per-s replaces --aging-tokens-per-step: give one of them" in err
+    assert not (tmp_path / "sim.json").exists()
+
+
 def test_bench_engine_refuses_a_context_that_would_cut_the_engines_replies(capsys, tmp_path, tiny_model_dir,
                                                                           monkeypatch):
     # The engine ends a reply at max_model_len where the HF baselines run on: a ratio of unequal work.

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from predictor.paths import SERVED_MODEL_REF, project_root
 from scheduler.config import PreemptionMode, SchedulerConfig
-from scheduler.request import SEED_MAX, SEED_MIN, _is_int, _is_real
+from scheduler.request import SEED_MAX, SEED_MIN, is_int, is_real
 
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -56,14 +56,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Types too: a float block count, an infinite budget or a float seed passed here and failed
         # inside torch (TypeError, OverflowError, RuntimeError), some after the weights had loaded.
-        if not (_is_real(self.kv_cache_memory_gib) and math.isfinite(self.kv_cache_memory_gib)
+        if not (is_real(self.kv_cache_memory_gib) and math.isfinite(self.kv_cache_memory_gib)
                 and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a finite number > 0, got {self.kv_cache_memory_gib!r}")
-        if not (_is_real(self.swap_space_gib) and math.isfinite(self.swap_space_gib) and self.swap_space_gib >= 0):
+        if not (is_real(self.swap_space_gib) and math.isfinite(self.swap_space_gib) and self.swap_space_gib >= 0):
             raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib!r}")
-        if self.num_gpu_blocks is not None and not (_is_int(self.num_gpu_blocks) and self.num_gpu_blocks > 0):
+        if self.num_gpu_blocks is not None and not (is_int(self.num_gpu_blocks) and self.num_gpu_blocks > 0):
             raise ValueError(f"num_gpu_blocks must be a positive integer or None, got {self.num_gpu_blocks!r}")
-        if not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+        if not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if self.preemption_mode == "swap" and self.swap_space_gib == 0:
             raise ValueError("swap preemption needs swap_space_gib > 0")
@@ -80,7 +80,7 @@ class EngineConfig:
         if reserved & set(self.scheduler_options):
             raise ValueError(f"set {sorted(reserved & set(self.scheduler_options))} through EngineConfig fields")
         self.scheduler_config(num_gpu_blocks=1, num_cpu_blocks=1)  # its own checks, before any weights load
-        if self.num_threads is not None and not (_is_int(self.num_threads) and self.num_threads > 0):
+        if self.num_threads is not None and not (is_int(self.num_threads) and self.num_threads > 0):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
 
     def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> SchedulerConfig:

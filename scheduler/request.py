@@ -58,11 +58,12 @@ PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
 
 
-def _is_int(value: object) -> bool:
+# Public: the engine's config checks its numbers by the same rules (a bool is no number).
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -114,46 +115,46 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
         # and fail with a TypeError inside an engine step, part-way through a generate call.
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+        if not is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0, or -1 (disabled), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+            if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         self._check_penalties()
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = _as_tuple(self.allowed_token_ids, "allowed_token_ids")
-            if not allowed or any(not _is_int(i) or i < 0 for i in allowed):
+            if not allowed or any(not is_int(i) or i < 0 for i in allowed):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", allowed)
         words = tuple(_as_tuple(word, "bad_words_token_ids") for word in _as_tuple(self.bad_words_token_ids,
                                                                                    "bad_words_token_ids"))
-        if any(not word or any(not _is_int(t) or t < 0 for t in word) for word in words):
+        if any(not word or any(not is_int(t) or t < 0 for t in word) for word in words):
             raise ValueError(f"bad_words_token_ids must be non-empty sequences of token ids, got {words!r}")
         object.__setattr__(self, "bad_words_token_ids", words)
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         stop_token_ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
-        if any(not _is_int(i) or i < 0 for i in stop_token_ids):
+        if any(not is_int(i) or i < 0 for i in stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {stop_token_ids!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
@@ -161,10 +162,10 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+            if not is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise ValueError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
         value = self.repetition_penalty
-        if not _is_real(value) or not _finite(value) or value <= 0:
+        if not is_real(value) or not _finite(value) or value <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {value!r}")
 
     @property
@@ -195,7 +196,7 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
         token, value = pair
-        if not _is_int(token) or token < 0 or not _is_real(value) or not _finite(value):
+        if not is_int(token) or token < 0 or not is_real(value) or not _finite(value):
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
         clean[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
     return tuple(sorted(clean.items()))
@@ -210,7 +211,7 @@ class ChoiceGroup:
     size: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.size) or self.size < 1:
+        if not is_int(self.size) or self.size < 1:
             raise ValueError(f"a choice group has at least one member, got {self.size!r}")
 
 

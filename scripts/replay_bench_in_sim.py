@@ -29,10 +29,10 @@ from pathlib import Path
 # The scheduler's knobs (engine/scheduler_args.py) are all server configuration.
 SERVER_FLAGS = frozenset({"step_cost", "kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                           "preemption_mode", "admission"})
-# The bench arguments the replayed prompts, caps and arrival times come from: a measured run's JSON
-# must record the same ones (bench_serve_compare's WORKLOAD_KEYS less those no replay depends on).
-WORKLOAD_ARGS = ("num_prompts", "seed", "split", "tier_mix", "max_output_tokens", "max_model_len",
-                 "request_rate", "burstiness")
+# bench_serve_compare's WORKLOAD_KEYS that no replay depends on; every other one (a key added
+# there too) is a bench argument the replayed prompts, caps and arrival times come from, which a
+# measured run's JSON must record as given.
+NOT_REPLAYED = frozenset({"model", "ignore_eos", "temperature", "max_concurrency", "goodput"})
 
 
 def parse_sim_args(text: str) -> argparse.Namespace:
@@ -119,10 +119,13 @@ def main(argv: list[str]) -> None:
 def check_same_workload(real: dict, bench_args: argparse.Namespace) -> None:
     """The measured runs must have been made with the bench arguments given: else the replay would
     print their figures beside another workload's (or miss an index of theirs)."""
+    from training.bench_serve_compare import WORKLOAD_KEYS
+
+    replayed = [key for key in WORKLOAD_KEYS if key not in NOT_REPLAYED]
     for label, run in real.items():
         config = run.get("config", {})
         differ = [f"--{k.replace('_', '-')} {config[k]} (given {getattr(bench_args, k)})"
-                  for k in WORKLOAD_ARGS if k in config and config[k] != getattr(bench_args, k)]
+                  for k in replayed if k in config and config[k] != getattr(bench_args, k)]
         if differ:
             raise ValueError(f"{label}.json was measured with {', '.join(differ)}: "
                              "pass its bench arguments after --")

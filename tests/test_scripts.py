@@ -274,6 +274,11 @@ def test_replay_in_sim_refuses_a_measured_run_of_another_workload_before_loading
         with pytest.raises(ValueError, match=r"fcfs\.json was measured with " + named.replace("(", r"\(")
                            .replace(")", r"\)")):
             replay.main(["--result-dir", str(tmp_path), "--", *bench_args, "--ignore-eos"])
+    # What it leaves unchecked is named among the comparison's workload keys, so a key added there
+    # is checked here too.
+    from training.bench_serve_compare import WORKLOAD_KEYS
+
+    assert replay.NOT_REPLAYED < set(WORKLOAD_KEYS)
 
 
 def test_margin_vs_load_refuses_an_abbreviation_of_a_flag_it_decides(capsys) -> None:

@@ -24,9 +24,9 @@ from scheduler.request import SamplingParams
 
 def token_ids(tokens: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Token ids as int64 [n], those outside the vocabulary left out (a stop token id the model
-    cannot produce needs no masking, nor a penalty)."""
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
-    return ids[ids < vocab]
+    cannot produce needs no masking, nor a penalty). Left out before the tensor is built: a stop
+    token id past 2**63 (any integer is one) does not fit int64, and raised in the engine thread."""
+    return torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=device)
 
 
 def prompt_ids(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -57,8 +57,13 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Se
                 for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeated:
         rows, ids, factor = _pairs(repeated, [params[r].repetition_penalty for r, _ in repeated], logits)
+        # Any penalty > 0 is valid, but in float32 one below ~1e-38 is 0 (or above ~3e38 inf), and
+        # the division then gives inf and the sampler's softmax NaN: the factor keeps to normal
+        # floats and a logit to finite ones, so such a penalty means "as strong as can be".
+        limits = torch.finfo(logits.dtype)
+        factor = factor.clamp(min=limits.tiny, max=limits.max)
         values = penalized[rows, ids]
-        penalized[rows, ids] = torch.where(values > 0, values / factor, values * factor)
+        penalized[rows, ids] = torch.where(values > 0, values / factor, values * factor).clamp(max=limits.max)
     counted = [(r, torch.unique(output_ids[r], return_counts=True)) for r, p in enumerate(params)
                if len(output_ids[r]) and (p.frequency_penalty or p.presence_penalty)]
     if counted:

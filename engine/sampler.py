@@ -125,8 +125,12 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
                     candidates: int = CUT_CANDIDATES) -> torch.Tensor:
     """Probabilities after temperature, min-p, top-k and top-p, [R, vocab]."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    logits = logits / temperature
+    # A temperature past float32's range (any value >= 0 is valid, as in vLLM) would be inf, and a
+    # masked logit then -inf / inf = NaN: sampled as the last token id whatever the mask allowed.
+    largest = torch.finfo(logits.dtype).max
+    temperature = torch.tensor([min(p.temperature, largest) for p in params], dtype=logits.dtype,
+                               device=device)[:, None]
+    logits = (logits / temperature).clamp(max=largest)  # a logit at the float range stays finite
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         ratio = torch.tensor([p.min_p for p in params], device=device)[:, None]

@@ -38,6 +38,30 @@ def test_penalties_follow_their_definitions() -> None:
     assert apply_penalties(logits, [plain, plain], [([], []), ([], [])]) is logits
 
 
+def test_a_repetition_penalty_beyond_float32_is_as_strong_as_can_be_not_nan() -> None:
+    # 1e-50 is 0 in float32 and 1e50 inf: the division gave inf, the sampler's softmax NaN, and
+    # every draw the last token id. Now the seen positive logits lead (or fall behind) together.
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    history = [([0, 1], [3])]
+    strongest = apply_penalties(logits, [SamplingParams(repetition_penalty=1e-50)], history)
+    weakest = apply_penalties(logits, [SamplingParams(repetition_penalty=1e50)], history)
+    assert torch.isfinite(strongest).all() and torch.isfinite(weakest).all()
+    assert strongest[0, 0] > 1e38 and strongest[0, 3] > 1e38 and strongest[0, 1] > -1e-37  # seen: raised
+    assert weakest[0, 1] < -1e38 and 0 < weakest[0, 3] < 1e-37  # seen: lowered
+    assert strongest[0, [2, 4]].tolist() == weakest[0, [2, 4]].tolist() == [0.5, -2.0]  # unseen: as they were
+    assert strongest.softmax(dim=-1)[0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_an_out_of_range_stop_token_id_under_min_tokens_is_left_alone(tiny_model_dir) -> None:
+    # Any integer >= 0 is a stop token id; one past 2**63 overflowed int64 in min_tokens' mask,
+    # which raised in the engine thread and took the server down for every client.
+    llm = LLM(str(tiny_model_dir), max_model_len=64, num_gpu_blocks=16, num_threads=1)
+    params = dict(max_tokens=4, temperature=0.0, ignore_eos=True, min_tokens=2)
+    plain = llm.generate([[5, 6, 7]], SamplingParams(**params))[0]
+    huge = llm.generate([[5, 6, 7]], SamplingParams(**params, stop_token_ids=(2**64 + 3, 10**30)))[0]
+    assert huge.token_ids == plain.token_ids and huge.finish_reason == "length"
+
+
 def test_sampling_params_bound_the_penalties() -> None:
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-2.1), dict(repetition_penalty=0.0),
                 dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")), dict(frequency_penalty="1")):

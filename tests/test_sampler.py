@@ -91,6 +91,15 @@ def test_position_seeds_differ_for_neighbouring_seeds_and_positions():
     assert len(seeds) == 5 * 50 - 50  # -1 and 2**64 - 1 are the same 64-bit seed
     assert all(0 <= s < 2**32 for s in seeds)
 
+def test_a_temperature_beyond_float32_keeps_the_masks_it_is_given():
+    # 1e39 was inf in float32: a masked logit became -inf / inf = NaN and the draw the last token
+    # id, outside what allowed_token_ids or min_tokens allowed. Now: uniform over the unmasked.
+    logits = torch.tensor([[1.0, float("-inf"), 3.0, float("-inf")]])
+    for temperature in (1e39, 1e300):
+        probs = _filtered_probs(logits, [SamplingParams(temperature=temperature)])
+        assert probs[0].tolist() == pytest.approx([0.5, 0.0, 0.5, 0.0])
+
+
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])
 def test_a_vanishing_temperature_is_greedy(temperature):

@@ -73,6 +73,9 @@ def client(served) -> openai.OpenAI:
     ("seed", 2**64), ("seed", -(2**63) - 1), ("priority", 10**400),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
     ("min_p", True), ("presence_penalty", True), ("repetition_penalty", False),
+    # JSON true is no number for any of them (top_k true had been a silent greedy top_k 1).
+    ("max_tokens", True), ("max_completion_tokens", True), ("temperature", True), ("top_p", True),
+    ("seed", True), ("priority", False), ("top_k", True), ("n", True),
     # Fields that would change the output in ways this server does not implement: refused, not ignored.
     ("min_tokens", -1), ("min_tokens", True), ("min_tokens", 3), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
     ("logit_bias", {"1": True}), ("logit_bias", {"49152": 1}), ("logit_bias", [1]),
@@ -96,6 +99,13 @@ def test_invalid_field_is_a_400_naming_it(served, field, value):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: ") and "Value error," not in error["message"]
+
+
+def test_completions_max_tokens_takes_no_bool(served):
+    # Its own field (default 16, 0 allowed) must keep the base's refusal of true.
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": True}
+    error = error_of(post(served[0], "/v1/completions", body), 400)
+    assert error["param"] == "max_tokens" and "takes a number, not true" in error["message"]
 
 
 def test_a_nan_number_is_refused_as_not_finite(served):

@@ -149,7 +149,8 @@ class ChatCompletionRequest(BaseRequest, ChatUnsupportedFields, ChatTemplateFiel
     # vLLM's: the final message's text before the reply, when the reply continues its role.
     echo: bool = False
     _null_is_false = field_validator("logprobs", "echo", mode="before")(classmethod(null_is_the_default))
-    _top_logprobs_is_a_count = field_validator("top_logprobs", mode="before")(classmethod(not_a_bool))
+    _counts_are_not_bools = field_validator("top_logprobs", "max_completion_tokens",
+                                            mode="before")(classmethod(not_a_bool))
 
     @field_validator("top_logprobs")
     @classmethod

@@ -106,8 +106,9 @@ class BaseRequest(CompletionUnsupportedFields):
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", "min_tokens",
                                            mode="before")(classmethod(null_is_the_default))
-    _numbers_are_not_bools = field_validator("n", "min_p", "presence_penalty", "frequency_penalty",
-                                             "repetition_penalty", "min_tokens", "prompt_logprobs",
+    _numbers_are_not_bools = field_validator("max_tokens", "temperature", "top_p", "seed", "n", "min_p",
+                                             "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                             "priority", "top_k", "min_tokens", "prompt_logprobs",
                                              "truncate_prompt_tokens", mode="before")(classmethod(not_a_bool))
 
     @field_validator("truncate_prompt_tokens")

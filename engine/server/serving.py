@@ -183,6 +183,9 @@ class OpenAIServing(PromptInput, EngineSubmission):
             disconnect.cancel()
             if not consume.done():
                 consume.cancel()
+                # Its CancelledError is read here: unread, asyncio logged an ERROR traceback
+                # ("exception was never retrieved") for every request its client gave up on.
+                consume.add_done_callback(_read_outcome)
                 self._abort_unfinished(streams)
         if not consume.done() or consume.cancelled():
             raise errors.APIError(499, "client disconnected")  # nobody is listening any more
@@ -220,6 +223,11 @@ def _prompt_alone(final: RequestOutput) -> RequestOutput:
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:
     return body.service_tier if body.service_tier in ("priority", "flex") else "default"
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _last(stream: RequestStream) -> RequestOutput | StreamEnd:

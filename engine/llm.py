@@ -53,6 +53,9 @@ class LLM:
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]  # one prompt of token ids
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):

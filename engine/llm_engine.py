@@ -34,7 +34,7 @@ from engine.sampler import Sampler
 from predictor.base import Prediction
 from predictor.batching import predict_in_batches
 from scheduler.output import SchedulerOutput
-from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
+from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, is_int
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
 
@@ -160,10 +160,12 @@ class LLMEngine:
             # text, whose special tokens a second BOS would duplicate. The HTTP server's plain
             # completions add them, as vLLM's do.
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab_size for t in ids):
+            if any(not is_int(t) or not 0 <= t < self.arch.vocab_size for t in ids):  # True is no token
                 raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.config.max_model_len:

@@ -254,8 +254,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
-            raise ValueError(f"priority must lie in [-2**63, 2**63), got {self.priority!r}")
+        if not (is_int(self.priority) and -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT):
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {self.priority!r}")
+        # The policies sort by it: a string failed inside the sort, a NaN sorted anywhere.
+        if not (is_real(self.arrival_time) and _finite(self.arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number, got {self.arrival_time!r}")
 
     def shares_group_with(self, other: Request) -> bool:
         """Whether both are choices of one API request (a request shares its group with itself)."""

@@ -26,6 +26,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
     ("word " * 200, SamplingParams(), "longer than the context"),
     ([5] * 128, SamplingParams(), "longer than the context"),
     ([49152], SamplingParams(), "token ids"),
+    # Not prompts at all: these were TypeErrors ("'NoneType' object is not iterable"), and True
+    # was token 1.
+    (None, SamplingParams(), "a prompt is a string or a list of token ids, got NoneType"),
+    (5.0, SamplingParams(), "a prompt is a string or a list of token ids, got float"),
+    ([True, 3], SamplingParams(), "token ids"),
     (PROMPT, {"max_tokens": 0}, "max_tokens"),
     (PROMPT, {"max_tokens": -3}, "max_tokens"),
     (PROMPT, {"top_p": 0.0}, "top_p"),
@@ -45,6 +50,25 @@ def test_bad_input_raises_a_clear_value_error(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([PROMPT, prompt], params)
     # Nothing of the rejected batch stays queued.
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts", [None, 5, {"a": 1}])
+def test_prompts_that_are_no_list_of_prompts_are_a_value_error(llm, prompts):
+    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids, or a list of those"):
+        llm.generate(prompts)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("priority", "a", "priority must be an integer"), ("priority", 1.5, "priority must be an integer"),
+    ("arrival_time", "x", "arrival_time must be a finite number"),
+    ("arrival_time", float("nan"), "arrival_time must be a finite number"),
+])
+def test_add_request_refuses_a_priority_or_arrival_time_the_policies_cannot_sort(llm, field, value, message):
+    # A string priority was a TypeError from a comparison; a string or NaN arrival time was queued
+    # and broke (or silently skewed) the policy's sort once another request arrived.
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request("bad", [5, 6], SamplingParams(max_tokens=2), **{field: value})
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -141,6 +141,13 @@ class BlockManager:
         held = len(self._device_tables.get(request.request_id, ()))
         return max(0, self.blocks_for(request.num_computed_tokens + num_new_tokens) - held)
 
+    def num_tokens_that_fit(self, request: Request, reserved_blocks: int = 0) -> int:
+        """More computed tokens a request holding blocks can take from its table and the free
+        list, leaving `reserved_blocks` of it to others."""
+        held = len(self._device_tables.get(request.request_id, ()))
+        free = max(0, self.device.num_free - reserved_blocks)
+        return max(0, (held + free) * self.block_size - request.num_computed_tokens)
+
     # ---- prefix cache ------------------------------------------------------------------------
     def cached_prefix(self, request: Request) -> CachedPrefix:
         """The cached blocks a request without blocks or computed tokens would start on; none

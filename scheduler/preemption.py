@@ -67,8 +67,11 @@ class Preemption:
             need += len(freed.intersection(prefix.blocks))
             for victim in victims:
                 self._preempt(victim, plan)
+            key = self.policy.sort_key(request, now)  # as ranked while waiting (goodput's changes on admission)
             if not self._admit_now(request, num_new, plan, prefix):
                 return
+            if plan.urgent_key is None:  # the first admitted ranks best: the waiting queue is sorted
+                plan.urgent_key = key
             # Nobody ranked after a victim just preempted is let in later in this loop either.
             limit = self._resume_limit(plan, now)
             free_seats += len(victims) - 1

@@ -19,6 +19,9 @@ class StepPlan:
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The best policy key among requests admitted as urgent this step: running prefill chunks
+    # ranked after it yield to it (they take what the free blocks hold, and preempt nobody).
+    urgent_key: tuple | None = None
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.grants.append((request, num_new_tokens))

@@ -652,6 +652,44 @@ def test_an_urgent_arrival_never_takes_the_chunk_of_an_earlier_running_request_o
     assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
 
 
+@pytest.mark.parametrize("policy, blocks, running, urgent_step, urgent, spared, chunk", [
+    # A standard prefill 32 of 40 tokens in; an interactive arrival fits the 3 free blocks with
+    # no victim. The prefill took its whole 8-token chunk after it, found no block and preempted
+    # itself, losing its 32 computed tokens.
+    ("fcfs", 11, [(0, "a", Tier.STANDARD, 0, 40, 3)], 2, ("b", Tier.INTERACTIVE, 0, 8), "a", ("a", 4)),
+    # An interactive prefill (priority 5) ranked after the arrival (priority 0) took the block
+    # left to a standard decode, which it then preempted.
+    ("priority", 13, [(0, "d", Tier.STANDARD, 0, 4, 20), (1, "p", Tier.INTERACTIVE, 5, 40, 1)], 3,
+     ("u", Tier.INTERACTIVE, 0, 8), "d", ("p", 5)),
+])
+def test_a_running_prefill_ranked_after_an_urgent_admission_takes_what_is_free_and_preempts_nobody(
+        policy, blocks, running, urgent_step, urgent, spared, chunk) -> None:
+    # The urgent admission counts one token of growth for each running request ranked after it.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=blocks, block_size=4, max_num_seqs=4,
+                                          max_num_batched_tokens=16, max_model_len=64, kv_watermark=0.0,
+                                          policy=policy))
+    runner = PagedTokenRunner(blocks, 4)
+    requests = [req(name, float(step), tier=tier, priority=priority, prompt_len=prompt, max_tokens=out)
+                for step, name, tier, priority, prompt, out in running]
+    name, tier, priority, prompt = urgent
+    requests.append(req(name, float(urgent_step), tier=tier, priority=priority, prompt_len=prompt, max_tokens=2))
+    arrivals = {int(r.arrival_time): [r] for r in requests}
+    for step in range(200):
+        add_arrivals(scheduler, arrivals, step)
+        computed_before = scheduler.get_request(spared).num_computed_tokens if step == urgent_step else None
+        output = scheduler.schedule(float(step))
+        if step == urgent_step:
+            chunks = {c.request_id: len(c.token_ids) for c in output.chunks}
+            assert output.preempted_ids == () and chunks[name] == prompt and chunks[chunk[0]] == chunk[1], chunks
+            assert scheduler.get_request(spared).num_computed_tokens >= computed_before > 0
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if step > urgent_step and not scheduler.has_unfinished_requests():
+            break
+    assert_every_token(requests)  # later steps may preempt (the cache is tight): every token still right
+    assert scheduler.block_manager.num_free_blocks == blocks
+
+
 # SRPT's refinement and goodput's groups at their edges (each test kills a mutant of
 # scheduler/policies.py that the tests above let through).
 

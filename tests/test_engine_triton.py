@@ -29,7 +29,7 @@ def no_sync(*args):  # the engine must pass host-side maxima, or every layer syn
     raise AssertionError("attention called without length hints")
 paged._max_lengths = no_sync
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
-llm = LLM(model_dir, attention_backend="triton", max_model_len=128, max_num_batched_tokens=16,
+llm = LLM(model_dir, attention_backend="triton", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=16,
           num_gpu_blocks=32, block_size=8, num_threads=1)
 outputs = llm.generate(prompts, SamplingParams(max_tokens={num_tokens}, temperature=0.0, ignore_eos=True))
 print(json.dumps({{"backend": llm.engine.runner.backend.name, "tokens": [list(o.token_ids) for o in outputs]}}))

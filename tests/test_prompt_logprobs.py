@@ -43,7 +43,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("setting", ["whole", "chunked", "recompute"])
 def test_prompt_logprobs_match_hf(tiny_model_dir, prompts, setting) -> None:
-    options = {"whole": {}, "chunked": {"max_num_batched_tokens": 16},
+    options = {"whole": {}, "chunked": {"max_num_batched_tokens": 16, "max_num_seqs": 16},
                "recompute": {"num_gpu_blocks": 9, "preemption_mode": "recompute", "max_num_batched_tokens": 32}}
     llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, **options[setting])
     scored: dict[str, int] = {}  # prompt positions the runner scored, per request

@@ -349,6 +349,27 @@ def test_trace_records_lengths_and_resumes(tmp_path):
     assert trace.load_trace("test", path=tmp_path / "trace.parquet")["conversation_id"] == ["c1"]
 
 
+def test_a_trace_run_that_adds_nothing_leaves_the_table_as_it_is(tmp_path):
+    # A legacy-format table (no settings columns, as the committed trace) was rewritten by a run
+    # that traced nothing: the same rows, a changed committed file.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training import trace
+
+    row = {"key": "k0", "conversation_id": "c0", "turn_index": 0, "prompt": "p", "prompt_tokens": 3,
+           "output_tokens": 5, "finish_reason": "stop", "split": "test", "in_train": False}
+    table, log = tmp_path / "trace.parquet", tmp_path / "trace.jsonl"
+    pq.write_table(pa.table({name: [row[name]] for name in trace.TRACE_COLUMNS}), table)
+    before = table.read_bytes()
+    assert trace.seed_log_from_table(log, table) == 1
+    assert trace.write_trace_table(log, table) == 1 and table.read_bytes() == before
+    with log.open("a") as more:  # a new row is written, with the settings columns
+        more.write(json.dumps({**row, "key": "k1", "max_tokens": 256, "temperature": 1.0, "seed": 3}) + "\n")
+    assert trace.write_trace_table(log, table) == 2
+    assert trace.load_trace(path=table)["seed"] == [None, 3]
+
+
 def test_a_log_without_settings_shows_its_cap_through_rows_cut_at_it():
     # Rows copied from a committed table carry no settings; one that stopped at the cap names it.
     from training.trace import check_resume_settings

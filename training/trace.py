@@ -196,10 +196,16 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
 
 
 def write_trace_table(log_path: Path, table_path: Path) -> int:
+    """The log's rows as the table; its row count. A table that holds every logged row already is
+    left as it is: rewritten, the committed (legacy-format) trace changed its bytes, not its rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     records = read_log(log_path)
+    if table_path.exists():
+        held = set(pq.read_table(table_path, columns=["key"]).column("key").to_pylist())
+        if {record["key"] for record in records} <= held:
+            return len(held)
     columns = {name: [record[name] for record in records] for name in TRACE_COLUMNS}
     types = {"max_tokens": pa.int64(), "temperature": pa.float64(), "seed": pa.int64()}
     columns.update({name: pa.array([record.get(name) for record in records], types[name]) for name in SETTING_COLUMNS})

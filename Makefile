@@ -31,8 +31,12 @@ $(MODEL_DIR)/config.json: $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
+# `make serve PORT=8010 SERVE_ARGS="--policy sjf"`: another port, or any `lengthwise serve` flags.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
 serve: model
-	$(VENV)/bin/lengthwise serve --model $(MODEL_DIR) --host 127.0.0.1 --port 8000
+	$(VENV)/bin/lengthwise serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest -q --durations=15 --timeout=900

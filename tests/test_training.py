@@ -352,20 +352,16 @@ def test_trace_records_lengths_and_resumes(tmp_path):
 def test_a_trace_run_that_adds_nothing_leaves_the_table_as_it_is(tmp_path):
     # A legacy-format table (no settings columns, as the committed trace) was rewritten by a run
     # that traced nothing: the same rows, a changed committed file.
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from training import trace
 
-    row = {"key": "k0", "conversation_id": "c0", "turn_index": 0, "prompt": "p", "prompt_tokens": 3,
-           "output_tokens": 5, "finish_reason": "stop", "split": "test", "in_train": False}
     table, log = tmp_path / "trace.parquet", tmp_path / "trace.jsonl"
-    pq.write_table(pa.table({name: [row[name]] for name in trace.TRACE_COLUMNS}), table)
+    _legacy_trace_table(table, lengths=(5,))
     before = table.read_bytes()
     assert trace.seed_log_from_table(log, table) == 1
     assert trace.write_trace_table(log, table) == 1 and table.read_bytes() == before
     with log.open("a") as more:  # a new row is written, with the settings columns
-        more.write(json.dumps({**row, "key": "k1", "max_tokens": 256, "temperature": 1.0, "seed": 3}) + "\n")
+        row = {**trace.read_log(log)[0], "key": "k1", "max_tokens": 256, "temperature": 1.0, "seed": 3}
+        more.write(json.dumps(row) + "\n")
     assert trace.write_trace_table(log, table) == 2
     assert trace.load_trace(path=table)["seed"] == [None, 3]
 
@@ -558,6 +554,8 @@ def test_tables_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     _legacy_trace_table(table)
     log = tmp_path / "trace.jsonl"
     trace.seed_log_from_table(log, table)
+    with log.open("a") as more:  # a row the table lacks: the table is rewritten
+        more.write(json.dumps({**trace.read_log(log)[0], "key": "k2", "output_tokens": 12}) + "\n")
     real_write = pq.write_table
 
     def interrupted(data, where, **kwargs):

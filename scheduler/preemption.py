@@ -43,7 +43,8 @@ class Preemption:
         for request in list(self.waiting):
             if budget <= 0 or not self.running:
                 return
-            if limit is not None and self.policy.sort_key(request, now) >= limit:
+            key = self.policy.sort_key(request, now)  # its rank while waiting (goodput's changes on admission)
+            if limit is not None and key >= limit:
                 return  # a preempted request not back yet ranks first and keeps its place
             # Not a request admitted earlier in this loop: its grant is already in the plan.
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids
@@ -52,7 +53,7 @@ class Preemption:
                 return  # it may preempt nobody, so it keeps its turn, and nothing after it jumps it
             # Running requests ranked ahead of it keep their whole next chunk: an urgent request
             # goes before those it may preempt, never before an earlier one of its own tier.
-            ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(request, plan, now)
+            ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(key, plan, now)
             prefix = self.block_manager.cached_prefix(request)
             num_new = self._num_new_tokens(request, budget - ahead_tokens, prefix)
             if num_new <= 0:
@@ -67,7 +68,6 @@ class Preemption:
             need += len(freed.intersection(prefix.blocks))
             for victim in victims:
                 self._preempt(victim, plan)
-            key = self.policy.sort_key(request, now)  # as ranked while waiting (goodput's changes on admission)
             if not self._admit_now(request, num_new, plan, prefix):
                 return
             if plan.urgent_key is None:  # the first admitted ranks best: the waiting queue is sorted
@@ -78,11 +78,10 @@ class Preemption:
             free_blocks -= need
             budget += len(victims) - num_new
 
-    def _next_chunks_ranked_ahead(self, request: Request, plan: StepPlan, now: float) -> tuple[int, int]:
-        """Tokens and blocks that running requests ranked ahead of `request` (not yet scheduled in
-        this step) need for their next chunk beyond the one token and block of growth every
-        running request is already counted for."""
-        key = self.policy.sort_key(request, now)
+    def _next_chunks_ranked_ahead(self, key: tuple, plan: StepPlan, now: float) -> tuple[int, int]:
+        """Tokens and blocks that running requests ranked ahead of `key` (a waiting request's, not
+        yet scheduled in this step) need for their next chunk beyond the one token and block of
+        growth every running request is already counted for."""
         tokens = blocks = 0
         for running in self.running:
             if running.request_id in plan.scheduled_ids or self.policy.sort_key(running, now) >= key:

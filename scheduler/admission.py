@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, Tier
@@ -68,6 +68,19 @@ MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a
 # this many windows.
 MIN_ARRIVALS_IN_WINDOW = 32
 MAX_ARRIVAL_AGE_WINDOWS = 30
+
+
+class _Step(NamedTuple):
+    at: float
+    seconds: float
+    tokens: int
+
+
+class _Arrival(NamedTuple):
+    at: float
+    prompt_tokens: int
+    predicted_decode: float  # output tokens still to come (the max_tokens cap without a prediction)
+    kv_token_steps: float | None  # None without a prediction: it stays out of the decode and KV terms
 
 
 class AdmissionRejected(Exception):
@@ -99,11 +112,10 @@ class AdmissionController:
         self.config = config
         self._ewma_tokens: float | None = None  # tokens per step
         self._ewma_time: float | None = None  # seconds per step
-        self._steps: deque[tuple[float, float, int]] = deque()  # (time, step seconds, tokens)
+        self._steps: deque[_Step] = deque()
         self._best_step: tuple[float, float] | None = None  # (time, tokens per second), decaying
         self._last_step_at = 0.0
-        # (time, prompt, predicted output, predicted KV token-steps or None without a prediction)
-        self._arrivals: deque[tuple[float, int, float, float | None]] = deque()
+        self._arrivals: deque[_Arrival] = deque()
         self._overloaded = False
         self.num_rejected = 0
 
@@ -117,7 +129,7 @@ class AdmissionController:
         else:
             self._ewma_tokens += alpha * (num_tokens - self._ewma_tokens)
             self._ewma_time += alpha * (step_time_s - self._ewma_time)
-        self._steps.append((now, step_time_s, num_tokens))
+        self._steps.append(_Step(now, step_time_s, num_tokens))
         self._last_step_at = now
         rate = num_tokens / step_time_s
         if self._best_step is None or rate >= self._best_rate_at(now):
@@ -135,17 +147,17 @@ class AdmissionController:
         # Without a prediction the decode falls back to max_tokens (the rest of the context for a
         # chat request), which the KV term, quadratic in it, would turn into a phantom overload.
         kv_steps = decode * (prompt + decode / 2) if request.predicted_len is not None else None
-        self._arrivals.append((now, prompt, decode, kv_steps))
+        self._arrivals.append(_Arrival(now, prompt, decode, kv_steps))
         self._prune(now)
 
     def _prune(self, now: float) -> None:
         horizon = now - self.config.stability_window_s
-        while self._steps and self._steps[0][0] < horizon:
+        while self._steps and self._steps[0].at < horizon:
             self._steps.popleft()
-        while len(self._arrivals) > MIN_ARRIVALS_IN_WINDOW and self._arrivals[0][0] < horizon:
+        while len(self._arrivals) > MIN_ARRIVALS_IN_WINDOW and self._arrivals[0].at < horizon:
             self._arrivals.popleft()
         oldest = now - MAX_ARRIVAL_AGE_WINDOWS * self.config.stability_window_s
-        while self._arrivals and self._arrivals[0][0] < oldest:
+        while self._arrivals and self._arrivals[0].at < oldest:
             self._arrivals.popleft()
 
     @property
@@ -188,22 +200,21 @@ class AdmissionController:
         # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
         # even before a window has passed: dividing by the time since the first arrival alone would
         # call two requests 20 ms apart 50 per second.
-        span = max(self.config.stability_window_s, now - self._arrivals[0][0])
+        span = max(self.config.stability_window_s, now - self._arrivals[0].at)
         arrival_rate = len(self._arrivals) / span
-        mean_prompt = sum(a[1] for a in self._arrivals) / len(self._arrivals)
+        mean_prompt = sum(a.prompt_tokens for a in self._arrivals) / len(self._arrivals)
         # The mean over arrivals with a prediction (none: the prompt terms alone), as for KV: the
         # max_tokens fallback made a server without a predictor report an overload not there.
-        predicted_decode = [a[2] for a in self._arrivals if a[3] is not None]
-        mean_decode = sum(predicted_decode) / len(predicted_decode) if predicted_decode else 0.0
-        predicted_kv = [a[3] for a in self._arrivals if a[3] is not None]
-        mean_kv_steps = sum(predicted_kv) / len(predicted_kv) if predicted_kv else 0.0
-        mean_step = sum(s for _, s, _ in self._steps) / len(self._steps)
+        predicted = [a for a in self._arrivals if a.kv_token_steps is not None]
+        mean_decode = sum(a.predicted_decode for a in predicted) / len(predicted) if predicted else 0.0
+        mean_kv_steps = sum(a.kv_token_steps for a in predicted) / len(predicted) if predicted else 0.0
+        mean_step = sum(s.seconds for s in self._steps) / len(self._steps)
         # B / t_step of a full step: the best rate among steps that used at least half the budget.
         # B over the mean step, mostly short decodes, overstated the served engine's capacity
         # threefold (1,937 against 581 tokens/s in a logged run). Without such a step the budget
         # has not bound in the window, and a small step's rate would understate capacity.
-        token_capacity = max((tokens / seconds for _, seconds, tokens in self._steps
-                              if 2 * tokens >= self.config.max_num_batched_tokens), default=0.0)
+        token_capacity = max((s.tokens / s.seconds for s in self._steps
+                              if 2 * s.tokens >= self.config.max_num_batched_tokens), default=0.0)
         loads = {
             "tokens": arrival_rate * (mean_prompt + mean_decode) / token_capacity if token_capacity else 0.0,
             "seats": arrival_rate * (mean_decode + mean_prompt / self.config.max_num_batched_tokens) * mean_step

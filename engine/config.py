@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from predictor.paths import SERVED_MODEL_REF, project_root
 from scheduler.config import PreemptionMode, SchedulerConfig
+from scheduler.eviction import needs_host_pool
 from scheduler.request import SEED_MAX, SEED_MIN, is_int, is_real
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -65,8 +66,6 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be a positive integer or None, got {self.num_gpu_blocks!r}")
         if not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
-        if self.preemption_mode == "swap" and self.swap_space_gib == 0:
-            raise ValueError("swap preemption needs swap_space_gib > 0")
         choices = {
             "dtype": ("float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
@@ -80,6 +79,8 @@ class EngineConfig:
         if reserved & set(self.scheduler_options):
             raise ValueError(f"set {sorted(reserved & set(self.scheduler_options))} through EngineConfig fields")
         self.scheduler_config(num_gpu_blocks=1, num_cpu_blocks=1)  # its own checks, before any weights load
+        if needs_host_pool(self.preemption_mode) and self.swap_space_gib == 0:
+            raise ValueError(f"{self.preemption_mode} preemption needs swap_space_gib > 0")
         if self.num_threads is not None and not (is_int(self.num_threads) and self.num_threads > 0):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
 

@@ -33,6 +33,7 @@ from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from predictor.base import Prediction
 from predictor.batching import predict_in_batches
+from scheduler.eviction import needs_host_pool
 from scheduler.output import SchedulerOutput
 from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, is_int
 from scheduler.scheduler import Scheduler
@@ -136,8 +137,9 @@ class LLMEngine:
         num_gpu_blocks = gpu_block_count(config, geometry)
         if num_gpu_blocks <= 0:
             raise ValueError(f"kv_cache_memory_gib {config.kv_cache_memory_gib} holds no KV block")
-        num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if config.preemption_mode == "swap" else 0
-        if config.preemption_mode == "swap" and num_cpu_blocks <= 0:
+        host_pool = needs_host_pool(config.preemption_mode)
+        num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if host_pool else 0
+        if host_pool and num_cpu_blocks <= 0:
             raise ValueError(f"swap_space_gib {config.swap_space_gib} holds no KV block")
         cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, self.device)
         cache.log_capacity(config.max_model_len)

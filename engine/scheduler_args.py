@@ -78,7 +78,7 @@ def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> di
     from scheduler.policies import POLICIES
 
     options = {"enable_admission": bool(args.admission)}
-    policy_knobs = frozenset().union(*(getattr(factory, "reads_knobs", frozenset()) for factory in POLICIES.values()))
+    policy_knobs = frozenset().union(*(factory.reads_knobs for factory in POLICIES.values()))
     for knob in KNOBS:
         value = getattr(args, knob.field)
         if value is None:
@@ -89,7 +89,7 @@ def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> di
             raise ValueError(f"{knob.flag} replaces {_flag_of(knob.replaces)}: give one of them")
         read_by_admission = knob.read_by_admission and args.admission
         if (policy is not None and knob.field in policy_knobs and not read_by_admission
-                and knob.field not in getattr(POLICIES[policy], "reads_knobs", frozenset())):
+                and knob.field not in POLICIES[policy].reads_knobs):
             also = " (nor, without --admission, does admission)" if knob.read_by_admission else ""
             raise ValueError(f"{knob.flag}: --policy {policy} does not read it{also}")
         options[knob.field] = value

@@ -61,7 +61,7 @@ class SchedulerConfig:
     # None: the measured mean step time (no cost before the first step), as aging reads it. A
     # fixed 0.05 s called a 100-token request 2 s from its deadline on a CPU whose steps take
     # 0.16 s, where it had already missed it.
-    goodput_s_per_token: float | None = None
+    goodput_step_time_s: float | None = None
     goodput_urgent_slack_s: float = 2.0
 
     # Admission control (scheduler/admission.py); off unless enabled.
@@ -103,8 +103,8 @@ class SchedulerConfig:
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
         if self.preemption_mode not in EVICTIONS:
             raise ValueError(f"preemption_mode must be one of {', '.join(EVICTIONS)}, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
-            raise ValueError("swap preemption needs num_cpu_blocks > 0")
+        if EVICTIONS[self.preemption_mode].needs_host_pool and self.num_cpu_blocks == 0:
+            raise ValueError(f"{self.preemption_mode} preemption needs num_cpu_blocks > 0")
         from scheduler.policies import POLICIES  # the registry imports this module
 
         if self.policy not in POLICIES:
@@ -116,8 +116,8 @@ class SchedulerConfig:
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.goodput_s_per_token is not None and not self.goodput_s_per_token >= 0:
-            raise ValueError(f"goodput_s_per_token must be >= 0 or None, got {self.goodput_s_per_token!r}")
+        if self.goodput_step_time_s is not None and not self.goodput_step_time_s >= 0:
+            raise ValueError(f"goodput_step_time_s must be >= 0 or None, got {self.goodput_step_time_s!r}")
         if not self.queue_bound_kv_multiple > 0:
             raise ValueError(f"queue_bound_kv_multiple must be > 0, got {self.queue_bound_kv_multiple!r}")
         if not self.aging_tokens_per_step >= 0:

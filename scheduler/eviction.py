@@ -17,6 +17,8 @@ from scheduler.step import StepPlan
 
 
 class Eviction(Protocol):
+    needs_host_pool: bool  # whether the mode copies blocks to host memory (the engine sizes a pool)
+
     def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
         """Take the request's device blocks away; returns PREEMPTED (recompute) or SWAPPED."""
         ...
@@ -29,12 +31,16 @@ def free_for_recompute(request: Request, block_manager: BlockManager) -> None:
 
 
 class RecomputeEviction:
+    needs_host_pool = False
+
     def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
         free_for_recompute(request, block_manager)
         return RequestStatus.PREEMPTED
 
 
 class SwapEviction:
+    needs_host_pool = True
+
     def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
         if not block_manager.can_swap_out(request):
             return RecomputeEviction().evict(request, block_manager, plan)
@@ -43,6 +49,11 @@ class SwapEviction:
 
 
 EVICTIONS: dict[str, type] = {"recompute": RecomputeEviction, "swap": SwapEviction}
+
+
+def needs_host_pool(mode: str) -> bool:
+    """Whether a validated preemption mode needs host memory to swap blocks into."""
+    return EVICTIONS[mode].needs_host_pool
 
 
 def make_eviction(mode: str) -> Eviction:

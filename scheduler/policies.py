@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 from scheduler.config import SchedulerConfig
 from scheduler.policy import SchedulingPolicy
@@ -102,6 +102,8 @@ def ranking_length(request: Request) -> float:
 
 class SJFPolicy(TieredPolicy):
     name = "sjf"
+    orders_by_prediction = True
+    ages = True
     reads_knobs = frozenset({"aging_tokens_per_step", "aging_tokens_per_s"})
     # Whether to keep every step's aging rate, for per-request bounds after a run. The simulator
     # turns it on; a server, which runs without end and never asks, would only grow the lists.
@@ -158,6 +160,8 @@ class OraclePolicy(SJFPolicy):
 
     name = "oracle"
     needs_true_length = True
+    orders_by_prediction = False  # true lengths; a server, which has none, does not offer it
+    ages = False
     reads_knobs = frozenset()  # no aging
 
     def length(self, request: Request) -> float:
@@ -242,12 +246,12 @@ class GoodputPolicy(SJFPolicy):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         # Seconds one step takes: the configured cost, else the measured mean (0 before any step).
-        self.step_time_s = config.goodput_s_per_token or 0.0
+        self.step_time_s = config.goodput_step_time_s or 0.0
 
     def on_step(self, waiting: Sequence[Request], running: Sequence[Request], now: float,
                 step_time_s: float | None) -> None:
         super().on_step(waiting, running, now, step_time_s)
-        if self.config.goodput_s_per_token is None and step_time_s:
+        if self.config.goodput_step_time_s is None and step_time_s:
             self.step_time_s = step_time_s
 
     def deadline(self, request: Request) -> float | None:
@@ -279,7 +283,7 @@ class GoodputPolicy(SJFPolicy):
         return float(max(1, -(-to_feed // self.config.max_num_batched_tokens)))
 
 
-POLICIES: dict[str, Callable[[SchedulerConfig], SchedulingPolicy]] = {
+POLICIES: dict[str, type[SchedulingPolicy]] = {
     "fcfs": FCFSPolicy,
     "priority": PriorityPolicy,
     "sjf": SJFPolicy,

@@ -23,6 +23,12 @@ class SchedulingPolicy:
     # Whether it needs each request's true output length, which only a benchmark knows (so a
     # server does not offer it).
     needs_true_length = False
+    # Whether the order reads the predicted length: without a predictor such a policy orders by
+    # each request's max_tokens alone, which `serve` warns about.
+    orders_by_prediction = False
+    # Whether waiting earns a request rank (anti-starvation aging), so that `aging_bound_s` bounds
+    # how late an arrival may still overtake it: the simulator reports that bound for such policies.
+    ages = False
     # The SchedulerConfig knobs its order reads among those only some policies read (aging, srpt,
     # goodput, the SLOs): `serve` refuses such a knob when its policy would accept it and do nothing.
     reads_knobs: frozenset[str] = frozenset()

@@ -211,7 +211,7 @@ def test_srpt_bound_is_the_remaining_length_a_request_waited_with() -> None:
 
 
 def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> None:
-    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05,
+    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_step_time_s=0.05,
                              goodput_urgent_slack_s=2.0, aging_tokens_per_s=0.0)
     policy = GoodputPolicy(config)
     urgent = req("urgent", arrival=0.0, predicted=40)  # at t=6: slack 10 - 6 - 2 = 2 s
@@ -225,7 +225,7 @@ def test_goodput_puts_an_urgent_request_before_a_short_one_that_can_wait() -> No
 def test_goodput_lets_a_late_request_past_savable_ones_once_it_has_waited_its_aging_bound() -> None:
     # Past saving, it yields to requests that can still make their SLO, but only for as long as
     # aging allows: after length / rate seconds (50 tokens at 10 tokens/s) it goes before them.
-    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05,
+    config = SchedulerConfig(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_step_time_s=0.05,
                              goodput_urgent_slack_s=2.0, aging_tokens_per_s=10.0)
     policy = GoodputPolicy(config)
     late = req("late", arrival=0.0, predicted=50)  # deadline 10 s
@@ -242,7 +242,7 @@ def test_goodput_costs_an_interactive_request_its_prefill_steps() -> None:
     # (0.5 s): at t=0.1 it can no longer make its deadline, while a 4-token prompt has 0.35 s of
     # slack and is urgent. Costing both as one token would call the long one urgent too.
     config = SchedulerConfig(num_gpu_blocks=64, max_num_batched_tokens=64, max_model_len=2048,
-                             slo_ttft_interactive_s=0.5, goodput_s_per_token=0.05, goodput_urgent_slack_s=2.0)
+                             slo_ttft_interactive_s=0.5, goodput_step_time_s=0.05, goodput_urgent_slack_s=2.0)
     policy = GoodputPolicy(config)
     long_prompt = req("long", tier=Tier.INTERACTIVE, prompt_len=640, predicted=5)
     short_prompt = req("short", tier=Tier.INTERACTIVE, prompt_len=4, predicted=50)
@@ -753,7 +753,7 @@ def test_srpt_needs_strictly_ratio_times_shorter():
 
 
 def goodput(**kw) -> GoodputPolicy:
-    base = dict(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_s_per_token=0.05, goodput_urgent_slack_s=2.0,
+    base = dict(num_gpu_blocks=64, slo_e2e_standard_s=10.0, goodput_step_time_s=0.05, goodput_urgent_slack_s=2.0,
                 aging_tokens_per_s=0.0)
     base.update(kw)
     return GoodputPolicy(SchedulerConfig(**base))
@@ -820,9 +820,9 @@ def test_goodput_prices_steps_at_the_measured_step_time_by_default():
 
 
 def test_goodput_takes_a_zero_step_cost_refuses_a_negative_one_and_still_ages():
-    assert SchedulerConfig(num_gpu_blocks=64, goodput_s_per_token=0.0).goodput_s_per_token == 0.0
-    with pytest.raises(ValueError, match="goodput_s_per_token"):
-        SchedulerConfig(num_gpu_blocks=64, goodput_s_per_token=-1.0)
+    assert SchedulerConfig(num_gpu_blocks=64, goodput_step_time_s=0.0).goodput_step_time_s == 0.0
+    with pytest.raises(ValueError, match="goodput_step_time_s"):
+        SchedulerConfig(num_gpu_blocks=64, goodput_step_time_s=-1.0)
     policy = GoodputPolicy(SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_step=0.25))
     policy.on_step([req("w")], [], 0.0, 0.1)
     assert policy.aging_rate == pytest.approx(2.5) and policy.step_time_s == pytest.approx(0.1)  # sjf's aging too

@@ -557,6 +557,23 @@ def test_a_length_policy_without_a_predictor_says_it_orders_by_max_tokens(caplog
     assert "orders requests by max_tokens" in caplog.records[0].getMessage()
 
 
+def test_a_length_policy_outside_the_sjf_family_warns_too(caplog, monkeypatch):
+    """The warning asks the policy whether it reads predictions, not whether it derives from SJF."""
+    from scheduler.policies import POLICIES, TieredPolicy
+
+    class PredictedLengthFirst(TieredPolicy):
+        name = "predicted-first"
+        orders_by_prediction = True
+
+        def score(self, request, now):
+            return request.predicted_total
+
+    monkeypatch.setitem(POLICIES, PredictedLengthFirst.name, PredictedLengthFirst)
+    with caplog.at_level("WARNING", logger=serve_cli.logger.name):
+        serve_cli.warn_if_ordering_without_predictor(PredictedLengthFirst.name, None)
+    assert [r.getMessage().split(" with")[0] for r in caplog.records] == ["--policy predicted-first"]
+
+
 def test_serve_offers_every_policy_but_the_oracle_which_needs_true_lengths(capsys):
     import argparse
 

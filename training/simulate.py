@@ -24,7 +24,8 @@ from engine.arg_types import (non_negative_int, positive_float, positive_float_l
 from engine.config import DEFAULT_PREDICTOR, REPO_ROOT, EngineConfig
 from engine.scheduler_args import KNOBS, add_scheduler_arguments, scheduler_options
 from scheduler.config import SchedulerConfig
-from scheduler.policies import POLICIES, OraclePolicy, SJFPolicy, make_policy
+from scheduler.eviction import needs_host_pool
+from scheduler.policies import POLICIES, make_policy
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.sim_metrics import aging_bounds, goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
@@ -131,7 +132,7 @@ def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) 
         num_gpu_blocks=kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
-        num_cpu_blocks=engine_host_blocks(kv_blocks) if args.preemption_mode == "swap" else 0,
+        num_cpu_blocks=engine_host_blocks(kv_blocks) if needs_host_pool(args.preemption_mode) else 0,
         **scheduler_options(args))
 
 
@@ -182,7 +183,7 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
         policy.record_rate_history = True  # for each request's own aging bound below
         result = simulate(policy_config, workload, cost, policy)
         summaries[name] = summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
-        if isinstance(policy, SJFPolicy) and not isinstance(policy, OraclePolicy):
+        if policy.ages:
             # the slowest rate in force while requests waited (measured from step times by default)
             summaries[name]["aging_tokens_per_s"] = policy.slowest_rate_while_waiting or policy.aging_rate
             bounds = aging_bounds(policy, workload, result.records)

@@ -71,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def warn_if_ordering_without_predictor(policy: str, predictor_path: str | None) -> None:
     """A length policy with no predictor orders by `max_tokens` (each request's only length): a
     valid order, but not the one asked for, so it is said."""
-    from scheduler.policies import POLICIES, SJFPolicy
+    from scheduler.policies import POLICIES
 
-    if predictor_path is None and issubclass(POLICIES[policy], SJFPolicy):
+    if predictor_path is None and POLICIES[policy].orders_by_prediction:
         logger.warning("--policy %s with --predictor none orders requests by max_tokens, not by a "
                        "predicted length", policy)
 

@@ -48,7 +48,7 @@ class AsyncLLMEngine:
                  overlap_prediction: bool = False) -> None:
         self.engine = engine  # touched by the engine thread only, after start()
         self.listener: EngineListener = listener or NullListener()
-        # Through the attribute, not the object: the server replaces the listener after this.
+        # Through the attribute, not the object: attach_listener may replace it before start().
         self.predictor = None if predictor is None else ArrivalPredictor(
             predictor, lambda *latency: self.listener.on_prediction(*latency), max_predict_batch)
         # Without overlap (the CPU default) the engine thread scores each drained group of arrivals
@@ -74,6 +74,18 @@ class AsyncLLMEngine:
         self._worker = EngineWorker(engine, self._commands, None if self.overlap_prediction else self.predictor,
                                     self._outputs_ready, self._engine_failed, self._abort_applied)
         self._threads: list[threading.Thread] = []
+
+    def attach_listener(self, listener: EngineListener) -> None:
+        """Report to `listener` from now on (the server's metrics, which read `stats` in turn, so
+        they are built after this engine). Only before start(): the threads read it unlocked."""
+        if self._threads:
+            raise RuntimeError("attach the listener before the engine starts")
+        self.listener = listener
+
+    @property
+    def policy(self) -> Any:
+        """The scheduling policy the engine orders by."""
+        return self.engine.scheduler.policy
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:

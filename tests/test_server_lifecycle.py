@@ -194,6 +194,31 @@ def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):
     assert free == total
 
 
+def test_a_listener_attached_before_start_hears_every_finish_and_one_attached_after_is_refused(engine):
+    class Finishes(NullListener):
+        def __init__(self):
+            self.finished = []
+
+        def on_finished(self, output, tier, prediction):
+            self.finished.append(output.request_id)
+
+    async def scenario():
+        async_engine, finishes = AsyncLLMEngine(engine), Finishes()
+        async_engine.attach_listener(finishes)
+        await async_engine.start()
+        with pytest.raises(RuntimeError, match="before the engine starts"):
+            async_engine.attach_listener(NullListener())
+        stream = await async_engine.submit("heard", prompt_ids(engine, "Hello"), "Hello",
+                                           SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+        await asyncio.wait_for(drain(stream), timeout=60)
+        await async_engine.shutdown()
+        return async_engine, finishes
+
+    async_engine, finishes = asyncio.run(scenario())
+    assert finishes.finished == ["heard"] and async_engine.listener is finishes
+    assert async_engine.policy is engine.scheduler.policy
+
+
 def test_a_second_submit_with_a_live_id_is_refused_and_the_first_request_finishes(engine):
     async def scenario():
         async_engine = AsyncLLMEngine(engine)

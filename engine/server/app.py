@@ -57,10 +57,9 @@ class ServerSettings:
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
-    engine.listener = metrics
-    # The engine's own policy says whether a nonzero priority means anything (set before start).
-    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len,
-                            policy=engine.engine.scheduler.policy)
+    engine.attach_listener(metrics)
+    # The engine's own policy says whether a nonzero priority means anything.
+    serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=engine.policy)
     tokenization = OpenAIServingTokenization(tokenizer, settings.max_model_len, serving.max_token_chars,
                                              serving.off_loop)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,16 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def cpu_threads(text: str) -> int:
+    """A torch thread count no larger than the CPUs this process may run on: more only contend for
+    them, and tens of thousands ended in a segmentation fault (libgomp could not start them)."""
+    value = positive_int(text)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"this machine gives {cpus} CPUs to the process, got {text} threads")
     return value
 
 
@@ -118,10 +129,20 @@ def api_key(text: str) -> str:
     return text
 
 
+# A file name's bytes on Linux file systems (NAME_MAX); a stem leaves room for its suffix.
+MAX_FILE_NAME_BYTES = 255
+STEM_SUFFIX_ROOM = 16
+
+
 def file_stem(text: str) -> str:
-    """A name that becomes a file name in an output folder (a run's label): no folders in it."""
+    """A name that becomes a file name in an output folder (a run's label): no folders in it, and
+    short enough for a file name with its suffix (bench serve wrote its files only after the load)."""
     if not text.strip() or "/" in text or "\\" in text or text in (".", ".."):
         raise argparse.ArgumentTypeError(f"a run name becomes a file name: no '/', got {text!r}")
+    size = len(text.encode("utf-8", "surrogateescape"))  # argv's undecodable bytes come as surrogates
+    if size > MAX_FILE_NAME_BYTES - STEM_SUFFIX_ROOM:
+        raise argparse.ArgumentTypeError(f"a run name becomes a file name: at most "
+                                         f"{MAX_FILE_NAME_BYTES - STEM_SUFFIX_ROOM} bytes, got {size}")
     return text
 
 

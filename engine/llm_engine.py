@@ -92,7 +92,10 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     check_model_dir(model_dir)
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, OSError) as exc:  # transformers' message names no folder, nor what is missing
+        raise ValueError(f"{model_dir}: its tokenizer does not load (run `make model`): {exc}") from None
 
 
 class LLMEngine:

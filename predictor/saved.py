@@ -89,6 +89,11 @@ def load(path: str | Path) -> Predictor:
     except (KeyError, TypeError) as exc:  # a feature spec lacking a field its kind needs, or with a stray one
         raise ValueError(f"{folder}: its {spec.kind} feature spec does not load "
                          f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a weights file cut short or not what it is named
+        # LightGBM's and numpy's errors name neither the folder nor the kind, and LightGBMError is no
+        # ValueError: it was a 36-line traceback. Chained, so LENGTHWISE_TRACEBACK=1 still shows it.
+        raise ValueError(f"{folder}: its {spec.kind} predictor does not load "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def save(predictor, path: str | Path) -> Path:

@@ -17,6 +17,7 @@ charges nothing for swaps) to out/step_cost.json; the simulator reads data/step_
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
@@ -40,8 +41,9 @@ class StepCostModel:
 
     def __post_init__(self) -> None:
         coefficients = (self.a_s, self.b_s_per_token, self.c_s_per_context_token, self.d_s_per_swapped_block)
-        if min(coefficients) < 0 or self.a_s <= 0:
-            raise ValueError(f"step cost coefficients must be >= 0 with a_s > 0, got {self}")
+        # inf (JSON's Infinity) made every step last forever: a division by zero in the arrival draws.
+        if not all(math.isfinite(c) for c in coefficients) or min(coefficients) < 0 or self.a_s <= 0:
+            raise ValueError(f"step cost coefficients must be finite and >= 0 with a_s > 0, got {self}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:
@@ -52,7 +54,8 @@ class StepCostModel:
             value = data.get(long, data.get(short, default))
             if value is None:
                 raise KeyError(f"step cost needs {long!r} (or {short!r})")
-            return max(0.0, float(value))
+            value = float(value)
+            return value if math.isnan(value) else max(0.0, value)  # NaN is refused, not clamped to 0
 
         return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b"),
                    coefficient("c_s_per_context_token", "c"), coefficient("d_s_per_swapped_block", "d", 0.0))

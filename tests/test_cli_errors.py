@@ -570,3 +570,247 @@ def test_bench_serve_names_a_base_url_httpx_cannot_parse(capsys, tmp_path, url):
     assert "cannot list its models" in one_line_error(
         capsys, ["bench", "serve", "--base-url", url, "--no-mlflow", "--result-dir", str(tmp_path / "r")],
         "bench serve")
+
+
+@pytest.fixture
+def broken_model(tmp_path, tiny_model_dir):
+    """A copy of the tiny model whose file `name` is replaced by `text`."""
+    import shutil
+
+    def make(name: str, text: str | None) -> Path:
+        folder = tmp_path / f"model-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_model_dir, folder)
+        (folder / name).unlink()
+        if text is not None:
+            (folder / name).write_text(text)
+        return folder
+
+    return make
+
+
+def test_a_model_folder_with_a_broken_file_is_one_line_naming_it(capsys, tiny_model_dir, broken_model) -> None:
+    # A config lacking a field or holding a list was a KeyError or AttributeError traceback, a
+    # weights file cut short a SafetensorError one; bad JSON was one line naming no file.
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    lacking = json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"})
+    cases = [("config.json", lacking, "config.json: not a Llama config (KeyError: 'num_attention_heads'"),
+             ("config.json", "[]", "config.json: a JSON object is expected, got list"),
+             ("config.json", "{bad", "config.json: not JSON"),
+             ("generation_config.json", "{", "generation_config.json: not JSON"),
+             ("model.safetensors", "junk", "model.safetensors: not a whole safetensors file"),
+             ("tokenizer.json", None, "its tokenizer does not load")]
+    for name, text, message in cases:
+        model = broken_model(name, text)
+        err = one_line_error(capsys, ["generate", "hi", "--model", str(model), "--kv-cache-memory", "0.01"],
+                             "generate")
+        assert message in err and (name == "tokenizer.json" or str(model / name) in err), err
+
+
+def lexical_copy(tmp_path) -> Path:
+    import shutil
+
+    folder = tmp_path / "lexical"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "predictors" / "lexical", folder)
+    return folder
+
+
+def test_a_predictor_with_a_broken_weights_file_is_one_line(capsys, tmp_path) -> None:
+    # LightGBM's error is no ValueError: a 36-line traceback from eval-predictor, simulate and serve.
+    folder = lexical_copy(tmp_path)
+    (folder / "point.lgb.txt").write_text("junk\n")
+    err = one_line_error(capsys, ["eval-predictor", "--predictor", str(folder), "--limit", "2", "--no-latency"],
+                         "eval-predictor")
+    assert f"{folder}: its lexical predictor does not load (LightGBMError" in err
+
+
+def test_serve_reads_the_predictor_spec_before_loading_the_model(capsys, tmp_path, tiny_model_dir,
+                                                                 monkeypatch) -> None:
+    from engine.server import serve_cli
+
+    monkeypatch.setattr(serve_cli, "build_server", lambda *args: pytest.fail("loaded before the spec was read"))
+    folder = lexical_copy(tmp_path)
+    (folder / "predictor.json").write_text("{")
+    err = one_line_error(capsys, ["serve", "--model", str(tiny_model_dir), "--predictor", str(folder),
+                                  "--port", "0"], "serve")
+    assert "predictor.json: not a predictor spec (not JSON" in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"a": Infinity, "b": 0, "c": 0}', "must be finite"),  # a ZeroDivisionError traceback
+    ('{"a": 0.03, "b": NaN, "c": 0}', "must be finite"),  # NaN had been clamped to 0 and run
+    ('{"a": 0.03, "b": 0, "c": 0, "num_gpu_blocks": "x"}', "num_gpu_blocks must be a positive integer"),
+    ('{"a": 0.03, "b": 0, "c": 0, "num_gpu_blocks": 0}', "num_gpu_blocks must be a positive integer"),
+    ('{"a": 0.03, "b": 0, "c": 0, "block_size": 0, "num_gpu_blocks": 8}', "block_size must be a positive integer"),
+])
+def test_a_step_cost_file_of_impossible_numbers_is_one_line(capsys, tmp_path, text, message) -> None:
+    cost = tmp_path / "cost.json"
+    cost.write_text(text)
+    err = one_line_error(capsys, ["simulate", "--step-cost", str(cost), "--predictions", "noisy-oracle",
+                                  "--num-requests", "2", "--json", str(tmp_path / "s.json"), "--no-plots"],
+                         "simulate")
+    assert f"--step-cost {cost}: not a step-cost file" in err and message in err
+
+
+def test_a_step_cost_whose_steps_overflow_is_one_line(capsys, tmp_path) -> None:
+    # Finite coefficients, but a step of 1e308 s plus 1e308 s per token is inf: a ZeroDivisionError.
+    cost = tmp_path / "cost.json"
+    cost.write_text('{"a": 1e308, "b": 1e308, "c": 0}')
+    assert "not a usable cost model" in one_line_error(
+        capsys, ["simulate", "--step-cost", str(cost), "--predictions", "noisy-oracle", "--num-requests", "2",
+                 "--sweep-loads=", "--json", str(tmp_path / "s.json"), "--no-plots"], "simulate")
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_simulate_refuses_more_kv_blocks_than_it_can_list(capsys, tmp_path, monkeypatch) -> None:
+    # --kv-blocks 10**12 filled memory until the kernel killed the process.
+    from training import simulate
+
+    monkeypatch.setattr(simulate, "load_workload_turns", lambda args: pytest.fail("ran before the check"))
+    base = ["simulate", "--predictions", "noisy-oracle", "--json", str(tmp_path / "s.json")]
+    assert "--kv-blocks: 1000000000000 KV blocks of 16 is more than the simulator keeps" in one_line_error(
+        capsys, [*base, "--kv-blocks", str(10**12)], "simulate")
+    cost = tmp_path / "cost.json"
+    cost.write_text('{"a": 0.03, "b": 0, "c": 0, "num_gpu_blocks": 99999999999}')
+    assert "calibration's num_gpu_blocks: 99999999999 KV blocks" in one_line_error(
+        capsys, [*base, "--step-cost", str(cost)], "simulate")
+
+
+def write_table(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_a_trace_table_of_the_wrong_types_or_no_rows_is_one_line(capsys, tmp_path) -> None:
+    # Text lengths or int keys matched nothing and exited 0 (a NaN tau); an empty table was a
+    # 47-line datasets traceback.
+    import pyarrow as pa
+
+    tables = {"texts": ({"key": ["a"], "output_tokens": ["x"]}, "output_tokens is string, not integers"),
+              "ints": ({"key": [1], "output_tokens": [1]}, "key is int64, not text"),
+              "empty": ({"key": pa.array([], pa.string()), "output_tokens": pa.array([], pa.int64())},
+                        "the trace table holds no rows")}
+    for name, (columns, message) in tables.items():
+        path = write_table(tmp_path / f"{name}.parquet", columns)
+        assert message in one_line_error(capsys, ["trace", "--agreement", str(path)], "trace")
+        assert message in one_line_error(
+            capsys, ["eval-predictor", "--predictor", "data/predictors/lexical", "--labels", "trace", "--resample",
+                     str(path), "--limit", "2", "--no-latency"], "eval-predictor")
+
+
+def test_trace_agreement_with_no_shared_prompt_is_one_line_not_nan(capsys, tmp_path) -> None:
+    # It printed {"num_prompts": 0, "kendall_tau_two_samples": NaN}, which is no JSON, and exited 0.
+    from training.trace import sample_agreement
+
+    path = write_table(tmp_path / "other.parquet", {"key": ["zz", "yy"], "output_tokens": [3, 4]})
+    assert main(["trace", "--agreement", str(path)]) == 2
+    captured = capsys.readouterr()  # datasets' progress lines come first on stderr
+    assert "shares 0 prompts with" in captured.err.splitlines()[-1] and captured.out == ""
+    assert sample_agreement(path, path)["num_prompts"] == 2
+    single = write_table(tmp_path / "one.parquet", {"key": ["zz"], "output_tokens": [3]})
+    assert sample_agreement(single, single) == {"num_prompts": 1, "kendall_tau_two_samples": None}
+
+
+def test_trace_checks_an_existing_out_table_before_loading_the_model(capsys, tmp_path, tiny_model_dir,
+                                                                    monkeypatch) -> None:
+    # The table is resumed from once the model has loaded: a KeyError traceback after the load.
+    from engine import llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before --out was checked"))
+    out = write_table(tmp_path / "other.parquet", {"x": [1, 2]})
+    assert f"--out {out}: not a trace table (no column key, output_tokens)" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log", str(tmp_path / "t.jsonl"),
+                 "--out", str(out)], "trace")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_bench_serve_refuses_a_label_too_long_for_a_file_name(capsys, monkeypatch) -> None:
+    # File name too long came after the whole load test, whose results were then lost.
+    from training import bench_serve
+
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("load started first"))
+    assert "argument --label: a run name becomes a file name: at most 239 bytes, got 300" in usage_error(
+        capsys, ["bench", "serve", "--label", "a" * 300, "--no-mlflow"])
+    assert "got 240" in usage_error(capsys, ["bench", "serve", "--label", "é" * 120, "--no-mlflow"])
+
+
+def test_bench_serve_refuses_a_context_above_the_servers(capsys, tmp_path, monkeypatch) -> None:
+    # Every turn longer than the server's context was refused (HTTP 400): a load test of failures,
+    # exit 1, and a result written over an earlier run's of the same label.
+    import httpx
+
+    from training import bench_serve
+
+    listed = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 512}]}
+    monkeypatch.setattr(bench_serve.httpx, "get", lambda url, **kwargs: httpx.Response(
+        200, json=listed, request=httpx.Request("GET", url)))
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("load started first"))
+    out = ["--base-url", "http://127.0.0.1:1", "--no-mlflow", "--result-dir", str(tmp_path / "r")]
+    assert "--max-model-len 2048 exceeds the server's max_model_len 512" in one_line_error(
+        capsys, ["bench", "serve", *out], "bench serve")
+    with pytest.raises(pytest.fail.Exception, match="load started first"):  # 512 passes the check
+        main(["bench", "serve", *out, "--max-model-len", "512"])
+    assert not (tmp_path / "r").exists()
+
+
+def test_data_prepare_refuses_a_card_dir_beside_no_card(capsys, tmp_path, monkeypatch) -> None:
+    from training import data_prepare
+
+    monkeypatch.setattr(data_prepare, "prepare", lambda *args: pytest.fail("ran with a folder it ignores"))
+    assert "--card-dir names where the card goes, --no-card skips it" in one_line_error(
+        capsys, ["data", "prepare", "--out", str(tmp_path / "t"), "--no-card", "--card-dir", str(tmp_path / "c")],
+        "data prepare")
+
+
+def test_bench_serve_checks_the_mlflow_store_before_the_load(capsys, tmp_path, monkeypatch) -> None:
+    # The run is logged once the load is over: a store it could not write failed only then.
+    from training import bench_serve, tracking
+
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("load started first"))
+    in_the_way = tmp_path / "mlruns"
+    in_the_way.write_text("x")
+    monkeypatch.setattr(tracking, "default_store", lambda: in_the_way)
+    assert f"the MLflow store {in_the_way} is a file, not a folder" in one_line_error(
+        capsys, ["bench", "serve", "--result-dir", str(tmp_path / "r")], "bench serve")
+
+
+def test_bench_engine_refuses_more_threads_than_cpus(capsys, tmp_path) -> None:
+    # --threads 100000 was a segmentation fault (exit 139, no message) once torch started them.
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    # No model there: a run past the flag check would end at once, not benchmark.
+    err = usage_error(capsys, ["bench", "engine", "--threads", str(cpus + 1), "--model", str(tmp_path / "none"),
+                               "--json", str(tmp_path / "b.json")])
+    assert f"argument --threads: this machine gives {cpus} CPUs to the process, got {cpus + 1} threads" in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("# my notes\nkeep this line", "not a trace log (no line is a JSON record)"),
+    ('{"a": 1}\n', "line 1 is no trace record"), ("[1]\n", "line 1 is no trace record")])
+def test_trace_refuses_a_log_that_is_no_trace_log_before_loading(capsys, tmp_path, tiny_model_dir, monkeypatch,
+                                                                 text, message) -> None:
+    # Notes given as --log lost their last line and took JSON lines (exit 0); records of another
+    # kind were a KeyError or AttributeError traceback once the model had loaded.
+    from engine import llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before --log was checked"))
+    log = tmp_path / "notes.md"
+    log.write_text(text)
+    assert f"--log {log}: {message}" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log", str(log),
+                 "--out", str(tmp_path / "t.parquet")], "trace")
+    assert log.read_text() == text
+
+
+def test_a_log_cut_off_in_its_first_record_still_resumes(tmp_path) -> None:
+    from training.trace import read_log
+
+    log = tmp_path / "t.jsonl"
+    log.write_text('{"key": "0123456789abcdef", "output_tok')  # killed while writing the first line
+    assert read_log(log) == []
+    record = {"key": "k", "output_tokens": 3, "finish_reason": "stop"}
+    log.write_text(json.dumps(record) + '\n{"key": "0123')
+    assert read_log(log) == [record]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.arg_types import positive_float, positive_int, power_of_two, prepare_output_file
+from engine.arg_types import cpu_threads, positive_float, positive_int, power_of_two, prepare_output_file
 from engine.config import DEFAULT_MODEL, REPO_ROOT, EngineConfig
 from engine.llm_engine import StepRecord
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=2048)
     parser.add_argument("--block-size", type=power_of_two, default=16)
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--threads", type=cpu_threads, default=2)
     parser.add_argument("--no-retain-host-memory", action="store_true",
                         help="leave glibc's allocator at its defaults (engine/host_memory.py), for an A/B")
     parser.add_argument("--skip", type=baseline_names, default=frozenset(),

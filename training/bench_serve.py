@@ -233,10 +233,24 @@ def server_model(args: argparse.Namespace) -> str:
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (a bad port) is no HTTPError
         raise ValueError(f"--base-url {args.base_url}: cannot list its models ({exc})") from None
     try:
-        return response.json()["data"][0]["id"]
+        models = response.json()["data"]
+        served = models[0]["id"]
     except (ValueError, LookupError, TypeError):  # not JSON, or not an OpenAI model list
         raise ValueError(f"--base-url {args.base_url}: /v1/models did not answer with an OpenAI model "
                          f"list ({response.text[:80]!r})") from None
+    check_context(args, models)
+    return served
+
+
+def check_context(args: argparse.Namespace, models: list) -> None:
+    """Turns longer than the server's context are refused (HTTP 400) one by one: a load test of
+    them all fails, exits 1 and writes its result. The server's max_model_len (vLLM's field too)
+    bounds --max-model-len, which picks the turns."""
+    entry = next((m for m in models if isinstance(m, dict) and m.get("id") == args.model), models[0])
+    served_len = entry.get("max_model_len") if isinstance(entry, dict) else None
+    if isinstance(served_len, int) and args.max_model_len > served_len:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the server's max_model_len {served_len}: "
+                         f"its longer turns would be refused; pass --max-model-len {served_len}")
 
 
 def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
@@ -261,6 +275,8 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 def run(args: argparse.Namespace) -> int:
     slos = report.parse_goodput(args.goodput)
     baseline = bench_serve_compare.load_baseline(args.baseline) if args.baseline else None
+    if not args.no_mlflow:  # the run is logged after the load: a store it cannot write fails now
+        tracking.check_store(tracking.default_store(), for_writing=True, flag="the MLflow store")
     served = server_model(args)  # a server that cannot be reached fails here, before anything is written
     model = args.model or served
     items = sample_workload(args)

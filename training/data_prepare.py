@@ -199,6 +199,8 @@ def default_card_dir(table_dir: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_card and args.card_dir is not None:  # the folder would be ignored without a word
+        raise ValueError("--card-dir names where the card goes, --no-card skips it: give one of them")
     card_dir = None if args.no_card else (args.card_dir or default_card_dir(Path(args.out)))
     prepare_output_dir(args.out, "--out")  # before minutes of parsing and tokenizing, not after
     if card_dir is not None:

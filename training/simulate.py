@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,9 @@ DEFAULT_STEP_COST = REPO_ROOT / "data" / "step_cost.json"
 # per attended context token.
 DEFAULT_COST = StepCostModel(a_s=0.030, b_s_per_token=0.0008, c_s_per_context_token=1.0e-6)
 DEFAULT_KV_BLOCKS = 1024  # 16k tokens of 16: binds at 32 seats of ShareGPT-sized requests
+# The scheduler keeps a free list and a refcount per block (~80 bytes each): 4M blocks take a third
+# of a GiB, and hold 64M tokens of 16, far more than a workload of ShareGPT turns can fill.
+MAX_KV_BLOCKS = 2**22
 KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head dim 64
 ARRIVAL_CV_RANGE = (0.01, 100.0)
 
@@ -105,9 +109,19 @@ def load_cost_model(path: Path | None) -> tuple[StepCostModel, str, dict]:
         raise FileNotFoundError(f"--step-cost {path}: no such file")
     try:
         data = json.loads(path.read_text())
+        check_kv_budget_fields(data)
         return StepCostModel.from_dict(data), f"calibrated ({path})", data
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a cost model
         raise ValueError(f"--step-cost {path}: not a step-cost file (JSON with a, b, c): {exc}") from None
+
+
+def check_kv_budget_fields(data: dict) -> None:
+    """The calibration's KV budget, read as the default --kv-blocks: a count of 0 or below had become
+    one block, and text an int() error that named no file."""
+    for name in ("num_gpu_blocks", "block_size"):
+        value = data.get(name)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def engine_host_blocks(kv_blocks: int) -> int:
@@ -128,6 +142,10 @@ def calibrated_kv_blocks(calibration: dict, block_size: int) -> int:
 
 def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) -> SchedulerConfig:
     kv_blocks = args.kv_blocks or calibrated_kv_blocks(calibration or {}, args.block_size)
+    if kv_blocks > MAX_KV_BLOCKS:  # the block manager lists every block: 10**12 of them was an OOM kill
+        source = "--kv-blocks" if args.kv_blocks else "the --step-cost calibration's num_gpu_blocks"
+        raise ValueError(f"{source}: {kv_blocks} KV blocks of {args.block_size} is more than the simulator "
+                         f"keeps (at most {MAX_KV_BLOCKS}, {MAX_KV_BLOCKS * args.block_size} tokens)")
     return SchedulerConfig(
         num_gpu_blocks=kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -153,7 +171,11 @@ def saturated_throughput(config: SchedulerConfig, workload: list[SimRequest], co
     policy_config = replace(config, policy=policy, enable_admission=False)
     with quiet_overload_warnings():
         result = simulate(policy_config, at_once, cost, make_policy(policy, policy_config))
-    return sum(r.output_tokens for r in result.records) / result.makespan_s
+    throughput = sum(r.output_tokens for r in result.records) / result.makespan_s
+    if not 0 < throughput < math.inf:  # steps so long their sum overflows: the arrival rate would be 0
+        raise ValueError(f"the step-cost model gives a saturated throughput of {throughput:g} tokens/s "
+                         f"({cost}): not a usable cost model")
+    return throughput
 
 
 @contextlib.contextmanager

@@ -67,15 +67,34 @@ def candidate_rows(max_prompt_tokens: int, seed: int) -> list[dict]:
     return rows
 
 
+LOG_RECORD_FIELDS = ("key", "output_tokens", "finish_reason")  # what resuming and the table read
+
+
 def read_log(log_path: Path) -> list[dict]:
+    """The log's records. ValueError, before anything is appended, for a file that is no trace log:
+    another file given as --log lost its last line to `trim_partial_line` and took JSON lines, and
+    JSON lines of other records were a KeyError traceback after the model had loaded."""
     if not log_path.exists():
         return []
-    records = []
-    for line in log_path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = log_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--log {log_path}: not a trace log (not UTF-8 text)") from None
+    records, unparsed = [], 0
+    for number, line in enumerate(text.splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut off by an interrupted write; the lines around it are good
+            unparsed += 1  # a line cut off by an interrupted write; the lines around it are good
+            continue
+        if not (isinstance(record, dict) and all(name in record for name in LOG_RECORD_FIELDS)):
+            raise ValueError(f"--log {log_path}: line {number} is no trace record (one has "
+                             f"{', '.join(LOG_RECORD_FIELDS)}): pass another --log")
+        records.append(record)
+    # Unparsed lines are cut-off writes only beside records, or alone as one unterminated last line.
+    cut_first_record = unparsed == 1 and not text.endswith("\n")
+    if unparsed and not records and not cut_first_record:
+        raise ValueError(f"--log {log_path}: not a trace log (no line is a JSON record): pass another --log")
     return records
 
 
@@ -241,12 +260,22 @@ def check_trace_table(path: Path, flag: str) -> None:
     import pyarrow.parquet as pq
 
     try:
-        columns = set(pq.read_schema(path).names)
+        metadata = pq.read_metadata(path)
     except pa.ArrowException as exc:
         raise ValueError(f"{flag} {path}: not a parquet trace table ({exc})") from None
-    missing = sorted({"key", "output_tokens"} - columns)
+    schema = metadata.schema.to_arrow_schema()
+    missing = sorted({"key", "output_tokens"} - set(schema.names))
     if missing:
         raise ValueError(f"{flag} {path}: not a trace table (no column {', '.join(missing)})")
+    # Keys of another type matched no prompt (exit 0, a NaN tau), and an empty table was a
+    # 47-line traceback from datasets.
+    if not (pa.types.is_string(schema.field("key").type) or pa.types.is_large_string(schema.field("key").type)):
+        raise ValueError(f"{flag} {path}: not a trace table (key is {schema.field('key').type}, not text)")
+    if not pa.types.is_integer(schema.field("output_tokens").type):
+        raise ValueError(f"{flag} {path}: not a trace table (output_tokens is {schema.field('output_tokens').type}, "
+                         f"not integers)")
+    if metadata.num_rows == 0:
+        raise ValueError(f"{flag} {path}: the trace table holds no rows")
 
 
 def trace_hash(path: Path = DEFAULT_TRACE) -> str:
@@ -292,6 +321,8 @@ def sample_agreement(first: Path, second: Path) -> dict:
     a, b = lengths_by_key(first), lengths_by_key(second)
     keys = sorted(set(a) & set(b))
     first_sample, second_sample = [a[k] for k in keys], [b[k] for k in keys]
+    if len(keys) < 2:  # no tau at all: null, not the NaN scipy gives, which is no JSON
+        return {"num_prompts": len(keys), "kendall_tau_two_samples": None}
     if len(keys) < 3:  # too few for the ceiling's model
         return {"num_prompts": len(keys),
                 "kendall_tau_two_samples": float(stats.kendalltau(first_sample, second_sample).statistic)}
@@ -303,7 +334,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.agreement.exists():
             raise ValueError(f"--agreement: no trace table at {args.agreement}")
         check_trace_table(args.agreement, "--agreement")
-        print(json.dumps(sample_agreement(DEFAULT_TRACE, args.agreement)))
+        agreement = sample_agreement(DEFAULT_TRACE, args.agreement)
+        if agreement["num_prompts"] < 2:  # no tau to report: it printed NaN, which is no JSON, and exit 0
+            raise ValueError(f"--agreement {args.agreement}: shares {agreement['num_prompts']} prompts with "
+                             f"{DEFAULT_TRACE}; a tau needs at least 2")
+        print(json.dumps(agreement))
         return 0
     from engine.config import EngineConfig
     from engine.llm import LLM
@@ -324,6 +359,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{max_model_len}-token context")
     if args.log.resolve() == args.out.resolve():  # the table would overwrite the log, the resume point
         raise ValueError(f"--out {args.out}: the same file as --log")
+    if args.out.is_file():  # resumed from once the model has loaded: a table of another kind fails now
+        check_trace_table(args.out, "--out")
+    if args.log.is_file():  # likewise the log, which is appended to
+        read_log(args.log)
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
     llm = LLM(model=args.model)

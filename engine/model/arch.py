@@ -29,7 +29,15 @@ class LlamaArch:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "LlamaArch":
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        path = Path(model_dir) / "config.json"
+        raw = read_json_object(path)
+        try:
+            return cls._from_config(Path(model_dir), raw)
+        except (KeyError, TypeError, AttributeError) as exc:  # a field missing or of another type: a traceback
+            raise ValueError(f"{path}: not a Llama config ({type(exc).__name__}: {exc}; run `make model`)") from None
+
+    @classmethod
+    def _from_config(cls, model_dir: Path, raw: dict) -> "LlamaArch":
         if raw.get("model_type") != "llama":
             raise ValueError(f"only Llama-family models are supported, got {raw.get('model_type')!r}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -56,8 +64,20 @@ class LlamaArch:
             rope_theta=float(theta),
             max_position_embeddings=raw["max_position_embeddings"],
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            eos_token_ids=_end_ids(Path(model_dir), raw),
+            eos_token_ids=_end_ids(model_dir, raw),
         )
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; ValueError naming the file when it holds none (json's own message
+    names neither the file nor what was expected)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc}; run `make model`)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON object is expected, got {type(data).__name__}")
+    return data
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -70,5 +90,5 @@ def _end_ids(model_dir: Path, config: dict) -> tuple[int, ...]:
     ids = _ids(config.get("eos_token_id"))
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():
-        ids += _ids(json.loads(generation_config.read_text()).get("eos_token_id"))
+        ids += _ids(read_json_object(generation_config).get("eos_token_id"))
     return tuple(dict.fromkeys(ids))  # in order, without repeats

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine.model.arch import LlamaArch
@@ -25,7 +26,10 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {model_dir} (run `make model`)")
     weights: dict[str, torch.Tensor] = {}
     for path in files:
-        weights.update(load_file(str(path)))
+        try:
+            weights.update(load_file(str(path)))
+        except SafetensorError as exc:  # cut short or not safetensors: no OSError, so it was a traceback
+            raise ValueError(f"{path}: not a whole safetensors file ({exc}; run `make model`)") from None
     return weights
 
 
@@ -55,7 +59,10 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, max_posi
     arch = LlamaArch.from_model_dir(model_dir)
     with torch.device("meta"):
         model = LlamaModel(arch, max_positions)
-    state = _fuse(_read_safetensors(model_dir), arch)
+    try:
+        state = _fuse(_read_safetensors(model_dir), arch)
+    except KeyError as exc:  # weights of another architecture, or a file of them missing
+        raise ValueError(f"{model_dir}: no weight {exc} among its safetensors (run `make model`)") from None
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=_DTYPES[dtype]).eval()
     model.requires_grad_(False)

@@ -20,7 +20,7 @@ from engine.arg_types import (api_key, configure_serve_logging, cors_origin, non
                               positive_float, positive_int)
 from engine.config import REPO_ROOT
 from engine.scheduler_args import add_scheduler_arguments, scheduler_options
-from predictor.saved import SPEC_FILENAME
+from predictor.saved import SPEC_FILENAME, read_spec
 
 logger = logging.getLogger("lengthwise.serve")
 
@@ -110,6 +110,7 @@ def predictor_folder(spec: str | None) -> str | None:
         return None
     if not (Path(spec) / SPEC_FILENAME).is_file():
         raise FileNotFoundError(f"--predictor {spec}: not a saved predictor folder (no predictor.json)")
+    read_spec(Path(spec))  # a spec that is not JSON or names no kind fails now, not after the model loads
     return spec
 
 

@@ -148,7 +148,3 @@ class SchedulerConfig:
         if self.max_queued_tokens is not None:
             return float(self.max_queued_tokens)
         return self.queue_bound_kv_multiple * self.num_gpu_blocks * self.block_size
-
-    @property
-    def max_blocks_per_request(self) -> int:
-        return -(-self.max_model_len // self.block_size)

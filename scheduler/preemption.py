@@ -55,11 +55,23 @@ class Preemption:
             # goes before those it may preempt, never before an earlier one of its own tier.
             ahead_tokens, ahead_blocks = self._next_chunks_ranked_ahead(key, plan, now)
             prefix = self.block_manager.cached_prefix(request)
-            num_new = self._num_new_tokens(request, budget - ahead_tokens, prefix)
+            available = budget - ahead_tokens
+            num_new = self._num_new_tokens(request, available, prefix)
+            min_victims = 0
+            if num_new <= 0 < available:
+                # Without chunking a whole prefill gets all of it or nothing. Each victim's decode
+                # gives its token back, so enough victims let the prompt in whole; otherwise it
+                # waited behind batch decodes until one finished.
+                whole = self._num_new_tokens(request, self.config.max_num_batched_tokens, prefix)
+                min_victims = whole - available
+                if whole <= 0 or min_victims > len(candidates):
+                    return
+                num_new = whole
             if num_new <= 0:
-                return  # a whole prefill that cannot fit this step's budget: nothing to make room for
+                return  # the requests ranked ahead take the whole budget: nothing to make room for
             need = self.block_manager.num_new_blocks_needed(request, num_new, prefix) + ahead_blocks
-            victims = self._victims_for(need, free_seats, free_blocks, candidates, now, set(prefix.blocks))
+            victims = self._victims_for(need, free_seats, free_blocks, candidates, now, set(prefix.blocks),
+                                        min_victims)
             if victims is None:
                 return
             freed = self.block_manager.blocks_freed_by(victims)
@@ -103,17 +115,19 @@ class Preemption:
         return True
 
     def _victims_for(self, need: int, free_seats: int, free_blocks: int, candidates: list[Request],
-                     now: float, prefix: set[int]) -> list[Request] | None:
-        """The fewest of `candidates`, in victim order, that give a request a seat and its `need`
-        blocks this step with the survivors' decodes still fed; [] when it fits already, None when
-        even every candidate would not do (then nobody is preempted for nothing). With a prefix
-        cache, a victim frees only the blocks no survivor shares, and those among the request's
-        own cached `prefix` blocks make no room: the request takes them back."""
+                     now: float, prefix: set[int], min_victims: int = 0) -> list[Request] | None:
+        """The fewest of `candidates` (at least `min_victims`, whose decode tokens a whole prefill
+        needs), in victim order, that give a request a seat and its `need` blocks this step with
+        the survivors' decodes still fed; [] when it fits already, None when even every candidate
+        would not do (then nobody is preempted for nothing). With a prefix cache, a victim frees
+        only the blocks no survivor shares, and those among the request's own cached `prefix`
+        blocks make no room: the request takes them back."""
         candidates = list(candidates)
         growth = sum(self.block_manager.num_new_blocks_needed(r, 1) for r in self.running)
         victims: list[Request] = []
         room = 0
-        while free_seats + len(victims) < 1 or free_blocks + room < need + growth:
+        while (len(victims) < min_victims or free_seats + len(victims) < 1
+               or free_blocks + room < need + growth):
             if not candidates:
                 return None
             victim = self.policy.choose_victim(candidates, now)

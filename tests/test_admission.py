@@ -383,7 +383,9 @@ def test_an_overrun_running_request_owes_no_negative_work() -> None:
     ctl = make_ctl(slo_e2e_standard_s=10.0)
     overrun = req("o", 10, 10)
     overrun.output_token_ids = [1] * 5000
-    overrun.num_computed_tokens = 10
+    # All but its last token fed, as the scheduler leaves a decoding request: it has nothing to
+    # prefill, so only its negative predicted output (10 - 5000) could offset the work ahead.
+    overrun.num_computed_tokens = 10 + 5000 - 1
     ahead = [req("w", 1000, 1)]
     with pytest.raises(AdmissionRejected):
         ctl.check(req("s", 100, 1), ahead, [overrun])  # 1001 tokens ahead = 10 s at 100 tok/s
@@ -473,3 +475,78 @@ def test_more_choices_never_make_admission_easier() -> None:
     slo = controller(slo_e2e_standard_s=10.0)
     by_slo = [refused(slo, choice(0, 90, ChoiceGroup(f"s{n}", n)), [req("w", 100, 400)]) for n in range(1, 17)]
     assert by_slo == [False, False] + [True] * 14  # 0.5 s ahead + n x 0.2 s of prefill + 9 s of decode
+
+
+def test_the_ewmas_weigh_a_new_step_by_alpha() -> None:
+    ctl = controller(throughput_ewma_alpha=0.1)  # 100 tokens in 0.1 s
+    ctl.record_step(now=2.0, num_tokens=300, step_time_s=0.2)
+    assert ctl.mean_step_time_s == pytest.approx(0.1 + 0.1 * (0.2 - 0.1))
+    assert ctl.throughput_tokens_per_s == pytest.approx((100 + 0.1 * 200) / 0.11)
+
+
+def test_a_faster_step_raises_the_best_step_rate() -> None:
+    ctl = controller()  # 1000 tokens/s
+    ctl.record_step(now=1.0, num_tokens=300, step_time_s=0.1)  # 3000 tokens/s, the served EWMA 1200
+    assert ctl.capacity_tokens_per_s == pytest.approx(3000.0)
+
+
+def test_steps_older_than_the_window_leave_the_stability_margin() -> None:
+    def margin(with_old_step: bool) -> float | None:
+        ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, stability_window_s=10.0))
+        if with_old_step:
+            ctl.record_step(0.0, 256, 10.0)  # a slow step 100 s ago
+        ctl.record_step(100.0, 256, 0.1)
+        for k in range(5):
+            ctl.record_arrival(100.0, req(f"r{k}", 300, 200))
+        return ctl.stability_margin(100.0)
+
+    assert margin(True) == pytest.approx(margin(False))
+
+
+def test_a_standard_request_waits_behind_interactive_work() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, 0.1 s per step
+    waiting = [req(f"w{i}", 500, 500, Tier.INTERACTIVE) for i in range(9)]  # 9 s of work served first
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 11.10s"):
+        ctl.check(req("late", 100, 20), waiting, [])
+
+
+def interactive_choice(index: int, prompt_len: int, group: ChoiceGroup) -> Request:
+    return Request(f"{group.group_id}-{index}", [1] * prompt_len, SamplingParams(max_tokens=10), arrival_time=0.0,
+                   predicted_len=1, tier=Tier.INTERACTIVE, group=group)
+
+
+def test_interactive_choices_are_refused_when_the_work_ahead_makes_the_last_one_late() -> None:
+    # One choice alone (0.4 s) makes the 1 s TTFT, so its own size is no reason to admit the group:
+    # three prefills (1.2 s) behind 0.1 s of work ahead miss it.
+    ctl = make_ctl(slo_ttft_interactive_s=1.0)  # 100 tokens/s
+    ahead = [req("w", 10, 1, tier=Tier.INTERACTIVE)]
+    with pytest.raises(AdmissionRejected, match="TTFT 1.30s"):
+        ctl.check(interactive_choice(0, 40, ChoiceGroup("cmpl-i", 3)), ahead, [])
+
+
+def test_a_running_choice_is_not_work_ahead_of_its_siblings() -> None:
+    ctl = make_ctl(slo_ttft_interactive_s=1.0)  # 100 tokens/s
+    group = ChoiceGroup("cmpl-r", 2)
+    running = interactive_choice(0, 100, group)
+    running.num_computed_tokens = 10  # 90 prompt tokens still to feed: 0.9 s, were it another request's
+    ctl.check(interactive_choice(1, 100, group), [], [running])
+    assert ctl.num_rejected == 0
+
+
+def test_a_group_larger_than_the_bound_is_admitted_on_an_empty_queue() -> None:
+    ctl = controller(max_queued_tokens=1000)
+    group = ChoiceGroup("cmpl-big", 4)  # 4 x 300 tokens, over the bound, but nothing outside it queued
+    ctl.check(choice(1, 100, group), [choice(0, 100, group)], [])
+    assert ctl.num_rejected == 0
+
+
+def test_a_group_with_nothing_ahead_is_admitted_and_its_retry_waits_only_for_the_work_ahead() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)  # 1000 tokens/s, 0.1 s a step
+    # Six prefills of 200 (1.2 s) and 90 decode steps (9 s): 10.2 s, one choice alone 9.2 s.
+    ctl.check(choice(0, 90, ChoiceGroup("cmpl-a", 6)), [], [])
+    assert ctl.num_rejected == 0
+    ahead = [req("w", 2000, 1000)]  # 3 s of work
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 13.20s") as info:
+        ctl.check(choice(0, 90, ChoiceGroup("cmpl-b", 6)), ahead, [])
+    # Past the 3 s ahead the group would still miss (its own 10.2 s): waiting longer helps no more.
+    assert info.value.retry_after_s == pytest.approx(3.0)

@@ -149,3 +149,33 @@ def test_scheduler_never_leaks_blocks(events: list[tuple[str, int, int]], mode: 
         _, size, max_tokens = events[index]
         expected_len = min(max_tokens, config.max_model_len - size)  # max_model_len also ends a request
         assert tokens == reference_output(request(request_id, size, max_tokens).prompt_token_ids, expected_len)
+
+
+def test_swap_out_and_in_fit_exactly_the_free_blocks() -> None:
+    manager = BlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=2)
+    a = request("a", prompt_len=8)
+    manager.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    assert manager.can_swap_out(a)  # two blocks, two free on the host
+    manager.swap_out(a)
+    manager.allocate_slots(request("b", prompt_len=8), 8)  # two of the four device blocks
+    assert manager.can_swap_in(a)  # its two blocks into the two free
+    assert not manager.can_swap_in(a, 1)  # a ninth token needs a third
+    manager.check_integrity()
+
+
+def test_usage_is_the_share_of_device_blocks_held() -> None:
+    manager = BlockManager(num_gpu_blocks=4, block_size=4)
+    assert manager.usage == 0.0
+    manager.allocate_slots(request("a"), 3)
+    assert manager.usage == 0.25
+
+
+def test_tokens_that_fit_leave_the_reserved_blocks_to_others() -> None:
+    manager = BlockManager(num_gpu_blocks=4, block_size=4)
+    a = request("a", prompt_len=5)
+    manager.allocate_slots(a, 5)  # two blocks, three slots left in them
+    a.num_computed_tokens = 5
+    assert manager.num_tokens_that_fit(a) == 3 + 2 * 4
+    assert manager.num_tokens_that_fit(a, reserved_blocks=1) == 3 + 4
+    assert manager.num_tokens_that_fit(a, reserved_blocks=3) == 3  # more reserved than free: its own slots

@@ -661,6 +661,10 @@ def test_an_urgent_arrival_never_takes_the_chunk_of_an_earlier_running_request_o
     # left to a standard decode, which it then preempted.
     ("priority", 13, [(0, "d", Tier.STANDARD, 0, 4, 20), (1, "p", Tier.INTERACTIVE, 5, 40, 1)], 3,
      ("u", Tier.INTERACTIVE, 0, 8), "d", ("p", 5)),
+    # The same, with the standard decode due a new block in the urgent step: the prefill leaves it
+    # that block (and so the budget for its token) rather than take 8 tokens and drop the decode.
+    ("priority", 10, [(0, "d", Tier.STANDARD, 0, 7, 20), (1, "p", Tier.INTERACTIVE, 5, 40, 1)], 2,
+     ("u", Tier.INTERACTIVE, 0, 8), "d", ("p", 5)),
 ])
 def test_a_running_prefill_ranked_after_an_urgent_admission_takes_what_is_free_and_preempts_nobody(
         policy, blocks, running, urgent_step, urgent, spared, chunk) -> None:
@@ -826,3 +830,64 @@ def test_goodput_takes_a_zero_step_cost_refuses_a_negative_one_and_still_ages():
     policy = GoodputPolicy(SchedulerConfig(num_gpu_blocks=64, aging_tokens_per_step=0.25))
     policy.on_step([req("w")], [], 0.0, 0.1)
     assert policy.aging_rate == pytest.approx(2.5) and policy.step_time_s == pytest.approx(0.1)  # sjf's aging too
+
+
+def test_srpt_a_waiting_request_that_may_preempt_nobody_keeps_its_turn() -> None:
+    # At t=50 "old" ranks first by its aged score (30 - 50) but is not 4x shorter than the running
+    # request (99 left); "fresh" (5 - 5) would be. It may not preempt past "old": nobody is.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=256, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                                          max_model_len=256, kv_watermark=0.0, policy="srpt", aging_tokens_per_s=1.0))
+    runner = PagedTokenRunner(256, 4)
+    scheduler.add_request(req("running", 40.0, predicted=100))
+    output = scheduler.schedule(40.0)
+    scheduler.update_from_output(output, runner.execute(output), 40.0)
+    scheduler.add_request(req("old", 0.0, predicted=30))
+    scheduler.add_request(req("fresh", 45.0, predicted=5))
+    output = scheduler.schedule(50.0)
+    assert output.preempted_ids == () and [c.request_id for c in output.chunks] == ["running"]
+
+
+def test_a_configured_aging_rate_is_not_replaced_by_the_measured_one() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_model_len=256, policy="sjf",
+                                          aging_tokens_per_s=10.0))
+    waiting = req("w", 0.0, predicted=100)
+    scheduler.add_request(waiting)
+    scheduler.record_step(0.0, 10, 0.5)  # measured: 0.25 tokens per 0.5 s step, 0.5 tokens/s
+    scheduler.schedule(1.0)
+    assert scheduler.policy.aging_bound_s(waiting) == pytest.approx(100 / 10.0)
+
+
+def test_a_requests_aging_bound_reads_only_the_rates_while_it_waited() -> None:
+    policy = SJFPolicy(SchedulerConfig(num_gpu_blocks=64))
+    policy.record_rate_history = True
+    late = req("late", 10.0, predicted=100)
+    for now, step_time in ((0.0, 1.0), (10.0, 0.5), (20.0, 0.25), (30.0, 2.0)):  # 0.25, 0.5, 1, 0.125 tokens/s
+        policy.on_step([late], [], now, step_time)
+    # Waiting from 10 s to its seat at 20 s, the slowest rate was 0.5 tokens/s (not 0.25, before it
+    # arrived, nor 0.125, after it was seated).
+    assert policy.aging_bound_s(late, waited_until=20.0) == pytest.approx(100 / 0.5)
+
+
+def test_urgent_admissions_share_exactly_the_budget_their_victims_and_the_decodes_leave() -> None:
+    # Three seats: an interactive decode (e) and two batch decodes. Two interactive requests
+    # arrive; each takes a batch victim's seat. Of the 32-token budget, e's decode keeps one
+    # token (its chunk, ranked ahead), i0 takes 14, and i1 the 16 left, counting the decode
+    # token each victim gives back.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=3, max_num_batched_tokens=32,
+                                          max_model_len=64, kv_watermark=0.0))
+    runner = PagedTokenRunner(16, 4)
+    running = [req("e", 0.0, tier=Tier.INTERACTIVE, prompt_len=6, max_tokens=20)]
+    running += [req(f"b{i}", 0.1 * (i + 1), tier=Tier.BATCH, prompt_len=6, max_tokens=20) for i in range(2)]
+    urgent = [req("i0", 3.0, tier=Tier.INTERACTIVE, prompt_len=14, max_tokens=2),
+              req("i1", 3.0, tier=Tier.INTERACTIVE, prompt_len=16, max_tokens=2)]
+    for step in range(100):
+        add_arrivals(scheduler, {0: running, 3: urgent}, step)
+        output = scheduler.schedule(float(step))
+        if step == 3:
+            assert {c.request_id: len(c.token_ids) for c in output.chunks} == {"e": 1, "i0": 14, "i1": 16}
+            assert sorted(output.preempted_ids) == ["b0", "b1"]
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert_every_token(running + urgent)

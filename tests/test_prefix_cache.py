@@ -147,7 +147,11 @@ def test_a_prefix_evicted_before_its_allocation_allocates_nothing() -> None:
     late = request("late", range(1, 10))
     cached = m.cached_prefix(late)
     assert cached.num_tokens == 8
-    m.allocate_slots(request("x", [70] * 12), 12)  # evicts every free block
+    x = request("x", [70] * 12)
+    m.allocate_slots(x, 12)  # evicts every free block
+    assert m.allocate_slots(late, 1, cached) is None and late.num_computed_tokens == 0
+    # Freed again, the blocks are free but hold x's tokens: the stale prefix must not take them.
+    m.free(x)
     assert m.allocate_slots(late, 1, cached) is None and late.num_computed_tokens == 0
     m.check_integrity()
 
@@ -242,3 +246,57 @@ def test_a_failed_steps_blocks_are_not_found() -> None:
         output = scheduler.schedule(float(step))
         scheduler.update_from_output(output, runner.execute(output), float(step))
     assert scheduler.block_manager.cached_prefix(request("later", prompt)).num_tokens == 12
+
+
+def test_a_prefix_stops_at_its_first_evicted_block() -> None:
+    # Block 1 and 2 stay registered after block 0 is evicted, but their KV was computed after
+    # block 0's tokens: without it they are no prefix of anything.
+    m = manager()
+    first = computed(m, request("a", range(1, 14)))  # three full blocks and one token
+    m.prefix_cache.forget(first.block_ids[0])
+    assert m.cached_prefix(request("b", range(1, 14))).blocks == ()
+
+
+def test_a_lookup_that_finds_nothing_is_counted_as_queried() -> None:
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=64, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    miss = request("a", range(1, 11))
+    scheduler.add_request(miss)
+    scheduler.schedule(now=0.0)
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10, 0)
+    assert miss.num_cached_tokens == 0
+
+
+def test_a_victims_blocks_that_hold_the_urgent_requests_prefix_make_it_no_room() -> None:
+    # B holds three blocks, the first two of them I's cached prefix: preempting B alone frees
+    # them, but I takes those two back, so B leaves one block of room where I needs two new
+    # ones. Both batch requests go, in the same step, and I is admitted at once.
+    from scheduler.request import Tier
+
+    config = SchedulerConfig(num_gpu_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, kv_watermark=0.0, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(5, 4)
+    shared = list(range(100, 108))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    arrivals = {0: Request("B2", list(range(300, 305)), params, 0.0, tier=Tier.BATCH),
+                1: Request("B", shared + [1], params, 1.0, tier=Tier.BATCH),
+                2: Request("I", shared + list(range(200, 208)), SamplingParams(max_tokens=1, ignore_eos=True), 2.0,
+                           tier=Tier.INTERACTIVE)}
+    for step in range(3):
+        scheduler.add_request(arrivals[step], float(step))
+        output = scheduler.schedule(float(step))
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+    assert [c.request_id for c in output.chunks] == ["I"] and sorted(output.preempted_ids) == ["B", "B2"]
+    assert output.chunks[0].start_position == 8  # on its cached prefix
+
+
+def test_a_swapped_out_table_is_evicted_tail_first_too() -> None:
+    m = BlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=4, prefix_cache=PrefixCache(4))
+    old = computed(m, request("old", range(1, 9)))
+    m.swap_out(old)  # its device blocks stay findable on the free list, tail first to go
+    m.allocate_slots(request("x", [70] * 12), 12)  # the two never used blocks and old's tail
+    assert m.cached_prefix(request("again", range(1, 10))).num_tokens == 4
+    m.check_integrity()

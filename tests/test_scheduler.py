@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
 from scheduler.testing import PagedTokenRunner, reference_output
 
@@ -34,6 +34,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000,
         output = scheduler.schedule(now=float(step))
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(output.chunks) <= config.max_num_seqs
+        check_step_contract(output)
         if swapped_out is not None:
             swapped_out.append(len(output.swap_out))
         for request in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
@@ -43,6 +44,15 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000,
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
     return outputs
+
+
+def check_step_contract(output) -> None:
+    """What every step promises the runner, beyond the budget and seats."""
+    assert all(chunk.token_ids for chunk in output.chunks), "a chunk with no tokens"
+    # A request preempted in a step waits for the next one (preemption.py, `_resume_limit`).
+    assert not set(output.preempted_ids) & {chunk.request_id for chunk in output.chunks}
+    # A step that preempted swaps nothing in, so no block is copied out and in at once.
+    assert not (output.swap_out and output.swap_in)
 
 
 WORKLOAD = [(f"r{i}", 5 + (i * 13) % 40, 4 + (i * 7) % 30) for i in range(12)]
@@ -282,6 +292,9 @@ def step_once(scheduler: Scheduler, token: int, now: float) -> list[Request]:
     (SamplingParams(max_tokens=5, ignore_eos=True), 2, None),
     (SamplingParams(max_tokens=5, stop_token_ids=(9,)), 9, RequestStatus.FINISHED_STOPPED),
     (SamplingParams(max_tokens=1), 4, RequestStatus.FINISHED_LENGTH),
+    # Before min_tokens, an eos or stop token the sampler could not rule out does not stop it.
+    (SamplingParams(max_tokens=5, min_tokens=1), 2, None),
+    (SamplingParams(max_tokens=5, min_tokens=1, stop_token_ids=(9,)), 9, None),
 ])
 def test_stop_rules(params: SamplingParams, token: int, status: RequestStatus | None) -> None:
     scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=32))
@@ -370,6 +383,33 @@ def test_a_request_whose_fed_tokens_fill_the_cache_exactly_is_served() -> None:
 def test_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+# Each knob just past its bound, naming itself in the error, and (below) at the bound, accepted.
+@pytest.mark.parametrize("kwargs", [
+    {"num_cpu_blocks": -1}, {"kv_watermark": 1.0}, {"kv_watermark": -0.01}, {"srpt_max_preempt_share": 1.01},
+    {"srpt_preempt_ratio": 0.99}, {"batch_shed_share": 0.0}, {"throughput_ewma_alpha": 1.01},
+    {"throughput_ewma_alpha": 0.0}, {"stability_window_s": 0.0}, {"capacity_half_life_s": 0.0},
+    {"max_queued_tokens": 0}, {"aging_tokens_per_step": -0.01}, {"aging_tokens_per_s": -0.01},
+    {"goodput_urgent_slack_s": -0.01}, {"slo_ttft_interactive_s": -0.01}, {"slo_e2e_standard_s": -0.01},
+    {"aging_tokens_per_step": float("nan")},
+])
+def test_config_rejects_each_knob_past_its_bound(kwargs: dict) -> None:
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(num_gpu_blocks=4, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_cpu_blocks": 0}, {"kv_watermark": 0.0}, {"srpt_max_preempt_share": 0.0}, {"srpt_max_preempt_share": 1.0},
+    {"srpt_preempt_ratio": 1.0}, {"batch_shed_share": 1.0}, {"throughput_ewma_alpha": 1.0},
+    {"max_queued_tokens": 1}, {"aging_tokens_per_step": 0.0}, {"aging_tokens_per_s": 0.0},
+    {"goodput_urgent_slack_s": 0.0}, {"goodput_step_time_s": 0.0}, {"slo_ttft_interactive_s": 0.0},
+    {"max_num_batched_tokens": 2048, "max_model_len": 2048, "enable_chunked_prefill": False},
+])
+def test_config_accepts_each_knob_at_its_bound(kwargs: dict) -> None:
+    config = SchedulerConfig(num_gpu_blocks=4, **kwargs)
+    assert all(getattr(config, name) == value for name, value in kwargs.items())
 
 
 def test_config_refuses_more_seats_than_the_token_budget_can_feed() -> None:
@@ -529,3 +569,177 @@ def test_a_failed_schedule_after_a_swap_in_restarts_the_swapped_request():
     s = FailOnSwapIn(config)
     add_workload(s)
     assert drive(s, retry_failed=True) == expected_outputs() and s.fails >= 1
+
+
+def step(scheduler: Scheduler, runner: PagedTokenRunner, now: float):
+    """One scheduled and executed step; returns the output, checked against the step contract."""
+    output = scheduler.schedule(now=now)
+    check_step_contract(output)
+    scheduler.update_from_output(output, runner.execute(output), now=now)
+    return output
+
+
+def test_the_watermark_never_keeps_a_request_out_of_an_empty_cache() -> None:
+    # 6 of 8 blocks would leave less than the 50% watermark free, but nothing else can use them.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, block_size=4, max_model_len=64, kv_watermark=0.5))
+    scheduler.add_request(make_request("r1", 20, 4))
+    expected = reference_output(make_request("r1", 20, 4).prompt_token_ids, 4)
+    assert run_to_completion(scheduler, max_steps=50) == {"r1": expected}
+
+
+def test_without_chunking_prefills_that_fill_the_budget_exactly_share_a_step() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64, enable_chunked_prefill=False))
+    scheduler.add_request(make_request("r1", 32, 2))
+    scheduler.add_request(make_request("r2", 32, 2))
+    output = scheduler.schedule(now=0.0)
+    assert [(c.request_id, len(c.token_ids)) for c in output.chunks] == [("r1", 32), ("r2", 32)]
+
+
+def test_a_decode_goes_before_a_prefill_chunk_ranked_ahead_of_it() -> None:
+    # sjf without aging ranks the newer short request first, but its prefill chunk must not take
+    # the decoding request's token: decodes are served before prefill chunks of their tier.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                                          max_model_len=128, policy="sjf", aging_tokens_per_s=0.0))
+    runner = PagedTokenRunner(64, 4)
+    scheduler.add_request(make_request("r1", 4, 100, predicted_len=100.0))
+    step(scheduler, runner, 0.0)
+    scheduler.add_request(make_request("r2", 40, 5, arrival=1.0, predicted_len=5.0))
+    for now in (1.0, 2.0, 3.0):
+        grants = {c.request_id: len(c.token_ids) for c in step(scheduler, runner, now).chunks}
+        assert grants == {"r1": 1, "r2": 7}
+
+
+def test_first_schedule_and_first_token_times_are_kept() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=4,
+                                          max_model_len=64))
+    runner = PagedTokenRunner(16, 4)
+    request = make_request("r1", 8, 3)
+    scheduler.add_request(request)
+    for now in (0.0, 1.0, 2.0, 3.0):  # two prefill chunks, then the second and third tokens
+        step(scheduler, runner, now)
+    assert request.is_finished and request.num_output_tokens == 3
+    assert (request.first_scheduled_time, request.first_token_time, request.finish_time) == (0.0, 1.0, 3.0)
+
+
+def test_a_request_aborted_after_its_step_was_scheduled_gets_no_token() -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_model_len=64))
+    runner = PagedTokenRunner(16, 4)
+    request = make_request("r1", 4, 4)
+    scheduler.add_request(request)
+    output = scheduler.schedule(now=0.0)
+    assert scheduler.abort_request("r1", now=0.0)
+    assert scheduler.update_from_output(output, runner.execute(output), now=0.0) == []
+    assert request.output_token_ids == [] and request.status is RequestStatus.FINISHED_ABORTED
+
+
+def test_without_chunking_an_urgent_prompt_longer_than_the_budget_left_preempts_batch_decodes() -> None:
+    # A 31-token interactive prompt does not fit the 30 tokens two batch decodes leave of 32, and
+    # without chunking it gets its whole prompt or nothing: it had waited 27 steps, until a batch
+    # request finished. One batch victim gives its decode token back and lets it in whole.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                          max_model_len=32, enable_chunked_prefill=False))
+    runner = PagedTokenRunner(64, 4)
+    batch = [make_request(f"r{index}", 4, 20, tier=Tier.BATCH) for index in (1, 2)]
+    for request in batch:
+        scheduler.add_request(request)
+    step(scheduler, runner, 0.0)
+    urgent = make_request("r3", 31, 1, arrival=1.0, tier=Tier.INTERACTIVE)
+    scheduler.add_request(urgent)
+    output = step(scheduler, runner, 1.0)
+    assert {c.request_id: len(c.token_ids) for c in output.chunks}.get("r3") == 31
+    assert len(output.preempted_ids) == 1 and output.num_batched_tokens == 32
+    for now in range(2, 100):  # every request still gets the tokens of a run never preempted
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner, float(now))
+    for request in [*batch, urgent]:
+        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+        assert request.output_token_ids == expected
+
+
+def test_an_urgent_request_that_cannot_get_room_keeps_its_turn() -> None:
+    # r3 needs 10 blocks; preempting the batch request frees 2 of the 6 it would need beyond
+    # the 4 free, so nobody is preempted, and r4, behind it in its tier, does not jump it.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64))
+    runner = PagedTokenRunner(16, 4)
+    scheduler.add_request(make_request("r1", 38, 10, tier=Tier.INTERACTIVE))
+    scheduler.add_request(make_request("r2", 6, 10, arrival=0.1, tier=Tier.BATCH))
+    step(scheduler, runner, 0.0)
+    scheduler.add_request(make_request("r3", 40, 4, arrival=1.0, tier=Tier.INTERACTIVE))
+    scheduler.add_request(make_request("r4", 4, 4, arrival=1.1, tier=Tier.INTERACTIVE))
+    output = step(scheduler, runner, 1.0)
+    assert {c.request_id for c in output.chunks} == {"r1", "r2"} and output.preempted_ids == ()
+
+
+def test_request_fields_are_validated_at_their_bounds() -> None:
+    params = SamplingParams(max_tokens=10)
+    with pytest.raises(ValueError, match="prompt"):
+        Request("r", [], params, arrival_time=0.0)
+    for priority in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="priority"):
+            Request("r", [1], params, arrival_time=0.0, priority=priority)
+    assert Request("r", [1], params, arrival_time=0.0, priority=2**63 - 1).priority == 2**63 - 1
+    for arrival in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="arrival_time"):
+            Request("r", [1], params, arrival_time=arrival)
+    # The predicted length is clamped to [max(1, min_tokens), max_tokens].
+    assert Request("r", [1], params, arrival_time=0.0, predicted_len=0.0).predicted_total == 1.0
+    floor = SamplingParams(max_tokens=10, min_tokens=10)
+    assert Request("r", [1], floor, arrival_time=0.0, predicted_len=2.0).predicted_total == 10.0
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=10, min_tokens=11)
+
+
+def test_a_request_preempted_for_a_block_is_not_readmitted_in_the_same_step() -> None:
+    # r2's decode finds no free block and r2 gives way to itself: its two freed blocks would hold
+    # a 7-token chunk of its recompute, but it waits for the next step (check_step_contract).
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                                          max_model_len=64, kv_watermark=0.0))
+    scheduler.add_request(make_request("r1", 8, 10))
+    scheduler.add_request(make_request("r2", 8, 4, arrival=0.1))
+    expected = {rid: reference_output(make_request(rid, 8, n).prompt_token_ids, n)
+                for rid, n in (("r1", 10), ("r2", 4))}
+    assert run_to_completion(scheduler) == expected
+    assert scheduler.stats().num_preemptions >= 1
+
+
+def test_a_failed_step_forgets_only_its_own_blocks_and_a_resumed_lookup_counts_every_token() -> None:
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(16, 4)
+    prompt = make_request("r1", 13, 4).prompt_token_ids
+    scheduler.add_request(make_request("r1", 13, 4))
+    output = scheduler.schedule(0.0)
+    scheduler.update_from_output(output, runner.execute(output), 0.0)  # its three full blocks committed
+    scheduler.restart_failed_step(scheduler.schedule(1.0), 1.0)  # a later step fails
+    probe = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
+    assert scheduler.block_manager.cached_prefix(probe).num_tokens == 12
+    scheduler.schedule(2.0)  # it resumes with 14 tokens (13 + 1 generated), 12 of them cached
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13 + 14, 12)
+
+
+def test_a_swapped_out_request_counts_as_waiting_for_its_aging_bound() -> None:
+    # The bound holds at the slowest rate in force while a request waits, swapped out included:
+    # its steps here are slow (10 s), every other step fast.
+    config = SchedulerConfig(num_gpu_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                             max_model_len=64, kv_watermark=0.0, policy="sjf", preemption_mode="swap",
+                             num_cpu_blocks=16)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(5, 4, 16)
+    scheduler.add_request(make_request("r1", 8, 10))
+    swapped = make_request("r2", 8, 4, arrival=0.1)
+    scheduler.add_request(swapped)
+    slow_mean = None
+    for now in range(30):
+        output = step(scheduler, runner, float(now))
+        slow = swapped.status is RequestStatus.SWAPPED and slow_mean is None
+        scheduler.record_step(float(now), output.num_batched_tokens, 10.0 if slow else 0.001)
+        if slow:
+            slow_mean = scheduler.admission.mean_step_time_s
+    assert slow_mean is not None and not scheduler.has_unfinished_requests()
+    slowest_rate = config.aging_tokens_per_step / slow_mean
+    assert scheduler.policy.aging_bound_s(swapped) == pytest.approx(swapped.predicted_total / slowest_rate)

@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from scheduler.request import SamplingParams
 
+    if args.raw and not all(args.prompts):  # templated, an empty message still has tokens; raw, none
+        raise ValueError("--raw: a prompt must not be empty")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)

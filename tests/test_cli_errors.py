@@ -170,6 +170,14 @@ def test_generate_refuses_triton_without_cuda_before_loading(capsys, tiny_model_
     assert "needs a CUDA GPU (or TRITON_INTERPRET=1)" in err
 
 
+def test_generate_refuses_an_empty_raw_prompt_before_loading(capsys, tiny_model_dir, monkeypatch) -> None:
+    from engine import llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before the prompts were checked"))
+    err = one_line_error(capsys, ["generate", "hi", "", "--raw", "--model", str(tiny_model_dir)], "generate")
+    assert "--raw: a prompt must not be empty" in err
+
+
 def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 

@@ -29,6 +29,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def ranked_rows(text: str) -> int:
+    """A number of examples to rank: Kendall's tau needs at least two (one was a NaN, logged)."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a Kendall's tau needs at least 2 rows, got {text}")
+    return value
+
+
 def cpu_threads(text: str) -> int:
     """A torch thread count no larger than the CPUs this process may run on: more only contend for
     them, and tens of thousands ended in a segmentation fault (libgomp could not start them)."""

@@ -34,7 +34,7 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
 
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "hi", "--top-p", "0"], "--top-p"), (["generate", "hi", "--top-p", "7"], "--top-p"),
-    (["generate", "hi", "--stop", ""], "--stop"),
+    (["generate", "hi", "--stop", ""], "--stop"), (["train", "--max-eval", "1"], "--max-eval"),
     (["bench", "engine", "--skip", "junk"], "--skip"), (["bench", "engine", "--block-size", "3"], "--block-size"),
     (["bench", "serve", "--goodput", "junk"], "--goodput"), (["bench", "serve", "--goodput", "ttft:abc"], "--goodput"),
     (["bench", "serve", "--goodput", "ttft:-5"], "--goodput"), (["bench", "serve", "--tier-mix", "junk"], "--tier-mix"),

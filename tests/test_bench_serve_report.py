@@ -95,3 +95,27 @@ def test_summarize_counts_rates_and_percentiles_exactly():
             assert summary[f"p{q}_{name}_s"] == pytest.approx(np.percentile(values, q)), (name, q)
     # The percentiles are distinct, so a swapped p90/p99 cannot agree by accident.
     assert summary["p90_e2e_s"] < summary["p99_e2e_s"] and summary["p90_tpot_s"] < summary["p99_tpot_s"]
+
+
+def test_a_failed_request_s_partial_timings_and_tokens_are_left_out():
+    # A stream that broke after some tokens, or that the server aborted, has a TTFT, gaps and even
+    # a usage count and an e2e (send_one records them as they come): none of it is a completed request's.
+    aborted = RequestResult(11, "standard", 90, 16, start_s=1.375, success=False, status=200,
+                            error="aborted by the server", output_tokens=9, ttft_s=0.0625, e2e_s=8.0,
+                            itl_s=[7.9375 / 8] * 8)
+    broken = RequestResult(12, "standard", 80, 16, start_s=1.5, success=False, status=200,
+                           error="stream ended without [DONE]", ttft_s=3.0, itl_s=[2.0, 2.0])
+    slos = parse_goodput(SLOS_MS)
+    with_partial = summarize(RESULTS + [aborted, broken], DURATION_S, slos)
+    reference = summarize(RESULTS, DURATION_S, slos)  # checked against numpy above
+    assert with_partial["failed"] == reference["failed"] + 2
+    for key, value in reference.items():
+        if key not in ("failed", "errors"):
+            assert with_partial[key] == value, key
+
+
+def test_an_slo_of_zero_or_less_is_refused():
+    # No request meets a 0 ms target: such a goodput would read 0 whatever the server did.
+    for item in ("ttft:0", "e2el:-5", "tpot:nan", "itl:100", "ttft"):
+        with pytest.raises(ValueError, match="an SLO is KEY:MS"):
+            parse_goodput([item])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from training.label_noise import ranking_ceiling
+from training.label_noise import LatentModel, ranking_ceiling
 
 
 def two_samples(rho: float, n: int, seed: int, cap: float | None = None):
@@ -41,3 +41,24 @@ def test_ceiling_lies_above_two_sample_agreement_and_rises_with_it():
 def test_ceiling_needs_paired_samples():
     with pytest.raises(ValueError):
         ranking_ceiling([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError):
+        ranking_ceiling([1, 2], [2, 1])  # two prompts: one pair, no estimate
+
+
+@pytest.mark.parametrize("rho", [0.05, 0.95])
+def test_ceiling_recovers_nearly_pure_noise_and_nearly_no_noise(rho):
+    # Far outside the middle values above: a search for rho over a narrowed range would miss these.
+    z, first, second = two_samples(rho, 3000, seed=1)
+    estimate = ranking_ceiling(first, second, num_draws=5000)
+    assert estimate["latent_share_rho"] == pytest.approx(rho, abs=0.02)
+    assert estimate["kendall_tau_ceiling_estimate"] == pytest.approx(stats.kendalltau(z, first).statistic, abs=0.04)
+
+
+def test_the_fitted_model_reproduces_the_observed_two_sample_tau():
+    # What rho is chosen for: the model's own two samples agree as much as the observed ones do.
+    _, first, second = two_samples(0.3, 3000, seed=1)
+    estimate = ranking_ceiling(first, second, num_draws=5000, seed=0)
+    model = LatentModel(list(first) + list(second), 5000, seed=0)
+    modelled = stats.kendalltau(*model.samples(estimate["latent_share_rho"])).statistic
+    assert estimate["kendall_tau_two_samples"] == pytest.approx(stats.kendalltau(first, second).statistic)
+    assert modelled == pytest.approx(estimate["kendall_tau_two_samples"], abs=1e-3)

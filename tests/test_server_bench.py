@@ -179,6 +179,54 @@ def test_a_run_compares_with_its_baseline_only_on_the_same_work_and_answers(tmp_
     assert "answered requests differ: 1 only in the baseline, 0 only in this run" in reasons
 
 
+# What `bench serve` takes that leaves the work offered as it is: where it goes, what the run is named,
+# how long a client waits (a timeout that bites shows as failures, compared on their own).
+NOT_WORKLOAD_FLAGS = {"base_url", "request_timeout", "api_key", "label", "baseline", "result_dir", "no_mlflow"}
+
+
+def test_every_flag_that_shapes_the_work_must_match_for_a_comparison(tmp_path):
+    from training.bench_serve_compare import WORKLOAD_KEYS, compare
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    workload_flags = {action.dest for action in parser._actions} - {"help"} - NOT_WORKLOAD_FLAGS
+    assert set(WORKLOAD_KEYS) == workload_flags  # a new flag is named here as work or not
+    fcfs = _run(0, [0, 1, 2, 3], mean_e2e=30.0, tokens_per_s=80.0, **vars(bench_args()))
+    for key in sorted(workload_flags):
+        config = {**fcfs["config"], key: "changed"}
+        reasons = compare(fcfs, config, fcfs["requests"], fcfs, tmp_path / "fcfs.json")["not_comparable_reasons"]
+        assert [reason.split(":")[0] for reason in reasons] == [key]
+
+
+def test_the_same_counts_of_other_answers_or_failures_are_not_comparable(tmp_path):
+    from training.bench_serve_compare import compare
+
+    fcfs = _run(1, [0, 1, 2], mean_e2e=30.0, tokens_per_s=80.0)
+    other = _run(1, [1, 2, 3], mean_e2e=20.0, tokens_per_s=80.0)  # as many answered, not the same ones
+    reasons = compare(other, other["config"], other["requests"], fcfs, tmp_path / "f.json")["not_comparable_reasons"]
+    assert reasons == ["answered requests differ: 1 only in the baseline, 1 only in this run"]
+    broken = {**fcfs, "failed": 2}  # one more failure that is no 429, the answered set unchanged
+    reasons = compare(broken, broken["config"], broken["requests"], fcfs, tmp_path / "f.json")["not_comparable_reasons"]
+    assert reasons == ["failed: baseline 1, this run 2"]
+
+
+def test_each_ratio_reads_better_above_one_and_a_zero_baseline_gives_none(tmp_path):
+    from training.bench_serve_compare import compare
+
+    latencies = {"mean_e2e_s": 30.0, "p50_e2e_s": 20.0, "p99_e2e_s": 90.0, "mean_ttft_s": 3.0, "p99_ttft_s": 12.0}
+    fcfs = {**_run(0, [0, 1, 2, 3], mean_e2e=30.0, tokens_per_s=80.0), **latencies, "goodput_rps": 0.0}
+    sjf = {**fcfs, "mean_e2e_s": 20.0, "p50_e2e_s": 10.0, "p99_e2e_s": 120.0, "mean_ttft_s": 2.0,
+           "p99_ttft_s": 16.0, "output_tokens_per_s": 76.0, "goodput_rps": 0.5}
+    ratios = compare(sjf, sjf["config"], sjf["requests"], fcfs, tmp_path / "fcfs.json")["ratios"]
+    assert ratios == pytest.approx({
+        "mean_e2e_s_baseline_over_this": 1.5, "p50_e2e_s_baseline_over_this": 2.0,
+        "p99_e2e_s_baseline_over_this": 0.75, "mean_ttft_s_baseline_over_this": 1.5,
+        "p99_ttft_s_baseline_over_this": 0.75, "output_tokens_per_s_this_over_baseline": 0.95,
+        "goodput_rps_this_over_baseline": None})  # no request met the SLOs under the baseline
+    back = compare(fcfs, fcfs["config"], fcfs["requests"], sjf, tmp_path / "sjf.json")["ratios"]
+    assert back["goodput_rps_this_over_baseline"] == 0.0
+
+
 def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rate(tmp_path):
     # An `inf` request rate goes to JSON as Infinity: it must read back equal, or every
     # all-at-once pair would be flagged not comparable.

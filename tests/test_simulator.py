@@ -8,6 +8,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from scheduler.config import SchedulerConfig
@@ -540,3 +541,90 @@ def test_simulated_arrivals_have_the_asked_rate_and_burstiness():
         assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.05), process
         assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv, rel=0.1), (process, cv)
     assert arrival_times(5, 4.0, "gamma", 3.0, seed=1) == arrival_times(5, 4.0, "gamma", 3.0, seed=1)
+
+
+def test_every_summary_figure_matches_numpy_on_a_hand_built_run() -> None:
+    # 25 served requests (so the longest tenth is ceil(2.5) = 3), some preempted and queued again,
+    # and three rejected ones with the most tokens of all, which no figure may count.
+    from scheduler.simulation import RequestRecord, SimulationResult
+
+    rng = np.random.default_rng(5)
+    tokens = rng.permutation(np.arange(1, 500))[:25]
+    served = []
+    for i in range(25):
+        scheduled = i + rng.uniform(0, 3)
+        requeued = ((scheduled + 1.0, scheduled + 1.0 + rng.uniform(0, 5)),) if i % 4 == 0 else ()
+        first_token = scheduled + rng.uniform(0.1, 1)
+        served.append(RequestRecord(f"r{i:02d}", Tier.STANDARD, float(i), int(tokens[i]), False, scheduled,
+                                    first_token, first_token + rng.uniform(1, 30), len(requeued), requeued))
+    rejected = [RequestRecord(f"x{i}", Tier.STANDARD, 1.0, 10_000, True) for i in range(3)]
+    result = SimulationResult(records=tuple(served + rejected), makespan_s=60.0, num_steps=1, num_preemptions=7,
+                              peak_kv_usage=0.5, stability_margins=(), leaked_blocks=0)
+    summary = summarize(result)
+
+    e2e = np.array([r.finish_time - r.arrival_time for r in served])
+    ttft = np.array([r.first_token_time - r.arrival_time for r in served])
+    wait = np.array([r.first_scheduled_time - r.arrival_time + sum(end - start for start, end in r.requeued_waits)
+                     for r in served])
+    longest = np.argsort(-tokens)[:3]
+    assert (summary["num_served"], summary["num_rejected"]) == (25, 3)
+    assert summary["mean_e2e_s"] == pytest.approx(e2e.mean())
+    assert [summary["p50_e2e_s"], summary["p99_e2e_s"]] == pytest.approx(np.percentile(e2e, [50, 99]))
+    assert summary["p99_e2e_longest10pct_s"] == pytest.approx(np.percentile(e2e[longest], 99))
+    assert summary["mean_ttft_s"] == pytest.approx(ttft.mean())
+    assert summary["p99_ttft_s"] == pytest.approx(np.percentile(ttft, 99))
+    assert summary["mean_wait_s"] == pytest.approx(wait.mean()) and summary["max_wait_s"] == pytest.approx(wait.max())
+    assert summary["output_tokens_per_s"] == pytest.approx(tokens.sum() / 60.0)
+    standard = summary["tiers"]["standard"]
+    assert (standard["count"], standard["rejected"]) == (25, 3)
+    assert standard["slo_attainment"] == pytest.approx(np.sum(e2e <= 10.0) / 28)
+    assert [standard["p50_ttft_s"], standard["p99_ttft_s"]] == pytest.approx(np.percentile(ttft, [50, 99]))
+
+
+def test_percentile_is_numpys_linear_one() -> None:
+    values = list(np.random.default_rng(2).exponential(size=37))
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q)), q
+
+
+def test_the_throughput_goal_is_missed_by_a_policy_5pct_faster_or_slower() -> None:
+    fcfs = {"mean_e2e_s": 2.0, "p99_e2e_longest10pct_s": 1.0, "output_tokens_per_s": 100.0, "max_wait_s": 1.0,
+            "num_rejected": 0}
+    meets = {tokens: goal_checks({"fcfs": fcfs, "sjf": {**fcfs, "output_tokens_per_s": tokens}}, 5.0)
+             ["meets_throughput_5pct"] for tokens in (94.0, 95.5, 104.5, 106.0)}
+    assert meets == {94.0: False, 95.5: True, 104.5: True, 106.0: False}
+    slower = goal_checks({"fcfs": fcfs, "sjf": {**fcfs, "output_tokens_per_s": 94.0}}, 5.0)
+    assert slower["throughput_sjf_over_fcfs"] == pytest.approx(0.94)  # sjf over FCFS, not the reverse
+
+
+def test_sixty_percent_of_the_oracle_s_gain_meets_the_goal_and_an_oracle_that_sheds_voids_it() -> None:
+    fcfs = {"mean_e2e_s": 1.0, "p99_e2e_longest10pct_s": 1.0, "output_tokens_per_s": 1.0, "max_wait_s": 1.0,
+            "num_rejected": 0}
+    policies = {"fcfs": fcfs, "sjf": {**fcfs, "mean_e2e_s": 1 / 8}, "oracle": {"mean_e2e_s": 1 / 32, "num_rejected": 0}}
+    checks = goal_checks(policies, 5.0)
+    assert checks["sjf_share_of_oracle_gain"] == 0.6 and checks["meets_oracle_share_60pct"] is True  # log 8 / log 32
+    policies["oracle"]["num_rejected"] = 2
+    assert "oracle" in goal_checks(policies, 5.0)["not_comparable"]
+
+
+def test_each_request_s_aging_bound_is_read_up_to_its_last_seat() -> None:
+    from types import SimpleNamespace
+
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import aging_bounds
+
+    policy = SimpleNamespace(aging_bound_s=lambda request, waited_until: waited_until)  # echoes the window's end
+    workload = [SimpleNamespace(request_id=name, to_request=lambda: None) for name in ("a", "b")]
+    records = [RequestRecord("a", Tier.STANDARD, 0.0, 5, False, 5.0, 5.5, 20.0, 1, ((7.0, 9.0),)),
+               RequestRecord("b", Tier.STANDARD, 0.0, 5, True)]  # seated first at 5, again at 9; b never
+    assert aging_bounds(policy, workload, records) == {"a": 9.0, "b": None}
+
+
+def test_interactive_slo_attainment_counts_a_first_token_exactly_on_the_target() -> None:
+    from scheduler.simulation import RequestRecord
+    from training.sim_metrics import tier_figures
+
+    records = [RequestRecord(f"i{k}", Tier.INTERACTIVE, 0.0, 5, False, 0.0, ttft, 2.0)
+               for k, ttft in enumerate((0.25, 0.5, 0.75))]
+    figures = tier_figures(records, slo_ttft_s=0.5, slo_e2e_s=10.0)["interactive"]
+    assert figures["slo_attainment"] == pytest.approx(2 / 3)

@@ -105,7 +105,7 @@ def test_a_reply_cut_at_the_cap_counts_for_calibration_only_where_its_outcome_is
     p90 = [20.0, 50.0, 256.0, 300.0, 200.0, 255.999999]  # covers, misses, misses, unknown, misses, misses
     predictions = [Prediction(point=q, p50=q, p90=q, score=q, rank_len=q) for q in p90]
     result = metrics.prediction_metrics(true, predictions, censored)
-    assert result.p90_coverage == pytest.approx(1 / 5) and result.num_censored == 4
+    assert result.p90_coverage == pytest.approx(1 / 5) and result.num_censored == 4 and result.num_examples == 6
     assert result.mae_log == pytest.approx(np.mean(np.abs(np.log1p([20.0, 50.0]) - np.log1p([10.0, 100.0]))))
     assert metrics.prediction_metrics(true, predictions).p90_coverage == pytest.approx(3 / 6)  # uncensored reading
     assert result.kendall_tau == metrics.prediction_metrics(true, predictions).kendall_tau  # ranking unchanged
@@ -454,6 +454,10 @@ def test_a_second_sample_scores_the_ranking_alone_and_in_the_mean_of_both(tmp_pa
     # Means 25, 25, 25, 55: three ties, then the longest last.
     expected = stats.kendalltau([1, 2, 3, 4], [25, 25, 25, 55]).statistic
     assert figures["kendall_tau_two_sample_mean"] == pytest.approx(expected) and expected > 0
+    # The prompt left out may sit anywhere: each second sample meets its own prompt's prediction.
+    moved = second_sample_figures(prompts[4:] + prompts[:4], np.roll(first, 1), ranked[4:] + ranked[:4],
+                                  tmp_path / "again.parquet")
+    assert moved == figures
 
 
 def test_a_fresh_clone_extends_the_committed_trace_table_instead_of_replacing_it(tmp_path, monkeypatch):
@@ -742,6 +746,20 @@ def test_latency_per_prompt_is_the_median_call_time_over_the_batch_it_timed(monk
     assert sizes == [8] * 4
 
 
+def test_latency_per_prompt_is_a_median_that_one_stalled_call_leaves_alone(monkeypatch):
+    from training import evaluate
+
+    clock = {"now": 0.0, "calls": 0}
+
+    class Model:
+        def predict(self, batch):
+            clock["calls"] += 1
+            clock["now"] += 0.001 * len(batch) + (1.0 if clock["calls"] == 3 else 0.0)  # one 1 s stall
+
+    monkeypatch.setattr(evaluate.time, "perf_counter", lambda: clock["now"])
+    assert evaluate.latency_ms_per_prompt(Model(), [f"p{i}" for i in range(8)], 1, calls=5) == pytest.approx(1.0)
+
+
 def test_eval_predictor_champion_without_a_default_predictor_says_how_to_get_one(tmp_path, monkeypatch):
     from training import evaluate
 
@@ -816,3 +834,95 @@ def test_the_turn_tables_hash_and_cache_follow_every_splits_bytes(tmp_path):
         os.utime(files[s], ns=(stamp, stamp))
     assert dataset.table_hash(tmp_path) != whole
     assert dataset.load_turns(table_dir=tmp_path)["response_tokens"] == [10, 11, 21]
+
+
+def _exact_pairwise_accuracy(true, score) -> float:
+    # Every pair i < j with different true lengths; a tie in the score counts half.
+    i, j = np.triu_indices(len(true), k=1)
+    keep = true[i] != true[j]
+    agree = np.sign(true[i] - true[j]) * np.sign(score[i] - score[j])
+    return float(np.mean(np.where(agree[keep] == 0, 0.5, agree[keep] > 0)))
+
+
+def test_pairwise_accuracy_matches_every_pair_counted_and_leaves_out_true_ties():
+    # Half the replies tie at a cap of 256: those pairs have no order to get right.
+    rng = np.random.default_rng(3)
+    true = np.where(rng.random(300) < 0.5, 256.0, rng.integers(1, 256, 300).astype(float))
+    score = np.round(true / 64 + rng.normal(0, 1, 300))  # coarse: many score ties too
+    assert metrics.pairwise_accuracy(true, score) == pytest.approx(_exact_pairwise_accuracy(true, score), abs=0.005)
+    # Three rows by hand: (1, 2) right, (1, 3) and (2, 3) wrong; each row is drawn as often as the others.
+    small_true, small_score = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 0.0])
+    assert metrics.pairwise_accuracy(small_true, small_score) == pytest.approx(1 / 3, abs=0.005)
+    assert np.isnan(metrics.pairwise_accuracy(np.full(5, 7.0), np.arange(5.0)))  # no pair to order
+
+
+def test_spearman_is_the_correlation_of_ranks_not_of_values():
+    true = np.array([1.0, 2.0, 3.0, 4.0, 1000.0])
+    rank_len = np.array([2.0, 1.0, 4.0, 3.0, 1000.0])  # one huge value dominates a Pearson correlation
+    result = metrics.prediction_metrics(true, _predictions(rank_len - 1))
+    rank = lambda values: np.argsort(np.argsort(values))  # noqa: E731 - distinct values: plain ranks
+    assert result.spearman == pytest.approx(np.corrcoef(rank(true), rank(rank_len))[0, 1]) == pytest.approx(0.8)
+
+
+def test_the_tau_interval_is_as_wide_as_a_95pct_normal_interval_of_tau():
+    # Independent true and score: tau's standard error is sqrt(2(2n + 5) / (9n(n - 1))), so a 95%
+    # interval spans 2 x 1.96 of it (a 90% one would be 2 x 1.64, 16% narrower).
+    rng = np.random.default_rng(0)
+    n = 1000
+    low, high = metrics.tau_interval(rng.normal(size=n), rng.normal(size=n))
+    standard_error = np.sqrt(2 * (2 * n + 5) / (9 * n * (n - 1)))
+    assert 0.9 < (high - low) / (2 * 1.959964 * standard_error) < 1.1
+
+
+def test_a_bucket_of_exactly_ten_rows_is_reported():
+    bucket_by = np.arange(50.0)  # five buckets of ten
+    true = np.arange(50.0)
+    buckets = metrics.tau_by_bucket(true, true, bucket_by)
+    assert [b.num_examples for b in buckets] == [10] * 5 and all(b.kendall_tau == pytest.approx(1.0) for b in buckets)
+
+
+def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
+    # A stand-in predictor whose score orders differently from its rank_len, a p50 of 64 and a p90
+    # at the trace's cap: each figure of the report is then worked out below from the rows alone.
+    from pathlib import Path
+
+    from scipy import stats
+
+    from training import evaluate
+    from training import labels as label_data
+
+    class Stand:
+        kind = "stand-in"
+
+        def predict(self, prompts):
+            return [Prediction(point=len(p) / 8, p50=64.0, p90=cap, score=float(len(p) % 97), rank_len=float(len(p)))
+                    for p in prompts]
+
+    test = label_data.subsample(label_data.load_split("test", "trace"), 200, seed=2)
+    lengths, cut = test.lengths.astype(float), test.censored
+    cap = float(lengths.max())  # every cut reply sits at the cap (test_trace_labels_mark_replies_cut_at_the_cap)
+    monkeypatch.setattr(predictor, "load", lambda path: Stand())
+    report = evaluate.evaluate(Path("stand-in"), "trace", limit=200, measure_latency=False)
+
+    rank_len = np.array([float(len(p)) for p in test.prompts])
+    score = rank_len % 97
+    keep = ~test.in_train
+    strict = keep & ~label_data.last_message_in_train(test.prompts)
+    assert 0 < strict.sum() < keep.sum() < len(keep) and 0 < cut.sum() < len(cut)  # each subset is its own
+    tau = lambda x, y: stats.kendalltau(x, y).statistic  # noqa: E731
+    assert report.kendall_tau == pytest.approx(tau(rank_len, lengths))
+    assert report.kendall_tau_score == pytest.approx(tau(score, lengths))
+    assert report.kendall_tau_dedup == pytest.approx(tau(rank_len[keep], lengths[keep]))
+    assert report.kendall_tau_dedup_last_message == pytest.approx(tau(rank_len[strict], lengths[strict]))
+    assert (report.num_examples, report.num_examples_dedup, report.num_examples_dedup_last_message) == (
+        200, keep.sum(), strict.sum())
+    assert report.spearman == pytest.approx(stats.spearmanr(rank_len, lengths).statistic)
+    assert report.pairwise_accuracy == metrics.pairwise_accuracy(lengths, rank_len)
+    # A cut reply is a known miss of a p90 at the cap (its true length is past it) and of a p50 of 64.
+    assert report.num_censored == cut.sum()
+    assert report.p90_coverage == pytest.approx(np.mean(~cut))
+    assert report.p50_coverage == pytest.approx(np.mean(~cut & (lengths <= 64)))
+    assert report.mae_log == pytest.approx(np.mean(np.abs(np.log1p(rank_len / 8) - np.log1p(lengths))[~cut]))
+    assert report.kendall_tau_ci95 == metrics.tau_interval(lengths, rank_len)
+    assert report.kendall_tau_dedup_ci95 == metrics.tau_interval(lengths[keep], rank_len[keep])
+    assert report.latency_ms_p50_batch1 is None and report.kind == "stand-in" and report.labels == "trace"

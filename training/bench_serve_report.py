@@ -1,10 +1,11 @@
 """Summaries of a serving benchmark: latency statistics, goodput, a plot and the MLflow record.
 
-Per request the load generator measures TTFT (send to first non-empty text chunk), the gaps between
-text chunks (inter-token latency, ITL), end-to-end latency (send to `[DONE]`) and the output tokens
-reported by the server's `usage`. TPOT of a request is (e2e - ttft) / (output tokens - 1), as in
-`vllm bench serve`. Goodput counts completed requests per second that meet every SLO given with
-`--goodput` (ttft, tpot, e2el; milliseconds).
+Per request the load generator measures TTFT (send to the first chunk with choices, empty text
+included, as `vllm bench serve` counts it: an end-of-sequence token streams as one), the gaps between
+such chunks (inter-token latency, ITL), end-to-end latency (send to the last such chunk, just before
+`[DONE]`) and the output tokens reported by the server's `usage`. TPOT of a request is
+(e2e - ttft) / (output tokens - 1), as in `vllm bench serve`. Goodput counts completed requests per
+second that meet every SLO given with `--goodput` (ttft, tpot, e2el; milliseconds).
 """
 
 from __future__ import annotations

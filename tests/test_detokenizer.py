@@ -119,3 +119,56 @@ def test_a_short_stop_string_does_not_shorten_the_hold_back_of_a_long_one(tokeni
         if matched:
             break
     assert matched and shown == "one two "
+
+
+class LeadingSpaceDroppingTokenizer:
+    """A SentencePiece-style tokenizer (as Llama's): "▁" spells a space, and a decode drops the
+    space a text starts with."""
+
+    PIECES = ("▁Hello", "▁world", "▁how", "▁are", "▁you", "!", ",")
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        text = "".join(self.PIECES[i] for i in ids).replace("▁", " ")
+        return text.removeprefix(" ")
+
+
+def test_the_first_words_of_a_reply_keep_the_space_before_them():
+    # Decoded alone, the reply's first token would lose its space; after a few prompt tokens it
+    # shows it, as a decode of the prompt and the reply does.
+    tokenizer = LeadingSpaceDroppingTokenizer()
+    for prompt in ([0], [0, 6, 0, 6, 0, 6, 0]):
+        full = tokenizer.decode(prompt + [1, 2, 3, 4, 5])
+        assert incremental_text(tokenizer, prompt, [1, 2, 3, 4, 5]) == full[len(tokenizer.decode(prompt)):]
+        assert incremental_text(tokenizer, prompt, [1, 2, 3, 4, 5]) == " world how are you!"
+
+
+def test_a_long_prompt_ending_inside_a_character_gives_the_reply_that_character(tokenizer):
+    # The window's context is the prompt's last tokens, those the reply's first character continues.
+    ids = tokenizer.encode("A preamble of several words before it. Say: ok 🎉 hi", add_special_tokens=False)
+    emoji_end = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("🎉"))
+    prompt, reply = ids[:emoji_end - 1], ids[emoji_end - 1:]
+    assert len(prompt) > 10 and tokenizer.decode(prompt).endswith("\ufffd")
+    assert incremental_text(tokenizer, prompt, reply) == "🎉 hi"
+
+
+def test_of_stop_strings_beginning_at_one_place_the_shortest_matches(tokenizer):
+    # " wor" completes before " world" in any stream, so it is the match however the text came.
+    ids = tokenizer.encode("hello world and more", add_special_tokens=False)
+    for stops in ((" world", " wor"), (" wor", " world")):
+        state = DetokenizerState.for_prompt(tokenizer.encode("Say:", add_special_tokens=False))
+        assert advance(tokenizer, state, ids, stops, keep_stop=True) == " wor"
+        assert state.text == "hello wor"
+
+
+def test_a_kept_stop_string_holds_nothing_back(tokenizer):
+    # With include_stop_str_in_output the text up to a stop's end is shown anyway: a stream
+    # releases each piece as soon as it is decoded.
+    from engine.detokenizer import release
+
+    stops = ("three four",)
+    state = DetokenizerState.for_prompt(tokenizer.encode("Say:", add_special_tokens=False))
+    for token in tokenizer.encode("one two three", add_special_tokens=False):
+        advance(tokenizer, state, [token], stops, keep_stop=True)
+        release(state, stops, finished=False, keep_stop=True)
+        assert state.released == len(state.text)
+    assert state.text == "one two three"

@@ -252,3 +252,28 @@ def test_the_server_rules_out_bad_words(tiny_model_dir) -> None:
         for bad in ([""], ["x"] * 129, "word"):
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "bad_words": bad}
             assert error_of(post(base_url, "/v1/completions", body), 400)["param"].startswith("bad_words")
+
+
+def test_a_processor_for_some_rows_edits_what_the_earlier_ones_left() -> None:
+    # Row 0's bias runs on its row alone (row 1 asks for none) and must keep the mask that
+    # allowed_token_ids put there before it, as a batch of that row alone gets.
+    logits = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    masked = request_with(SamplingParams(allowed_token_ids=(1, 4), logit_bias={4: 1.0, 0: 1.0}))
+    out = process_logits(logits, [masked, request_with(SamplingParams())])
+    assert out[0].tolist() == [-math.inf, 1.0, -math.inf, -math.inf, 5.0, -math.inf]
+    assert out[1].tolist() == logits[1].tolist()
+    assert out[0].tolist() == process_logits(logits[:1], [masked])[0].tolist()
+
+
+def test_a_stop_string_in_the_min_tokens_th_token_is_not_searched_as_in_vllm(tiny_model_dir, prompts) -> None:
+    # vLLM searches stop strings once the output holds more than min_tokens tokens: a stop string
+    # that the third token completes stops a request of min_tokens 2, not one of min_tokens 3.
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    base = dict(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    (plain,) = llm.generate([prompts[0]], SamplingParams(**base))
+    stop = llm.engine.tokenizer.decode(plain.token_ids[2:3]).strip()
+    assert stop and plain.text.count(stop) == 1 and stop not in llm.engine.tokenizer.decode(plain.token_ids[:2])
+    (stopped,) = llm.generate([prompts[0]], SamplingParams(**base, stop=(stop,), min_tokens=2))
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 3
+    (late,) = llm.generate([prompts[0]], SamplingParams(**base, stop=(stop,), min_tokens=3))
+    assert late.finish_reason == "length" and late.text == plain.text

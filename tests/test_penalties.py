@@ -124,3 +124,29 @@ def test_the_server_applies_the_penalties_and_min_p_it_is_sent(tiny_model_dir) -
         for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
             body = {"model": MODEL, "messages": chat, "max_tokens": 2, field: value}
             assert error_of(post(base_url, "/v1/chat/completions", body), 400)["param"] == field
+
+
+def test_token_ids_keep_exactly_those_inside_the_vocabulary() -> None:
+    from engine.penalties import token_ids
+
+    ids = token_ids([0, 4, 5, 6, 2**64 + 3], vocab=5, device=torch.device("cpu"))
+    assert ids.tolist() == [0, 4] and ids.dtype == torch.long
+    # A stop id equal to the vocabulary size is no token either: penalizing it would index past the row.
+    logits = torch.zeros(1, 5)
+    out = apply_penalties(logits, [SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)], [([5], [5, 1])])
+    assert out[0].tolist() == [0.0, -1.0, 0.0, 0.0, 0.0]
+
+
+def test_presence_alone_is_subtracted_once_per_seen_token() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = apply_penalties(logits, [SamplingParams(presence_penalty=0.75)], [([2], [1, 3, 3])])
+    assert out[0].tolist() == [2.0, -1.75, 0.5, 2.25]  # the prompt's token 2 is no output: untouched
+    out = apply_penalties(logits, [SamplingParams(frequency_penalty=0.5)], [([2], [1, 3, 3])])
+    assert out[0].tolist() == [2.0, -1.5, 0.5, 2.0]
+
+
+def test_a_logit_divided_past_float32_stays_finite() -> None:
+    # 5 / float32's smallest normal is past its range: the logit keeps to the largest float.
+    logits = torch.tensor([[5.0, 1.0]])
+    out = apply_penalties(logits, [SamplingParams(repetition_penalty=1e-50)], [([0], [])])
+    assert out[0].tolist() == [torch.finfo(torch.float32).max, 1.0]

@@ -79,3 +79,20 @@ def test_a_one_token_prompt_has_one_entry_and_the_count_is_bounded(tiny_model_di
     for bad in (-1, MAX_LOGPROBS + 1, True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_position_scored_again_keeps_its_first_score() -> None:
+    from engine.output_processor import OutputProcessor
+    from scheduler.output import PromptLogprobs, TokenLogprobs
+
+    from scheduler.request import Request
+
+    processor = OutputProcessor(tokenizer=None, finish_request=lambda *args: None)
+    request = Request("r", [4, 5, 6, 7], SamplingParams(prompt_logprobs=0), arrival_time=0.0, eos_token_id=2)
+    processor.add("r", request.prompt_token_ids, request.sampling_params)
+    first = [TokenLogprobs(token, -1.0, ()) for token in (5, 6)]
+    processor.add_prompt_logprobs({"r": PromptLogprobs(1, tuple(first))})
+    again = [TokenLogprobs(token, -2.0, ()) for token in (6, 7)]  # position 2 once more, then 3
+    processor.add_prompt_logprobs({"r": PromptLogprobs(2, tuple(again))})
+    assert processor.prompt_logprobs_held("r") == 4
+    assert processor._reported_prompt_logprobs(request) == (None, first[0], first[1], again[1])

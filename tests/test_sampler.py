@@ -248,3 +248,52 @@ def test_a_tied_token_ranks_in_the_worse_place_as_vllm_ranks_it() -> None:
     assert entry.rank == 2
     (entry,) = token_logprobs(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), [3], [0])
     assert entry.rank == 4
+
+
+def test_unseeded_draws_follow_the_engine_seed_whatever_seeded_rows_draw() -> None:
+    # The engine's generator is seeded by the engine's seed (`--seed`): two seeds, two sequences,
+    # one seed, one sequence. A seeded row draws from a generator of its own, so it neither reseeds
+    # nor advances the engine's: the unseeded rows draw the same with or without it in the batch.
+    logits = torch.zeros(2, 1000)
+    params = [SamplingParams(), SamplingParams(seed=7)]
+
+    def unseeded_draws(engine_seed: int, with_seeded_row: bool) -> list[int]:
+        sampler = Sampler(seed=engine_seed)
+        if with_seeded_row:
+            return [sampler.sample(logits, [p, p], params)[0] for p in range(20)]
+        return [sampler.sample(logits[:1], [p], params[:1])[0] for p in range(20)]
+
+    assert unseeded_draws(1, False) == unseeded_draws(1, False)
+    assert unseeded_draws(1, False) != unseeded_draws(2, False)
+    assert unseeded_draws(1, True) == unseeded_draws(1, False)
+
+
+def test_a_logit_past_float32_after_temperature_stays_finite() -> None:
+    # 1e37 / 0.001 is past float32's range: an inf logit makes softmax NaN. Clamped to the
+    # largest float, the likeliest token keeps all the mass, and two such tokens share it.
+    probs = _filtered_probs(torch.tensor([[1e37, 0.0, -1e37]]), [SamplingParams(temperature=1e-3)])
+    assert probs[0].tolist() == [1.0, 0.0, 0.0]
+    probs = _filtered_probs(torch.tensor([[1e37, 1e37, 0.0]]), [SamplingParams(temperature=1e-3)])
+    assert probs[0].tolist() == [0.5, 0.5, 0.0]
+
+
+def test_a_top_k_row_without_top_p_keeps_its_tail() -> None:
+    # A peaked row: in float32 the mass before its tail tokens rounds to 1.0, so a top-p of 1.0
+    # compared at all would drop them. Top-k 999 of 1,000 keeps 999 tokens.
+    logits = torch.full((1, 1000), -30.0)
+    logits[0, 0] = 30.0
+    logits[0, 999] = -31.0
+    probs = _filtered_probs(logits, [SamplingParams(top_k=999)])
+    assert (probs[0] > 0).sum() == 999 and probs[0, 999] == 0
+
+
+def test_position_seeds_mix_splitmix64_and_every_bit_of_the_seed() -> None:
+    from engine.sampler import _splitmix64, position_seed
+
+    # SplitMix64's published outputs from state 0 (Vigna's splitmix64.c): the first and, past a
+    # 64-bit wrap of the state, the second.
+    assert _splitmix64(0) == 0xE220A8397B1DCDAF
+    assert _splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+    # Seeds that differ only above their low 32 bits are other seeds.
+    seeds = (1, 2**32 + 1, 2**40 + 1, 2**63 + 1)
+    assert len({position_seed(seed, position) for seed in seeds for position in range(10)}) == 40

@@ -211,3 +211,144 @@ def test_a_handler_cancelled_as_its_last_choice_is_admitted_leaves_none_running(
         return remaining
 
     assert asyncio.run(scenario()) == []
+
+
+class RecordingEngine:
+    """Admits every submission at once and notes what reached it."""
+
+    def __init__(self) -> None:
+        self.submitted: list[dict] = []
+
+    async def submit(self, request_id, prompt_ids, prompt_text, params, *, tier, priority, group):
+        from types import SimpleNamespace
+
+        self.submitted.append(dict(id=request_id, prompt=prompt_ids, params=params, tier=tier, priority=priority,
+                                   group=group))
+        return SimpleNamespace(request_id=request_id, finished=False)
+
+    def abort(self, request_id: str) -> None:
+        raise AssertionError(f"{request_id} aborted: every submission was admitted")
+
+
+def submitted_for(tokenizer, body, prompts: list[list[int]]) -> list[dict]:
+    import asyncio
+
+    from engine.server.serving import OpenAIServing
+
+    engine = RecordingEngine()
+    handlers = OpenAIServing(engine, tokenizer, MODEL, MAX_MODEL_LEN)
+    asyncio.run(handlers._submit("cmpl-x", body, [(ids, "x") for ids in prompts], "prompt"))
+    return engine.submitted
+
+
+def test_each_choice_reaches_the_engine_under_its_id_seed_tier_and_group(tiny_model_dir) -> None:
+    # Ids as OpenAIServing numbers them (request_id, -j for choice j, -i-j in a batch), choice j's
+    # seed is seed + j within 64 bits, as vLLM's parallel sampling seeds them, and only the first
+    # choice of a whole reply scores the prompt the choices share.
+    from transformers import AutoTokenizer
+
+    from engine.server.protocol import CompletionRequest
+    from scheduler.request import ChoiceGroup, Tier
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    one = submitted_for(tokenizer, CompletionRequest(prompt=[1, 2], max_tokens=3), [[1, 2]])
+    assert [(s["id"], s["group"], s["tier"], s["priority"]) for s in one] == [("cmpl-x", None, Tier.STANDARD, 0)]
+    body = CompletionRequest(prompt=[[1, 2], [3, 4]], max_tokens=3, n=2, seed=2**64 - 1, prompt_logprobs=1,
+                             service_tier="flex", priority=5, min_tokens=2, include_stop_str_in_output=True,
+                             skip_special_tokens=False)
+    batch = submitted_for(tokenizer, body, [[1, 2], [3, 4]])
+    assert [s["id"] for s in batch] == ["cmpl-x-0-0", "cmpl-x-0-1", "cmpl-x-1-0", "cmpl-x-1-1"]
+    assert [s["prompt"] for s in batch] == [[1, 2], [1, 2], [3, 4], [3, 4]]
+    assert [s["group"] for s in batch] == [ChoiceGroup("cmpl-x-0", 2)] * 2 + [ChoiceGroup("cmpl-x-1", 2)] * 2
+    assert [s["params"].seed for s in batch] == [2**64 - 1, 0, 2**64 - 1, 0]
+    assert [s["params"].prompt_logprobs for s in batch] == [1, None, 1, None]
+    assert {(s["tier"], s["priority"]) for s in batch} == {(Tier.BATCH, 5)}
+    assert {(p.min_tokens, p.include_stop_str_in_output, p.skip_special_tokens) for p in
+            (s["params"] for s in batch)} == {(2, True, False)}
+    # A stream sends each choice's echo in that choice's first chunk: each scores the prompt.
+    streamed = CompletionRequest(prompt=[1, 2], max_tokens=3, n=2, stream=True, echo=True, logprobs=1,
+                                 service_tier="priority")
+    choices = submitted_for(tokenizer, streamed, [[1, 2]])
+    assert [(s["id"], s["params"].prompt_logprobs, s["tier"]) for s in choices] == [
+        ("cmpl-x-0", 1, Tier.INTERACTIVE), ("cmpl-x-1", 1, Tier.INTERACTIVE)]
+    assert [s["group"] for s in choices] == [ChoiceGroup("cmpl-x", 2)] * 2
+
+
+class GatedEngine(RecordingEngine):
+    """Admits choice 0 at once; choice 1 is refused as bad input, or never admitted (`hold`)."""
+
+    def __init__(self, hold: bool) -> None:
+        super().__init__()
+        self.hold, self.aborted, self.cancelled = hold, [], []
+
+    async def submit(self, request_id, *args, **kwargs):
+        import asyncio
+
+        if request_id.endswith("-0"):
+            return await super().submit(request_id, *args, **kwargs)
+        if not self.hold:
+            raise ValueError("choice 1 is refused")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_refused_or_abandoned_choice_leaves_none_of_its_siblings_running(tiny_model_dir) -> None:
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from engine.server.errors import APIError
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving import OpenAIServing
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    body = CompletionRequest(prompt=[1, 2], max_tokens=3, n=2)
+
+    async def refused() -> GatedEngine:
+        engine = GatedEngine(hold=False)
+        with pytest.raises(APIError) as raised:  # the engine's ValueError is the client's 400
+            await OpenAIServing(engine, tokenizer, MODEL, MAX_MODEL_LEN)._submit("c", body, [([1, 2], "x")], "prompt")
+        assert raised.value.status == 400 and "choice 1 is refused" in str(raised.value)
+        return engine
+
+    async def abandoned() -> GatedEngine:
+        engine = GatedEngine(hold=True)
+        handlers = OpenAIServing(engine, tokenizer, MODEL, MAX_MODEL_LEN)
+        submit = asyncio.ensure_future(handlers._submit("c", body, [([1, 2], "x")], "prompt"))
+        while not engine.submitted:  # choice 0 admitted, choice 1 waiting
+            await asyncio.sleep(0)
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        await asyncio.sleep(0)  # the handler's cancel reaches the waiting submission (asyncio.run's would later)
+        assert engine.cancelled == ["c-1"]
+        return engine
+
+    engine = asyncio.run(refused())
+    assert engine.aborted == ["c-0"]
+    engine = asyncio.run(abandoned())
+    assert engine.aborted == ["c-0"]
+
+
+def test_an_integer_priority_is_refused_unless_the_policy_reads_it(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.server.errors import APIError
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving import OpenAIServing
+    from scheduler.policy import SchedulingPolicy
+
+    handlers = OpenAIServing(RecordingEngine(), AutoTokenizer.from_pretrained(tiny_model_dir), MODEL, MAX_MODEL_LEN,
+                             policy=SchedulingPolicy())
+    assert not handlers.policy.orders_by_priority
+    handlers._check_priority(CompletionRequest(prompt="x"))
+    for priority in (-1, 1):
+        with pytest.raises(APIError) as raised:
+            handlers._check_priority(CompletionRequest(prompt="x", priority=priority))
+        assert raised.value.status == 400 and raised.value.info.param == "priority"

@@ -92,6 +92,12 @@ def client(served) -> openai.OpenAI:
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("chat_template", "{{ messages }}"),
+    # Each bound at its other end, and the open ends of the intervals.
+    ("top_p", 0.0), ("presence_penalty", -2.5), ("frequency_penalty", 2.5), ("priority", 2**63),
+    ("priority", -(2**63) - 1), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("bad_words", ["x"] * 129),
+    ("min_p", -0.1),
+    # Digits beyond ASCII: int() reads "\u0661" as 1 and fails on "\u00b2"; neither is a token id.
+    ("logit_bias", {"\u0661": 1}), ("logit_bias", {"\u00b2": 1}),
 ])
 def test_invalid_field_is_a_400_naming_it(served, field, value):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
@@ -106,6 +112,27 @@ def test_completions_max_tokens_takes_no_bool(served):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": True}
     error = error_of(post(served[0], "/v1/completions", body), 400)
     assert error["param"] == "max_tokens" and "takes a number, not true" in error["message"]
+
+
+def test_completions_max_tokens_is_not_negative(served):
+    # Its own field's bound: 0 scores the prompt alone, below that is no limit at all.
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": -1}
+    error = error_of(post(served[0], "/v1/completions", body), 400)
+    assert error["param"] == "max_tokens" and error["message"].startswith("max_tokens: ")
+
+
+def test_completions_logprobs_is_a_count_and_false_is_off(served):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    error = error_of(post(served[0], "/v1/completions", {**body, "logprobs": True}), 400)
+    assert error["param"] == "logprobs" and "count of alternatives" in error["message"]
+    off = post(served[0], "/v1/completions", {**body, "logprobs": False})
+    assert off.status_code == 200 and off.json()["choices"][0]["logprobs"] is None
+
+
+def test_min_tokens_may_equal_the_output_limit(served):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "min_tokens": 2}
+    reply = post(served[0], "/v1/chat/completions", body)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
 def test_a_nan_number_is_refused_as_not_finite(served):
@@ -147,7 +174,9 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_keeps_ser
     ("/v1/chat/completions", "stop_token_ids", [-1]), ("/v1/chat/completions", "stop_token_ids", [True]),
     ("/v1/chat/completions", "allowed_token_ids", [-1]), ("/v1/completions", "allowed_token_ids", [True]),
     ("/v1/completions", "logit_bias", {"1": "big"}),
-    ("/v1/completions", "prompt", [True, 5])])
+    ("/v1/completions", "prompt", [True, 5]),
+    # A prompt's ids are no field bound: the vocabulary's check refuses one below it too.
+    ("/v1/completions", "prompt", [5, -1]), ("/v1/completions", "prompt", [5, 49152])])
 def test_token_ids_are_strict_integers(served, path, field, value):
     # Before, a negative stop id got a 400 naming no field, and JSON true was taken as token id 1.
     body = {"model": MODEL, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), field: value}
@@ -193,7 +222,10 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
     one = client.completions.create(model=MODEL, prompt=["Hello"], max_tokens=2, temperature=0, suffix="")
     assert one.choices[0].text == client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
                                                             temperature=0).choices[0].text
-    for field, value in (("logprobs", 21), ("suffix", " end"),
+    for top_logprobs in (0, None):  # chat's field at its neutral value
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "top_logprobs": top_logprobs}
+        assert post(served[0], "/v1/completions", body).status_code == 200
+    for field, value in (("logprobs", 21), ("suffix", " end"), ("top_logprobs", 2),
                          ("stream_options", {"include_usage": True})):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: value}
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
@@ -564,3 +596,67 @@ def test_an_error_renders_though_its_message_echoes_text_that_is_not_unicode() -
     body = APIError(404, "The model `\ud800` does not exist.").response().body
     assert json.loads(body)["error"]["message"] == "The model `\ud800` does not exist."
     assert APIError(400, "caf\u00e9").response().body.decode().count("caf\u00e9") == 1  # UTF-8 as before
+
+
+def test_stop_is_one_string_or_a_list_of_them() -> None:
+    from engine.server.protocol import CompletionRequest
+
+    # OpenAI's stop: a string is one stop string, not its characters.
+    assert CompletionRequest(prompt="x", stop="ab").stop_strings() == ("ab",)
+    assert CompletionRequest(prompt="x", stop=["ab", "c"]).stop_strings() == ("ab", "c")
+    assert CompletionRequest(prompt="x").stop_strings() == ()
+
+
+class BosAddingTokenizer:
+    """The tiny model's tokenizer, adding a BOS (id 1) where asked for special tokens, as Llama's
+    tokenizers do (SmolLM2's adds none, so a dropped or doubled BOS would not show with it)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def encode(self, text, add_special_tokens=True):
+        return [1] * add_special_tokens + self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_plain_prompt_gets_the_special_tokens_and_a_chat_only_its_templates(tiny_model_dir) -> None:
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from engine.server.chat_protocol import ChatCompletionRequest
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving import OpenAIServing
+
+    real = AutoTokenizer.from_pretrained(tiny_model_dir)
+    handlers = OpenAIServing(None, BosAddingTokenizer(real), MODEL, SHORT_MODEL_LEN)
+    try:
+        ids, text = asyncio.run(handlers._completion_prompt(CompletionRequest(prompt="Hello there"), "Hello there"))
+    finally:
+        handlers.close()
+    assert ids == [1] + real.encode("Hello there", add_special_tokens=False) and text == "Hello there"
+    text, ids = handlers._render_chat(ChatCompletionRequest(messages=CHAT), CHAT)
+    assert ids == real.encode(text, add_special_tokens=False)  # the template wrote its own
+
+
+def test_bad_words_are_tokenized_as_vllm_tokenizes_them(tiny_model_dir) -> None:
+    # vLLM's: the word with its leading spaces stripped, and after a space where that gives other
+    # tokens of the same count (a word inside the text).
+    from transformers import AutoTokenizer
+
+    from engine.server.serving import OpenAIServing
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    handlers = OpenAIServing(None, tokenizer, MODEL, SHORT_MODEL_LEN)
+    hello, spaced_hello = encode("hello there"), encode(" hello there")
+    assert len(hello) == len(spaced_hello) and hello[0] != spaced_hello[0]
+    assert handlers._bad_words_token_ids(["hello there"]) == (hello, spaced_hello)
+    assert handlers._bad_words_token_ids(["  hello there"]) == (hello, spaced_hello)
+    assert len(encode(" ß")) != len(encode("ß"))  # after a space it is another word: the bare form alone
+    assert handlers._bad_words_token_ids(["ß", "hello there"]) == (encode("ß"), hello, spaced_hello)

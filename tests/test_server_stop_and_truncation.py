@@ -73,7 +73,23 @@ def test_a_truncated_prompt_is_its_last_tokens(served, client, tokenizer) -> Non
     assert cut.choices[0].text == tokenizer.decode(last) + alone.choices[0].text  # echo shows what the model read
     longer = client.completions.create(prompt=last, extra_body={"truncate_prompt_tokens": 50}, **GREEDY)
     assert longer.usage.prompt_tokens == 6  # nothing to cut
+    # A text prompt, cut, echoes the text of the tokens kept, not the text sent.
+    text = tokenizer.decode(ids)
+    cut_text = client.completions.create(prompt=text, echo=True, extra_body={"ignore_eos": True,
+                                         "truncate_prompt_tokens": 6}, **GREEDY)
+    assert cut_text.choices[0].text == cut.choices[0].text
     engine_idle_and_intact(served[1])
+
+
+def test_truncation_to_the_context_length_still_leaves_room_for_the_output(served, client) -> None:
+    # -1 keeps the last max_model_len tokens, as vLLM reads it: a prompt that long leaves no room
+    # for a token and is refused, one a token shorter is served whole.
+    def completion(length: int):
+        body = {"model": MODEL, "prompt": [7] * length, "max_tokens": 1, "truncate_prompt_tokens": -1}
+        return post(served[0], "/v1/completions", body)
+
+    assert error_of(completion(MAX_MODEL_LEN), 400)["code"] == "context_length_exceeded"
+    assert completion(MAX_MODEL_LEN - 1).json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
 
 
 def test_a_truncated_chat_fits_a_text_too_long_to_tokenize(served, client) -> None:

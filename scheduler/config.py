@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.eviction import EVICTIONS
+from scheduler.eviction import EVICTIONS, needs_host_pool
 
 PreemptionMode = Literal["recompute", "swap"]
 
@@ -103,7 +103,7 @@ class SchedulerConfig:
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
         if self.preemption_mode not in EVICTIONS:
             raise ValueError(f"preemption_mode must be one of {', '.join(EVICTIONS)}, got {self.preemption_mode!r}")
-        if EVICTIONS[self.preemption_mode].needs_host_pool and self.num_cpu_blocks == 0:
+        if needs_host_pool(self.preemption_mode) and self.num_cpu_blocks == 0:
             raise ValueError(f"{self.preemption_mode} preemption needs num_cpu_blocks > 0")
         from scheduler.policies import POLICIES  # the registry imports this module
 

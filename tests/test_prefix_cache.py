@@ -182,25 +182,32 @@ def test_a_first_block_that_collides_under_pythons_hash_is_not_taken_for_another
     assert m.cached_prefix(request("b", [collider, 0, 0, 0, 5, 6, 7, 8, 9])).num_tokens == 4
 
 
+def one_arrival_a_step(num_blocks: int, arrivals: dict[int, Request]):
+    """Step s adds arrivals[s] and runs (prefix caching on, no watermark, block integrity checked
+    after each step); the last step's output."""
+    config = SchedulerConfig(num_gpu_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, kv_watermark=0.0, enable_prefix_caching=True)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(num_blocks, 4)
+    for step in range(len(arrivals)):
+        scheduler.add_request(arrivals[step], float(step))
+        output = scheduler.schedule(float(step))
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+    return output
+
+
 def test_an_urgent_request_preempts_as_many_as_free_its_room_though_they_share_blocks() -> None:
     # Two batch requests share two blocks; an interactive one needs six of eight. Preempting one
     # of them frees only its own block: both go, in the same step, and it is admitted at once.
     from scheduler.request import Tier
 
-    config = SchedulerConfig(num_gpu_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                             max_model_len=64, kv_watermark=0.0, enable_prefix_caching=True)
-    scheduler = Scheduler(config)
-    runner = PagedTokenRunner(8, 4)
     shared = list(range(100, 108))
     arrivals = {0: Request("A", shared + [1], SamplingParams(max_tokens=12, ignore_eos=True), 0.0, tier=Tier.BATCH),
                 1: Request("B", shared + [2], SamplingParams(max_tokens=12, ignore_eos=True), 1.0, tier=Tier.BATCH),
                 2: Request("I", list(range(200, 224)), SamplingParams(max_tokens=1, ignore_eos=True), 2.0,
                            tier=Tier.INTERACTIVE)}
-    for step in range(3):
-        scheduler.add_request(arrivals[step], float(step))
-        output = scheduler.schedule(float(step))
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
+    output = one_arrival_a_step(8, arrivals)
     assert [c.request_id for c in output.chunks] == ["I"] and sorted(output.preempted_ids) == ["A", "B"]
 
 
@@ -274,21 +281,13 @@ def test_a_victims_blocks_that_hold_the_urgent_requests_prefix_make_it_no_room()
     # ones. Both batch requests go, in the same step, and I is admitted at once.
     from scheduler.request import Tier
 
-    config = SchedulerConfig(num_gpu_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                             max_model_len=64, kv_watermark=0.0, enable_prefix_caching=True)
-    scheduler = Scheduler(config)
-    runner = PagedTokenRunner(5, 4)
     shared = list(range(100, 108))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     arrivals = {0: Request("B2", list(range(300, 305)), params, 0.0, tier=Tier.BATCH),
                 1: Request("B", shared + [1], params, 1.0, tier=Tier.BATCH),
                 2: Request("I", shared + list(range(200, 208)), SamplingParams(max_tokens=1, ignore_eos=True), 2.0,
                            tier=Tier.INTERACTIVE)}
-    for step in range(3):
-        scheduler.add_request(arrivals[step], float(step))
-        output = scheduler.schedule(float(step))
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
+    output = one_arrival_a_step(5, arrivals)
     assert [c.request_id for c in output.chunks] == ["I"] and sorted(output.preempted_ids) == ["B", "B2"]
     assert output.chunks[0].start_position == 8  # on its cached prefix
 

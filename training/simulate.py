@@ -27,6 +27,7 @@ from engine.scheduler_args import KNOBS, add_scheduler_arguments, scheduler_opti
 from scheduler.config import SchedulerConfig
 from scheduler.eviction import needs_host_pool
 from scheduler.policies import POLICIES, make_policy
+from scheduler.request import is_int
 from scheduler.simulation import SimRequest, StepCostModel, simulate
 from training.sim_metrics import aging_bounds, goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
@@ -120,7 +121,7 @@ def check_kv_budget_fields(data: dict) -> None:
     one block, and text an int() error that named no file."""
     for name in ("num_gpu_blocks", "block_size"):
         value = data.get(name)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if value is not None and not (is_int(value) and value > 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

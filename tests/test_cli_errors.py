@@ -763,6 +763,25 @@ def test_bench_serve_refuses_a_context_above_the_servers(capsys, tmp_path, monke
     assert not (tmp_path / "r").exists()
 
 
+def test_bench_serve_refuses_a_model_the_server_does_not_serve(capsys, tmp_path, monkeypatch) -> None:
+    # Every request for it was a 404: a load test of failures, exit 1, and a result written anyway.
+    import httpx
+
+    from training import bench_serve
+
+    listed = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]}
+    monkeypatch.setattr(bench_serve.httpx, "get", lambda url, **kwargs: httpx.Response(
+        200, json=listed, request=httpx.Request("GET", url)))
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("load started first"))
+    out = ["--base-url", "http://127.0.0.1:1", "--no-mlflow", "--result-dir", str(tmp_path / "r")]
+    assert "--model 'other': the server at http://127.0.0.1:1 serves 'm'" in one_line_error(
+        capsys, ["bench", "serve", *out, "--model", "other"], "bench serve")
+    for model in (["--model", "m"], []):  # the served name, or none (the server's first), passes the check
+        with pytest.raises(pytest.fail.Exception, match="load started first"):
+            main(["bench", "serve", *out, *model])
+    assert not (tmp_path / "r").exists()
+
+
 def test_data_prepare_refuses_a_card_dir_beside_no_card(capsys, tmp_path, monkeypatch) -> None:
     from training import data_prepare
 

@@ -238,8 +238,18 @@ def server_model(args: argparse.Namespace) -> str:
     except (ValueError, LookupError, TypeError):  # not JSON, or not an OpenAI model list
         raise ValueError(f"--base-url {args.base_url}: /v1/models did not answer with an OpenAI model "
                          f"list ({response.text[:80]!r})") from None
+    check_model(args, models)
     check_context(args, models)
     return served
+
+
+def check_model(args: argparse.Namespace, models: list) -> None:
+    """A model the server does not serve is refused (HTTP 404) request by request: the whole load
+    would fail, exit 1 and still write its result."""
+    names = [m.get("id") for m in models if isinstance(m, dict)]
+    if args.model is not None and args.model not in names:
+        raise ValueError(f"--model {args.model!r}: the server at {args.base_url} serves "
+                         f"{', '.join(map(repr, names))}")
 
 
 def check_context(args: argparse.Namespace, models: list) -> None:

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from predictor.base import Prediction
-from predictor.encoder import EncoderConfig, MiniLMEncoder
+from predictor.encoder import EncoderConfig, MiniLMEncoder, check_encoder_weights
 from predictor.features import check_lexical_spec, lexical_matrix
 from predictor.heads import LgbmHeads, to_predictions
 from predictor.saved import PredictorSpec
@@ -74,6 +74,7 @@ class EmbedLgbmPredictor:
     @classmethod
     def load(cls, folder: Path, spec: PredictorSpec) -> "EmbedLgbmPredictor":
         check_lexical_spec(spec.feature_spec)
+        check_encoder_weights(spec.feature_spec)
         encoder = MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"]))
         stacked, has_prior = "prior" in spec.feature_spec, (folder / PRIOR_FOLDER).is_dir()
         if stacked != has_prior:  # else every prediction would fail on the heads' feature count

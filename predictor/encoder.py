@@ -69,6 +69,25 @@ def files_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def encoder_feature_spec(config: EncoderConfig) -> dict:
+    """What a saved predictor records of its encoder: the config, and a digest of the weights and
+    tokenizer behind model_ref, which another release of the package could change under one name."""
+    return {"encoder": config.as_dict(), "encoder_weights": files_fingerprint(resolve_model_dir(config.model_ref))}
+
+
+def check_encoder_weights(feature_spec: dict) -> None:
+    """Refuse a saved predictor whose encoder files are not the ones it was trained on: its heads
+    would read vectors of another model and rank at random, with no error anywhere."""
+    recorded = feature_spec.get("encoder_weights")
+    if recorded is None:  # saved before the digest was recorded: nothing to compare against
+        return
+    config = EncoderConfig(**feature_spec["encoder"])
+    found = files_fingerprint(resolve_model_dir(config.model_ref))
+    if found != recorded:
+        raise ValueError(f"saved predictor was trained on other encoder weights ({config.model_ref}: "
+                         f"fingerprint {found}, expected {recorded})")
+
+
 def encoder_text(prompt: str) -> str:
     return parse_prompt(prompt).request
 

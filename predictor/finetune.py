@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from predictor.base import Prediction
-from predictor.encoder import EncoderConfig, MiniLMEncoder
+from predictor.encoder import EncoderConfig, MiniLMEncoder, check_encoder_weights
 from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
 from predictor.saved import PredictorSpec
 
@@ -76,6 +76,7 @@ class FinetunePredictor:
         from safetensors.torch import load_file
 
         check_lexical_spec(spec.feature_spec)
+        check_encoder_weights(spec.feature_spec)  # its tokenizer comes from there, not from the folder
         network = RankingNetwork(MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"])))
         state = {name: tensor.float() for name, tensor in load_file(str(folder / WEIGHTS_FILENAME)).items()}
         network.load_state_dict(state)

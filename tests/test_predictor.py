@@ -296,8 +296,10 @@ def test_embed_lgbm_cached_features_match_serving(tmp_path, encoder, monkeypatch
     assert found.all()
     np.testing.assert_allclose(cached, encoder.encode(prompts), atol=2e-3)  # fp16 storage
     heads = _tiny_heads(embed_lgbm_features(cached, prompts), lengths)
+    from predictor.encoder import encoder_feature_spec
+
     spec = PredictorSpec(kind="embed_lgbm", data_hash="h",
-                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
+                         feature_spec={**lexical_spec(), **encoder_feature_spec(encoder.config)})
     loaded = predictor.load(save(EmbedLgbmPredictor(encoder, heads, spec), tmp_path / "emb"))
     # Rounded to fp16 like the cache, served features equal the cached ones but where batching
     # moved an fp32 value across a rounding boundary (one fp16 step, in a few elements per 1,000).
@@ -333,6 +335,23 @@ def test_embed_lgbm_stacked_on_a_prior_serves_what_it_trained_on(tmp_path, encod
     shutil.rmtree(tmp_path / "copied" / PRIOR_FOLDER)
     with pytest.raises(ValueError, match="the spec names prior, but prior/ is missing"):
         predictor.load(tmp_path / "copied")
+
+
+def test_an_embed_lgbm_folder_refuses_encoder_files_it_was_not_trained_on(tmp_path):
+    # Another release of the encoder package under the same reference gave vectors the heads never
+    # saw: predictions ranked at random, with no error anywhere.
+    from predictor.encoder import EncoderConfig, encoder_feature_spec
+
+    folder = tmp_path / "default"
+    shutil.copytree(project_root() / "data" / "predictors" / "default", folder)
+    fields = json.loads((folder / "predictor.json").read_text())
+    recorded = fields["feature_spec"]["encoder_weights"]
+    assert recorded == encoder_feature_spec(EncoderConfig(**fields["feature_spec"]["encoder"]))["encoder_weights"]
+    fields["feature_spec"]["encoder_weights"] = "0" * 16
+    (folder / "predictor.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=f"trained on other encoder weights .*fingerprint {recorded}, "
+                                         "expected 0000000000000000"):
+        predictor.load(folder)
 
 
 def test_a_feature_spec_its_kind_cannot_read_is_a_value_error(tmp_path):

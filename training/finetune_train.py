@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from predictor.batching import predict_in_batches
-from predictor.encoder import EncoderConfig, MiniLMEncoder
+from predictor.encoder import EncoderConfig, MiniLMEncoder, encoder_feature_spec
 from predictor.features import lexical_matrix, lexical_spec
 from predictor.finetune import FinetunePredictor, RankingNetwork
 from predictor.saved import PredictorSpec
@@ -90,7 +90,7 @@ def train(data, spec: PredictorSpec, config: FinetuneConfig = FinetuneConfig()):
     encoder_config = EncoderConfig()
     network = RankingNetwork(MiniLMEncoder(encoder_config))
     fit_network(network, data.train.prompts, data.train.lengths, config)
-    spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), "encoder": encoder_config.as_dict()})
+    spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), **encoder_feature_spec(encoder_config)})
     model = FinetunePredictor(network, spec)
     return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
                         predict_in_batches(model, data.test.prompts),

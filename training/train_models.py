@@ -87,12 +87,12 @@ def filled_cache_vectors(prompts: Sequence[str], encoder_config) -> np.ndarray:
 
 def train_embed_lgbm(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
     from predictor.embed_lgbm import EmbedLgbmPredictor, with_prior
-    from predictor.encoder import EncoderConfig, MiniLMEncoder
+    from predictor.encoder import EncoderConfig, MiniLMEncoder, encoder_feature_spec
     from training import embedding_cache
 
     limit_torch_threads()
     encoder_config = EncoderConfig()
-    feature_spec = {**lexical_spec(), "encoder": encoder_config.as_dict()}
+    feature_spec = {**lexical_spec(), **encoder_feature_spec(encoder_config)}
     prior, prior_spec = _load_prior(data.prior, feature_spec, data.labels)  # before any encoding
     encoder = MiniLMEncoder(encoder_config)
     # torch finishes all encoding before LightGBM starts: the two never share the cores.

@@ -10,10 +10,12 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from scheduler.policies import POLICIES
 from scheduler.request import SEED_MAX, SEED_MIN
+
+Number = TypeVar("Number", int, float)
 
 
 def configure_serve_logging(level: str) -> None:
@@ -22,19 +24,39 @@ def configure_serve_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def bounded(name: str, convert: Callable[[str], Number], accepts: Callable[[Number], bool],
+            requirement: str) -> Callable[[str], Number]:
+    """An argparse type named `name` (argparse's "invalid NAME value" when `convert` fails): the
+    converted text, refused with "REQUIREMENT, got TEXT" unless `accepts` it. Each `accepts` below
+    is a comparison that nan fails, so nan is refused too."""
+
+    def parse(text: str) -> Number:
+        value = convert(text)
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def ranked_rows(text: str) -> int:
-    """A number of examples to rank: Kendall's tau needs at least two (one was a NaN, logged)."""
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"a Kendall's tau needs at least 2 rows, got {text}")
-    return value
+positive_int = bounded("positive_int", int, lambda v: v > 0, "must be a positive integer")
+non_negative_int = bounded("non_negative_int", int, lambda v: v >= 0, "must be zero or more")
+# A number of examples to rank: Kendall's tau needs at least two (one was a NaN, logged).
+ranked_rows = bounded("ranked_rows", int, lambda v: v >= 2, "a Kendall's tau needs at least 2 rows")
+port_number = bounded("port_number", int, lambda v: 0 <= v <= 65535, "a TCP port lies in 0-65535")
+# A request's sampling seed: any 64-bit integer, as the HTTP API takes.
+sampling_seed = bounded("sampling_seed", int, lambda v: SEED_MIN <= v <= SEED_MAX,
+                        f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+top_k = bounded("top_k", int, lambda v: v >= -1, "must be an integer >= 0, or -1 (disabled)")
+positive_float = bounded("positive_float", float, lambda v: math.isfinite(v) and v > 0, "must be a positive number")
+# A positive number, or inf (everything at once).
+positive_rate = bounded("positive_rate", float, lambda v: v > 0, "must be a positive number or inf")
+non_negative_float = bounded("non_negative_float", float, lambda v: math.isfinite(v) and v >= 0,
+                             "must be zero or more")
+top_p = bounded("top_p", float, lambda v: 0 < v <= 1, "must be a number in (0, 1]")
+share_of_one = bounded("share_of_one", float, lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1")
+share_above_zero = bounded("share_above_zero", float, lambda v: 0.0 < v <= 1.0, "must be above 0 and at most 1")
 
 
 def cpu_threads(text: str) -> int:
@@ -44,35 +66,6 @@ def cpu_threads(text: str) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if value > cpus:
         raise argparse.ArgumentTypeError(f"this machine gives {cpus} CPUs to the process, got {text} threads")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):  # refuses nan and inf too
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def positive_rate(text: str) -> float:
-    """A positive number, or inf (everything at once)."""
-    value = float(text)
-    if not value > 0:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be a positive number or inf, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
     return value
 
 
@@ -92,13 +85,6 @@ def policy_list(text: str) -> list[str]:
     return names
 
 
-def port_number(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port lies in 0-65535, got {text}")
-    return port
-
-
 def cors_origin(text: str) -> str:
     """An origin as browsers send it (scheme://host[:port], no trailing slash, which would never
     match), or "*" for any."""
@@ -106,28 +92,6 @@ def cors_origin(text: str) -> str:
     if origin != "*" and "://" not in origin:
         raise argparse.ArgumentTypeError(f"an origin is scheme://host[:port] or '*', got {text!r}")
     return origin
-
-
-def sampling_seed(text: str) -> int:
-    """A request's sampling seed: any 64-bit integer, as the HTTP API takes."""
-    value = int(text)
-    if not SEED_MIN <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {text}")
-    return value
-
-
-def top_k(text: str) -> int:
-    value = int(text)
-    if value < -1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, or -1 (disabled), got {text}")
-    return value
-
-
-def top_p(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
-    return value
 
 
 def api_key(text: str) -> str:
@@ -164,22 +128,6 @@ def power_of_two(text: str) -> int:
     value = positive_int(text)
     if value & (value - 1):
         raise argparse.ArgumentTypeError(f"must be a power of two, got {text}")
-    return value
-
-
-def share_of_one(text: str) -> float:
-    """A share between 0 and 1, both included."""
-    value = float(text)
-    if not 0.0 <= value <= 1.0:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def share_above_zero(text: str) -> float:
-    """A share above 0, at most 1."""
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
     return value
 
 

@@ -528,6 +528,38 @@ def test_scheduler_knobs_parse_their_bounds_and_only_admission_knobs_need_admiss
     assert "(default 0.25)" in parser.format_help() and "(default 10)" in parser.format_help()
 
 
+# Each bounded argparse type: the edge values it takes, those just past them, and nan.
+BOUNDED_TYPES = {
+    "positive_int": (["1"], ["0", "-3"]), "non_negative_int": (["0"], ["-1"]), "ranked_rows": (["2"], ["1"]),
+    "port_number": (["0", "65535"], ["-1", "65536"]), "top_k": (["-1", "0"], ["-2"]),
+    "sampling_seed": ([str(-2 ** 63), str(2 ** 64 - 1)], [str(-2 ** 63 - 1), str(2 ** 64)]),
+    "positive_float": (["1e-9"], ["0", "inf", "nan"]), "positive_rate": (["1e-9", "inf"], ["0", "nan"]),
+    "non_negative_float": (["0"], ["-1e-9", "inf", "nan"]), "top_p": (["1"], ["0", "1.0001", "nan"]),
+    "share_of_one": (["0", "1"], ["-0.1", "1.1", "nan"]), "share_above_zero": (["1e-9", "1"], ["0", "1.1", "nan"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED_TYPES))
+def test_bounded_argument_types_take_their_edges_and_refuse_past_them(name) -> None:
+    import argparse
+
+    from engine import arg_types
+    from scheduler.request import SEED_MAX, SEED_MIN
+
+    assert (SEED_MIN, SEED_MAX) == (-2 ** 63, 2 ** 64 - 1)  # the edges sampling_seed is checked at
+    parse = getattr(arg_types, name)
+    good, bad = BOUNDED_TYPES[name]
+    for text in good:
+        assert parse(text) == (int(text) if isinstance(parse(text), int) else float(text))
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=f", got {text}$"):
+            parse(text)
+    parser = argparse.ArgumentParser(prog="p", exit_on_error=False)
+    parser.add_argument("--x", type=parse)
+    with pytest.raises(argparse.ArgumentError, match=f"invalid {name} value: 'junk'"):
+        parser.parse_args(["--x", "junk"])
+
+
 def test_a_fixed_aging_rate_beside_the_per_step_one_is_refused_not_ignored(capsys, tmp_path) -> None:
     # --aging-tokens-per-s replaces the per-step rate: the other had been accepted and not read.
     both = ["--aging-tokens-per-step", "0.5", "--aging-tokens-per-s", "3"]

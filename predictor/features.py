@@ -107,7 +107,10 @@ SCAN_CHARS = 1500  # keywords are looked for in the request's first and last SCA
 
 
 def _shares(text: str) -> tuple[float, float, float]:
-    """Shares of non-ASCII, digit and upper-case characters in a prefix of `text`."""
+    """Shares of digit and upper-case characters in a prefix of `text`, and a non-ASCII weight: the
+    UTF-8 bytes past one per character, per character, capped at 1 (so CJK text, three bytes a
+    character, reads 1, and one two-byte letter in ten characters 0.1). The trained predictors
+    learned it so; a true share would need a new feature version and a retrain."""
     sample = text[:SHARE_SAMPLE_CHARS]
     if not sample:
         return 0.0, 0.0, 0.0

@@ -134,7 +134,7 @@ def test_predict_in_batches_keeps_order():
     model = _length_predictor()
     prompts = [chat(("user", "x" * n)) for n in range(70)]
     assert predict_in_batches(model, prompts, batch_size=8) == model.predict(prompts)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):  # range() itself refuses a step of 0
         predict_in_batches(model, prompts, batch_size=0)
 
 

@@ -86,8 +86,8 @@ def load(path: str | Path) -> Predictor:
     spec = read_spec(folder)
     try:
         return predictor_class(spec.kind).load(folder, spec)
-    except (KeyError, TypeError) as exc:  # a feature spec lacking a field its kind needs, or with a stray one
-        raise ValueError(f"{folder}: its {spec.kind} feature spec does not load "
+    except (KeyError, TypeError) as exc:  # the spec or a weights file lacks a field its kind needs, or has a stray one
+        raise ValueError(f"{folder}: its {spec.kind} feature spec or weights lack a field or carry a stray one "
                          f"({type(exc).__name__}: {exc})") from None
     except Exception as exc:  # noqa: BLE001 - a weights file cut short or not what it is named
         # LightGBM's and numpy's errors name neither the folder nor the kind, and LightGBMError is no

@@ -360,8 +360,16 @@ def test_a_feature_spec_its_kind_cannot_read_is_a_value_error(tmp_path):
     fields = json.loads((folder / "predictor.json").read_text())
     fields["feature_spec"].pop("probe")
     (folder / "predictor.json").write_text(json.dumps(fields))
-    with pytest.raises(ValueError, match="its probe feature spec does not load"):
+    with pytest.raises(ValueError, match="its probe feature spec or weights lack a field or carry a stray one"):
         predictor.load(folder)
+    # A weights file with a stray field reads the same (it had blamed the feature spec).
+    from predictor.length import PARAMS_FILENAME
+
+    saved = save(_length_predictor(), tmp_path / "length")
+    weights = saved / PARAMS_FILENAME
+    weights.write_text(json.dumps({**json.loads(weights.read_text()), "stray": 1.0}))
+    with pytest.raises(ValueError, match="its length feature spec or weights lack a field or carry a stray one"):
+        predictor.load(saved)
 
 
 @pytest.mark.integration

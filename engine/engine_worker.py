@@ -109,6 +109,8 @@ class EngineWorker:
                 command.result.set_result(command.fn(self.engine))
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 command.result.set_exception(exc)
+            except BaseException as exc:
+                _answer_and_fail(command.result, exc)
 
     def _add(self, submission: Submission) -> None:
         if not submission.admitted.set_running_or_notify_cancel():
@@ -124,5 +126,16 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - ValueError, AdmissionRejected: the caller's answer
             submission.admitted.set_exception(exc)
             return
+        except BaseException as exc:
+            _answer_and_fail(submission.admitted, exc)
         self._live.add(submission.request_id)
         submission.admitted.set_result(None)
+
+
+def _answer_and_fail(future: Any, exc: BaseException) -> None:
+    """A SystemExit (or another BaseException that is no Exception) raised while applying a command:
+    its future is already running, so the refusal of queued commands would skip it and its caller
+    would wait forever. It gets EngineDead (the exception itself would escape the caller's event
+    loop), and the exception ends the engine loop as any failure does."""
+    future.set_exception(EngineDead(f"{type(exc).__name__}: {exc}"))
+    raise exc

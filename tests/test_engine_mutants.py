@@ -392,6 +392,38 @@ def test_a_call_after_the_engine_thread_failed_is_answered_with_the_failure(tiny
     assert no_streams and state is EngineState.FAILED
 
 
+@pytest.mark.parametrize("where", ["call", "add_request"])
+def test_a_system_exit_inside_a_command_answers_its_caller_and_fails_the_engine(tiny_model_dir, monkeypatch, where):
+    # Only Exceptions were answered: a SystemExit left the command's future running, unanswered by
+    # the refusal loop, and its caller waited forever.
+    from engine.async_stream import EngineDead
+
+    engine = tiny_engine(tiny_model_dir)
+
+    def leave(*args, **kwargs):
+        raise SystemExit("bye")
+
+    if where == "add_request":
+        monkeypatch.setattr(engine, "add_request", leave)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        with pytest.raises(EngineDead, match="SystemExit: bye"):
+            if where == "call":
+                await asyncio.wait_for(asyncio.wrap_future(async_engine.call_in_engine(leave)), 30)
+            else:
+                await asyncio.wait_for(async_engine.submit("left", ids, "Hello there", GREEDY6), 30)
+        late = async_engine.call_in_engine(lambda e: "ran")  # refused by the failed thread, not left waiting
+        with pytest.raises(EngineDead, match="SystemExit: bye"):
+            await asyncio.wait_for(asyncio.wrap_future(late), 30)
+        await async_engine.shutdown(grace_s=0)
+        return async_engine.state
+
+    assert asyncio.run(scenario()) is EngineState.FAILED
+
+
 def test_a_call_behind_the_stop_in_one_batch_is_refused_by_the_ending_thread(served):
     from engine.async_stream import EngineShuttingDown
     from engine.engine_commands import Stop

@@ -303,15 +303,17 @@ def test_no_run_or_only_runs_without_the_selection_tau_crown_no_champion(tmp_pat
         tracking.download_champion(store=store)
 
 
-def test_a_tracking_session_leaves_the_tracking_uri_as_it_found_it(tmp_path: Path):
+def test_a_tracking_session_leaves_the_tracking_and_registry_uris_as_it_found_them(tmp_path: Path):
     import mlflow
 
     from training import tracking
 
-    before = mlflow.get_tracking_uri()
+    before, registry_before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     with tracking.tracking_session(tmp_path / "mlruns") as uri:
         assert mlflow.get_tracking_uri() == uri == tracking.tracking_uri(tmp_path / "mlruns")
+        assert mlflow.get_registry_uri() == uri
     assert mlflow.get_tracking_uri() == before
+    assert mlflow.get_registry_uri() == registry_before != uri  # the registry had stayed on the session's store
 
 
 def test_trace_folds_keep_each_conversation_in_one_fold(monkeypatch):

@@ -65,7 +65,7 @@ def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAM
 
     store.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(store)
-    previous = mlflow.get_tracking_uri()
+    previous, previous_registry = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
@@ -73,8 +73,9 @@ def tracking_session(store: Path | None = None, experiment: str = EXPERIMENT_NAM
             mlflow.create_experiment(experiment, artifact_location=(store / "artifacts").resolve().as_uri())
         mlflow.set_experiment(experiment)
         yield uri
-    finally:
+    finally:  # both: a later session's model lookups must not read this store's registry
         mlflow.set_tracking_uri(previous)
+        mlflow.set_registry_uri(previous_registry)
 
 
 def comparison_tags(labels: str, held_out: str, candidate: bool = True) -> dict[str, str]:

@@ -118,6 +118,21 @@ def test_prompt_token_parity_check_raises_on_a_corrupted_count():
         data_prepare.check_prompt_token_parity(columns, whitespace_tokenizer, sample=30)
 
 
+def test_a_table_with_empty_splits_loads(tokenizer, tmp_path: Path):
+    # `data prepare --limit 1` writes two splits of no rows, which `datasets` failed to load
+    # ("BatchSize must be greater than 0").
+    records = [{"id": "c1_0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    columns = data_prepare.build_turns(records, tokenizer)
+    data_prepare.mark_in_train(columns)
+    counts = data_prepare.write_table(columns, tmp_path)
+    assert sorted(counts.values()) == [0, 0, 1]
+    whole = dataset.load_turns(None, table_dir=tmp_path)
+    assert whole["prompt"] == columns.prompt and whole.column_names == list(dataset.TURN_COLUMNS)
+    for split, count in counts.items():
+        rows = dataset.load_turns(split, table_dir=tmp_path)
+        assert rows.num_rows == count and rows.column_names == whole.column_names
+
+
 def test_rebuilding_the_data_card_keeps_the_sections_written_by_hand(tokenizer, tmp_path: Path):
     from training import data_card
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 import datasets
+import pyarrow.parquet as pq
 
 from engine.config import DEFAULT_MODEL, REPO_ROOT
 from engine.convert import find_gguf
@@ -107,7 +108,12 @@ def load_turns(split: str | None = None, table_dir: Path | None = None) -> datas
     if missing:
         raise FileNotFoundError(f"turn table missing ({missing[0]}); run `lengthwise data prepare`")
     paths = [files[name] for name in wanted]
-    return datasets.load_dataset("parquet", data_files=paths, split="train", cache_dir=hf_cache_dir(paths))
+    # `datasets` fails on a parquet file of no rows ("BatchSize must be greater than 0"), which a
+    # small `data prepare --limit N` table can hold: such files add nothing, so they are left out.
+    filled = [path for path in paths if pq.read_metadata(path).num_rows > 0]
+    if not filled:  # the columns alone
+        return datasets.Dataset(datasets.table.InMemoryTable(pq.read_table(paths[0])))
+    return datasets.load_dataset("parquet", data_files=filled, split="train", cache_dir=hf_cache_dir(filled))
 
 
 def hf_cache_dir(paths: list[str | Path]) -> str:

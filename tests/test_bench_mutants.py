@@ -533,3 +533,33 @@ def test_build_workload_carries_each_prediction_to_its_field_at_least_one_token(
     assert (first.arrival_time, first.tier, first.max_tokens, first.output_tokens) == (0.5, Tier.BATCH, 32, 7)
     assert set(assign_tiers(50, (0, 0, 1), 0)) == {Tier.BATCH}
     assert set(assign_tiers(50, (1, 0, 0), 0)) == {Tier.INTERACTIVE}
+
+
+def test_cached_predictions_keep_every_head_of_a_predictor_whose_ranking_length_is_not_its_point(tmp_path):
+    # The length baseline's ranking length is its point, so a cache that stored one for the other
+    # passed test_simulator's cache test; the committed lexical predictor ranks by its p50 head.
+    import predictor
+    from engine.config import REPO_ROOT
+    from training.sim_workload import Turn, predictor_predictions
+
+    folder = REPO_ROOT / "data" / "predictors" / "lexical"
+    prompts = ["Write an essay on the history of Rome.", "yes or no: is water wet?", "Translate 'cat' to French",
+               "List ten fruits", "hi"]
+    expected = predictor.load(folder).predict(prompts)
+    assert any(p.rank_len != pytest.approx(p.point) for p in expected)  # else this shows nothing
+    for _ in range(2):  # computed, then read back from the cache file
+        got = predictor_predictions([Turn(prompt, 3, 10) for prompt in prompts], folder, cache_dir=tmp_path)
+        assert [(g.point, g.p50, g.p90, g.rank_len) for g in got] == [
+            pytest.approx((p.point, p.p50, p.p90, p.rank_len)) for p in expected]
+
+
+def test_simulate_refuses_a_folder_that_is_no_predictor_before_reading_anything_else(tmp_path, capsys):
+    # A wrong --predictor is the first thing said, before the step cost and the turn table are
+    # read, not found after the workload has loaded.
+    from training.cli import main
+
+    bad_cost = tmp_path / "cost.json"
+    bad_cost.write_text("not json")
+    assert main(["simulate", "--predictor", str(tmp_path), "--step-cost", str(bad_cost),
+                 "--json", str(tmp_path / "s.json")]) == 2
+    assert "not a saved predictor folder" in capsys.readouterr().err

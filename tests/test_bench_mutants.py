@@ -19,19 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from test_server import running_server
+from test_server_bench import bench_args
 from training import bench_serve
 from training.dataset import DEFAULT_TABLE_DIR
 
 TEST_TABLE = DEFAULT_TABLE_DIR / "test.parquet"
-
-
-def bench_args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    args = parser.parse_args([])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
 
 
 def recording_app(behaviour: dict[int, str] | None = None, hold_s: float = 0.0, preemptions_per_scrape: float = 3.0,

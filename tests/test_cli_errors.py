@@ -776,17 +776,22 @@ def test_bench_serve_refuses_a_label_too_long_for_a_file_name(capsys, monkeypatc
     assert "got 240" in usage_error(capsys, ["bench", "serve", "--label", "é" * 120, "--no-mlflow"])
 
 
-def test_bench_serve_refuses_a_context_above_the_servers(capsys, tmp_path, monkeypatch) -> None:
-    # Every turn longer than the server's context was refused (HTTP 400): a load test of failures,
-    # exit 1, and a result written over an earlier run's of the same label.
+def a_server_serving_m(monkeypatch, max_model_len: int) -> None:
+    """bench serve's /v1/models answers model "m" with this context; a load that starts fails."""
     import httpx
 
     from training import bench_serve
 
-    listed = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 512}]}
+    listed = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": max_model_len}]}
     monkeypatch.setattr(bench_serve.httpx, "get", lambda url, **kwargs: httpx.Response(
         200, json=listed, request=httpx.Request("GET", url)))
     monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("load started first"))
+
+
+def test_bench_serve_refuses_a_context_above_the_servers(capsys, tmp_path, monkeypatch) -> None:
+    # Every turn longer than the server's context was refused (HTTP 400): a load test of failures,
+    # exit 1, and a result written over an earlier run's of the same label.
+    a_server_serving_m(monkeypatch, 512)
     out = ["--base-url", "http://127.0.0.1:1", "--no-mlflow", "--result-dir", str(tmp_path / "r")]
     assert "--max-model-len 2048 exceeds the server's max_model_len 512" in one_line_error(
         capsys, ["bench", "serve", *out], "bench serve")
@@ -797,14 +802,7 @@ def test_bench_serve_refuses_a_context_above_the_servers(capsys, tmp_path, monke
 
 def test_bench_serve_refuses_a_model_the_server_does_not_serve(capsys, tmp_path, monkeypatch) -> None:
     # Every request for it was a 404: a load test of failures, exit 1, and a result written anyway.
-    import httpx
-
-    from training import bench_serve
-
-    listed = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]}
-    monkeypatch.setattr(bench_serve.httpx, "get", lambda url, **kwargs: httpx.Response(
-        200, json=listed, request=httpx.Request("GET", url)))
-    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("load started first"))
+    a_server_serving_m(monkeypatch, 4096)
     out = ["--base-url", "http://127.0.0.1:1", "--no-mlflow", "--result-dir", str(tmp_path / "r")]
     assert "--model 'other': the server at http://127.0.0.1:1 serves 'm'" in one_line_error(
         capsys, ["bench", "serve", *out, "--model", "other"], "bench serve")

@@ -12,13 +12,13 @@ import json
 import re
 import time
 
-import httpx
 import pytest
 
 from engine.server import errors
 from engine.server.app import ServerSettings
-from test_server import (API_KEY, CHAT, MODEL, ThreadRecordingTokenizer, error_of, metric, openai_client, post,
+from test_server import (CHAT, MODEL, ThreadRecordingTokenizer, error_of, metric, openai_client, post,
                          scrape, serving, tiny_engine)
+from test_server_protocol import stream_payloads
 
 
 @pytest.fixture(scope="module")
@@ -138,18 +138,9 @@ def test_a_folder_without_a_spec_is_refused_naming_the_flag(tmp_path):
 
 
 # ---- streams ---------------------------------------------------------------------------------
-def stream_events(base_url: str, path: str, body: dict) -> list[dict]:
-    """Every JSON event of a streamed response, as sent, before its [DONE]."""
-    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
-        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
-    assert lines.pop() == "[DONE]"
-    return [json.loads(line) for line in lines]
-
-
 def test_a_chat_delta_carries_only_the_keys_it_sets(served):
-    events = stream_events(served[0], "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 3,
-                                                               "ignore_eos": True})
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "ignore_eos": True}
+    events = stream_payloads(served[0], "/v1/chat/completions", body)
     deltas = [event["choices"][0]["delta"] for event in events]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert all(set(delta) == {"content"} for delta in deltas[1:]), deltas
@@ -157,8 +148,8 @@ def test_a_chat_delta_carries_only_the_keys_it_sets(served):
 
 def test_a_streamed_batch_echoes_each_choice_its_own_prompt(served):
     prompts = ["Alpha beta", "Gamma delta"]
-    events = stream_events(served[0], "/v1/completions", {"model": MODEL, "prompt": prompts, "n": 2, "echo": True,
-                                                          "max_tokens": 2, "ignore_eos": True})
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "echo": True, "max_tokens": 2, "ignore_eos": True}
+    events = stream_payloads(served[0], "/v1/completions", body)
     texts: dict[int, str] = {}
     for event in events:
         for choice in event["choices"]:

@@ -150,6 +150,25 @@ def test_a_tokens_logprobs_go_out_with_its_step_though_its_text_waits():
     assert done == "[DONE]"
 
 
+def test_with_continuous_usage_an_abort_that_replaced_an_unread_output_counts_its_tokens():
+    """The abort's last chunk sends the unread output's text ("cde"), so its usage counts that
+    output's tokens too: five, not the two of the last output read."""
+    async def scenario():
+        stream = RequestStream("r", Tier.STANDARD)
+        events = stream_events([stream], chunk_of, (), True, lambda usage: Chunk(index=0, text="", usage=usage),
+                               continuous_usage_of=[2])
+        stream.put(output("ab"))
+        first = await anext(events)
+        stream.put(output("abcde"))  # unread when the abort arrives
+        stream.put(StreamEnd("abort"))
+        return [first] + [event async for event in events]
+
+    first, last, done = payloads(asyncio.run(scenario()))
+    assert first["usage"]["completion_tokens"] == 2
+    assert (last["text"], last["finish_reason"]) == ("cde", "abort")
+    assert (last["usage"]["completion_tokens"], last["usage"]["total_tokens"]) == (5, 7)
+
+
 # ---- metrics, fed by hand-made engine outputs ----------------------------------------------------
 def test_a_step_of_several_tokens_shares_its_gap_among_them():
     """A step that produced three tokens 1.5 s after the last one: three inter-token observations

@@ -142,6 +142,8 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                     break
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
+                if item.num_tokens is not None:  # its usage counts those tokens too
+                    cursor.tokens = item.num_tokens
                 made = chunk(ChunkContent(index, item.text[cursor.text:], "abort", logprobs=entries))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
                 continue

@@ -133,6 +133,22 @@ def test_a_table_with_empty_splits_loads(tokenizer, tmp_path: Path):
         assert rows.num_rows == count and rows.column_names == whole.column_names
 
 
+def test_a_first_load_of_a_table_writes_no_progress_bar_and_leaves_the_setting_alone(tokenizer, tmp_path: Path,
+                                                                                     capfd):
+    # Its bar named every split "train" and, on stderr, made a command's one-line error three
+    # lines whenever that command was the first to read the table.
+    import datasets
+
+    prompt = f"a prompt no other table holds: {tmp_path}"  # so its cache folder is new: a first load
+    records = [{"id": "c1_0", "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": "ok"}]}]
+    columns = data_prepare.build_turns(records, tokenizer)
+    data_prepare.mark_in_train(columns)
+    data_prepare.write_table(columns, tmp_path)
+    capfd.readouterr()
+    assert dataset.load_turns(None, table_dir=tmp_path).num_rows == 1
+    assert capfd.readouterr().err == "" and not datasets.utils.are_progress_bars_disabled()
+
+
 def test_rebuilding_the_data_card_keeps_the_sections_written_by_hand(tokenizer, tmp_path: Path):
     from training import data_card
 

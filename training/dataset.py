@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -113,7 +114,22 @@ def load_turns(split: str | None = None, table_dir: Path | None = None) -> datas
     filled = [path for path in paths if pq.read_metadata(path).num_rows > 0]
     if not filled:  # the columns alone
         return datasets.Dataset(datasets.table.InMemoryTable(pq.read_table(paths[0])))
-    return datasets.load_dataset("parquet", data_files=filled, split="train", cache_dir=hf_cache_dir(filled))
+    with _no_progress_bars():
+        return datasets.load_dataset("parquet", data_files=filled, split="train", cache_dir=hf_cache_dir(filled))
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """A first read converts the files into the cache in well under a second, under a bar that
+    names every split "train" (the split `load_dataset` is asked for) and, on stderr, turned each
+    command's one-line error into three lines; later reads show none."""
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
 
 
 def hf_cache_dir(paths: list[str | Path]) -> str:

@@ -210,6 +210,29 @@ def test_finished_requests_are_counted_by_their_own_reason_and_an_abort_observes
     assert total(samples, "lengthwise:request_time_per_output_token_seconds_count") == 2
 
 
+def test_the_preemption_counter_reads_the_schedulers_count():
+    # The state test reads a count of 0, which a counter left out also sums to.
+    from engine.llm_engine import EngineStats
+    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler import Scheduler
+
+    snapshot = replace(Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats(0.0), num_preemptions=3)
+    samples = samples_of(ServerMetrics("tiny", lambda: EngineStats(snapshot, 0, 0.0, 0.0, 0)))
+    assert total(samples, "lengthwise:num_preemptions_total") == 3
+
+
+def test_the_predictor_tau_is_of_the_prediction_against_the_actual_length():
+    # Three finished requests whose predictions order them backwards: tau -1, not the 1 of the
+    # predictions against themselves.
+    from predictor.base import Prediction
+
+    metrics = ServerMetrics("tiny", lambda: None)
+    for name, predicted, tokens in (("a", 10.0, 30), ("b", 20.0, 20), ("c", 30.0, 10)):
+        guess = Prediction(point=predicted, p50=predicted, p90=2 * predicted, score=predicted, rank_len=predicted)
+        metrics.on_finished(step_output(name, tokens, 2.0, finished=True), Tier.STANDARD, guess)
+    assert total(samples_of(metrics), "lengthwise:predictor_kendall_tau") == pytest.approx(-1.0)
+
+
 # ---- shutdown, through the serve CLI's server ----------------------------------------------------
 def test_a_stop_signal_stops_admission_at_once(tiny_model_dir):
     """The serve CLI's server refuses new requests from the signal on, not from whenever uvicorn's

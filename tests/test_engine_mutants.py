@@ -538,7 +538,7 @@ def test_refusing_answers_every_command_up_to_the_stop_and_leaves_the_rest():
     refuse_until_stopped(commands, error, block=False)  # an empty queue: returns at once
 
 
-def test_an_end_that_replaces_an_unread_output_keeps_its_text_and_logprobs():
+def test_an_end_that_replaces_an_unread_output_keeps_its_text_logprobs_and_token_count():
     from engine.async_stream import RequestStream, StreamEnd
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
@@ -556,7 +556,7 @@ def test_an_end_that_replaces_an_unread_output_keeps_its_text_and_logprobs():
         return [item async for item in stream]
 
     (end,) = asyncio.run(read())
-    assert end == StreamEnd("abort", "shut down", text="nine", logprobs=logprobs)
+    assert end == StreamEnd("abort", "shut down", text="nine", logprobs=logprobs, num_tokens=1)
 
 
 class RecordingListener:

@@ -61,19 +61,29 @@ def payloads(events: list[str]) -> list[dict | str]:
     return [body if body == "[DONE]" else json.loads(body) for body in bodies]
 
 
+def one_choice_events(first: RequestOutput, *then: RequestOutput | StreamEnd,
+                      continuous_usage_of: list[int] | None = None) -> list[dict | str]:
+    """The payloads of one choice's stream: `first` is put and its chunk read, then `then` is put
+    at once (a reader that fell behind), and the rest is read. With `continuous_usage_of`, usage
+    is asked for and every chunk carries it."""
+    async def scenario():
+        stream = RequestStream("r", Tier.STANDARD)
+        events = stream_events([stream], chunk_of, (), continuous_usage_of is not None,
+                               lambda usage: Chunk(index=0, text="", usage=usage),
+                               continuous_usage_of=continuous_usage_of)
+        stream.put(first)
+        sent = [await anext(events)]
+        for item in then:
+            stream.put(item)
+        return sent + [event async for event in events]
+
+    return payloads(asyncio.run(scenario()))
+
+
 def test_an_abort_sends_the_text_generated_since_the_last_read():
     """A request aborted at shutdown after its reader fell behind: the abort replaced an unread
     output, and its last chunk still carries that output's new text before [DONE]."""
-    async def scenario():
-        stream = RequestStream("r", Tier.STANDARD)
-        events = stream_events([stream], chunk_of, (), False, lambda usage: Chunk(index=0, text=""))
-        stream.put(output("ab"))
-        first = await anext(events)
-        stream.put(output("abcde"))  # unread when the abort arrives
-        stream.put(StreamEnd("abort"))
-        return [first] + [event async for event in events]
-
-    first, last, done = payloads(asyncio.run(scenario()))
+    first, last, done = one_choice_events(output("ab"), output("abcde"), StreamEnd("abort"))  # "abcde" unread
     assert first == {"index": 0, "text": "ab", "finish_reason": None, "logprobs": None}
     assert last == {"index": 0, "text": "cde", "finish_reason": "abort", "logprobs": None}
     assert done == "[DONE]"
@@ -81,16 +91,7 @@ def test_an_abort_sends_the_text_generated_since_the_last_read():
 
 def test_with_continuous_usage_an_aborted_choice_last_chunk_carries_its_usage():
     """vLLM's continuous_usage_stats: every chunk has the usage so far, the abort's last one too."""
-    async def scenario():
-        stream = RequestStream("r", Tier.STANDARD)
-        events = stream_events([stream], chunk_of, (), True, lambda usage: Chunk(index=0, text="", usage=usage),
-                               continuous_usage_of=[2])
-        stream.put(output("ab"))
-        first = await anext(events)
-        stream.put(StreamEnd("abort"))
-        return [first] + [event async for event in events]
-
-    first, last, done = payloads(asyncio.run(scenario()))
+    first, last, done = one_choice_events(output("ab"), StreamEnd("abort"), continuous_usage_of=[2])
     usage = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "prompt_tokens_details": None}
     assert first["usage"] == usage
     assert last["finish_reason"] == "abort" and last["usage"] == usage
@@ -115,15 +116,7 @@ def test_an_engine_failure_ends_a_stream_of_choices_with_one_error_and_nothing_a
 def test_a_choice_that_ends_without_new_text_still_sends_its_finish_reason():
     """The last token adds no text (an end-of-sequence token, skipped as special): the last chunk
     is empty but says why the choice ended, as OpenAI clients wait for it."""
-    async def scenario():
-        stream = RequestStream("r", Tier.STANDARD)
-        events = stream_events([stream], chunk_of, (), False, lambda usage: Chunk(index=0, text=""))
-        stream.put(output("ab"))
-        first = await anext(events)
-        stream.put(output("ab", finished=True, num_tokens=3))
-        return [first] + [event async for event in events]
-
-    first, last, done = payloads(asyncio.run(scenario()))
+    first, last, done = one_choice_events(output("ab"), output("ab", finished=True, num_tokens=3))
     assert first == {"index": 0, "text": "ab", "finish_reason": None, "logprobs": None}
     assert last == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
     assert done == "[DONE]"
@@ -153,17 +146,8 @@ def test_a_tokens_logprobs_go_out_with_its_step_though_its_text_waits():
 def test_with_continuous_usage_an_abort_that_replaced_an_unread_output_counts_its_tokens():
     """The abort's last chunk sends the unread output's text ("cde"), so its usage counts that
     output's tokens too: five, not the two of the last output read."""
-    async def scenario():
-        stream = RequestStream("r", Tier.STANDARD)
-        events = stream_events([stream], chunk_of, (), True, lambda usage: Chunk(index=0, text="", usage=usage),
-                               continuous_usage_of=[2])
-        stream.put(output("ab"))
-        first = await anext(events)
-        stream.put(output("abcde"))  # unread when the abort arrives
-        stream.put(StreamEnd("abort"))
-        return [first] + [event async for event in events]
-
-    first, last, done = payloads(asyncio.run(scenario()))
+    first, last, done = one_choice_events(output("ab"), output("abcde"), StreamEnd("abort"),  # "abcde" unread
+                                          continuous_usage_of=[2])
     assert first["usage"]["completion_tokens"] == 2
     assert (last["text"], last["finish_reason"]) == ("cde", "abort")
     assert (last["usage"]["completion_tokens"], last["usage"]["total_tokens"]) == (5, 7)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 from dataclasses import replace
 
@@ -251,3 +252,30 @@ def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_mode
     assert error_of(refused, 401)["code"] == "invalid_api_key"
     assert error_of(too_large, 413)["code"] == "request_too_large"
     assert reply.status_code == 200 and reply.json()["model"] == "named"
+
+
+def test_serve_exits_130_after_ctrl_c(tiny_model_dir):
+    """As a shell expects of a program stopped by SIGINT (128 + 2), once the drain is done: a
+    script or supervisor that reads 0 would take the stop for a clean finish."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from engine.config import REPO_ROOT
+
+    command = [sys.executable, "-m", "training.cli", "serve", "--model", str(tiny_model_dir), "--predictor", "none",
+               "--attention-backend", "torch", "--max-model-len", "256", "--port", "0"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # the log line that names the port it bound
+            found = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                break
+        assert found, "serve ended before it listened"
+        assert httpx.get(f"http://127.0.0.1:{found.group(1)}/health", timeout=60).status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 130
+    finally:
+        process.kill()
+        process.stderr.close()

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from test_server import running_server
 from test_server_bench import bench_args
+from test_simulator import COST, synthetic_workload
 from training import bench_serve
 from training.dataset import DEFAULT_TABLE_DIR
 
@@ -206,20 +207,10 @@ def sim_args(*argv: str) -> argparse.Namespace:
 
 
 def sim_workload(count: int, seed: int = 0):
-    """Requests all at t=0 (arrivals are run_load's to draw), of every tier, varied lengths."""
-    import random
+    """test_simulator's synthetic requests, every one at t=0: arrivals are run_load's to draw."""
+    from dataclasses import replace
 
-    from scheduler.request import Tier
-    from scheduler.simulation import SimRequest
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        true_len = min(int(rng.lognormvariate(3.0, 0.9)) + 1, 150)
-        out.append(SimRequest(f"r{i}", 0.0, prompt_tokens=rng.randint(5, 120), output_tokens=true_len,
-                              predicted_len=true_len * rng.uniform(0.5, 2.0), predicted_p90=true_len * 3.0,
-                              tier=list(Tier)[i % 3], max_tokens=150))
-    return out
+    return [replace(request, arrival_time=0.0) for request in synthetic_workload(count, rate=1.0, seed=seed)]
 
 
 SIM_CONFIG = dict(num_gpu_blocks=40, block_size=8, max_num_seqs=8, max_num_batched_tokens=96, max_model_len=288)
@@ -235,13 +226,13 @@ def test_run_load_offers_load_times_saturated_over_the_mean_reply_on_the_asked_a
     from dataclasses import replace
 
     from scheduler.config import SchedulerConfig
-    from scheduler.simulation import StepCostModel, simulate
+    from scheduler.simulation import simulate
     from training import sim_metrics
     from training.simulate import run_load
     from training.sim_workload import arrival_times
 
     args = sim_args(*flags)
-    cost = StepCostModel(0.01, 0.001, 1e-5)
+    cost = COST
     # Admission on and overloaded at 1.3: some requests are refused and have no latency to plot.
     config = SchedulerConfig(**SIM_CONFIG, enable_admission=load > 1, max_queued_tokens=400)
     base, saturated = sim_workload(60), 400.0
@@ -261,12 +252,12 @@ def test_the_aging_figures_are_the_slowest_rate_and_the_largest_bound_of_the_run
 
     from scheduler.config import SchedulerConfig
     from scheduler.policies import make_policy
-    from scheduler.simulation import StepCostModel, simulate
+    from scheduler.simulation import simulate
     from training.sim_metrics import aging_bounds
     from training.simulate import run_load
     from training.sim_workload import arrival_times
 
-    args, cost = sim_args("--seed", "1"), StepCostModel(0.01, 0.001, 1e-5)
+    args, cost = sim_args("--seed", "1"), COST
     config, base = SchedulerConfig(**SIM_CONFIG), sim_workload(60, seed=3)
     main, _ = run_load(config, base, cost, ["sjf"], 1.0, 400.0, args)
     rate = 400.0 / np.mean([r.output_tokens for r in base])
@@ -284,10 +275,10 @@ def test_saturated_throughput_is_every_request_at_once_under_fcfs_without_admiss
     from dataclasses import replace
 
     from scheduler.config import SchedulerConfig
-    from scheduler.simulation import StepCostModel, simulate
+    from scheduler.simulation import simulate
     from training.simulate import saturated_throughput
 
-    cost, base = StepCostModel(0.01, 0.001, 1e-5), sim_workload(60)
+    cost, base = COST, sim_workload(60)
     config = SchedulerConfig(**SIM_CONFIG)
     result = simulate(replace(config, policy="fcfs"), base, cost)
     expected = sum(r.output_tokens for r in base) / result.makespan_s

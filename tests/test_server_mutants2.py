@@ -2,7 +2,9 @@
 
 The second half of that run: how a stream ends (an abort's last text and usage, an engine
 failure's one error event, a finish without new text, logprobs whose text waits), the metrics of
-steps of several tokens or none, the stop signal and the serve CLI's flags reaching the app. The
+steps of several tokens or none, the stop signal and the serve CLI's flags reaching the app; and
+the five that run had left alive (null logprobs on an abort, refusals at shutdown in the metrics,
+the model path alias, sockets after a failed build, an engine failure during admission). The
 event stream is fed real RequestStreams by hand (which output arrives when is then the test's,
 not the machine's), the metrics hand-made outputs; the CLI's server runs on uvicorn on loopback.
 """
@@ -19,16 +21,17 @@ from dataclasses import replace
 import pytest
 from pydantic import BaseModel
 
-from engine.async_engine import EngineShuttingDown
+from engine.async_engine import EngineDead, EngineShuttingDown
 from engine.async_stream import RequestStream, StreamEnd
 from engine.outputs import RequestOutput
 from engine.server import serve_cli
 from engine.server.metrics import ServerMetrics
 from engine.server.responses import UsageInfo
 from engine.server.streaming import ChunkContent, stream_events
+from scheduler.admission import AdmissionRejected
 from scheduler.output import TokenLogprobs
 from scheduler.request import Tier
-from test_server import error_of, post, running_server, tiny_engine
+from test_server import MODEL, error_of, post, running_server, serving, tiny_engine
 from test_server_metrics import samples_of, step_output, total
 from test_server_lifecycle import start_draining_server
 
@@ -154,6 +157,18 @@ def test_with_continuous_usage_an_abort_that_replaced_an_unread_output_counts_it
     assert (last["usage"]["completion_tokens"], last["usage"]["total_tokens"]) == (5, 7)
 
 
+def test_an_abort_that_releases_waiting_text_but_no_new_token_sends_null_logprobs():
+    """With logprobs asked: the second token's text waited, and its entry went out already; the
+    abort's last chunk carries that text with no new entry, so it says null, as every chunk
+    without a new token does, not an empty list."""
+    held = output("a", num_tokens=2, logprobs=True)  # the second token's text waits
+    end = StreamEnd("abort", text="ab", logprobs=held.logprobs, num_tokens=2)  # it replaced an unread copy
+    first, last, done = one_choice_events(held, end)
+    assert (first["text"], first["logprobs"]) == ("a", [0, 1])
+    assert last == {"index": 0, "text": "b", "finish_reason": "abort", "logprobs": None}
+    assert done == "[DONE]"
+
+
 # ---- metrics, fed by hand-made engine outputs ----------------------------------------------------
 def test_a_step_of_several_tokens_shares_its_gap_among_them():
     """A step that produced three tokens 1.5 s after the last one: three inter-token observations
@@ -206,6 +221,19 @@ def test_the_preemption_counter_reads_the_schedulers_count():
     assert total(samples, "lengthwise:num_preemptions_total") == 3
 
 
+def test_a_refusal_at_shutdown_or_failure_is_no_admission_rejection():
+    """lengthwise:admission_rejections_total counts admission control's refusals (the 429s), not a
+    request the engine turned away because it was draining or had failed: those say nothing of
+    load, and an alert on rejections would fire at every restart."""
+    metrics = ServerMetrics(MODEL, lambda: None)
+    metrics.on_rejected(Tier.BATCH, EngineShuttingDown())
+    metrics.on_rejected(Tier.BATCH, EngineDead("device lost"))
+    metrics.on_rejected(Tier.BATCH, ValueError("bad input"))
+    assert total(samples_of(metrics), "lengthwise:admission_rejections_total") == 0
+    metrics.on_rejected(Tier.BATCH, AdmissionRejected("queue full", 1.0))
+    assert total(samples_of(metrics), "lengthwise:admission_rejections_total", tier="batch") == 1
+
+
 def test_the_predictor_tau_is_of_the_prediction_against_the_actual_length():
     # Three finished requests whose predictions order them backwards: tau -1, not the 1 of the
     # predictions against themselves.
@@ -237,7 +265,8 @@ def test_a_stop_signal_stops_admission_at_once(tiny_model_dir):
 
 def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_model_dir):
     """The serve CLI's flags reach the server it builds: without the key a call is refused (401),
-    a body over --max-body-bytes is a 413, and replies name the model --served-model-name gives."""
+    a body over --max-body-bytes is a 413, and replies name the model --served-model-name gives,
+    asked by that name or by the --model path."""
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_model_dir), "--attention-backend", "torch", "--max-model-len",
@@ -248,10 +277,13 @@ def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_mode
         refused = post(base_url, "/v1/completions", body, key=None)
         too_large = post(base_url, "/v1/completions", {**body, "prompt": "x" * 6000}, key="k")
         reply = post(base_url, "/v1/completions", body, key="k")
+        by_path = post(base_url, "/v1/completions", {**body, "model": str(tiny_model_dir)}, key="k")
     assert name == "named"
     assert error_of(refused, 401)["code"] == "invalid_api_key"
     assert error_of(too_large, 413)["code"] == "request_too_large"
     assert reply.status_code == 200 and reply.json()["model"] == "named"
+    # The --model path as given stays a name the server answers to (and echoes, as vLLM does).
+    assert by_path.status_code == 200 and by_path.json()["model"] == str(tiny_model_dir)
 
 
 def test_serve_exits_130_after_ctrl_c(tiny_model_dir):
@@ -279,3 +311,44 @@ def test_serve_exits_130_after_ctrl_c(tiny_model_dir):
     finally:
         process.kill()
         process.stderr.close()
+
+
+def test_serve_closes_its_listening_sockets_when_the_server_cannot_be_built(tiny_model_dir, monkeypatch):
+    """The port is bound before the model loads (a taken port fails at once); a build that fails
+    after that must let it go, or a supervisor's restart, or a test's next server, finds it taken."""
+    opened = []
+
+    def recording_listen(host, port):
+        opened.extend(real_listen(host, port))
+        return list(opened)
+
+    def failing_build(*args):
+        raise ValueError("the KV cache cannot hold one request")
+
+    real_listen = serve_cli.listen_sockets
+    monkeypatch.setattr(serve_cli, "listen_sockets", recording_listen)
+    monkeypatch.setattr(serve_cli, "build_server", failing_build)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--predictor", "none", "--port", "0"])
+    with pytest.raises(ValueError, match="cannot hold"):
+        serve_cli.run(args)
+    assert opened and all(sock.fileno() == -1 for sock in opened)
+
+
+def test_an_engine_that_fails_while_adding_a_request_answers_it_500_not_503(tiny_model_dir, monkeypatch):
+    """The engine was accepting when the request came and failed while adding it: the client gets
+    the failure (500, engine_error), not "shutting down, retry" (503), which a client would retry
+    against a dead engine; later requests get the same 500."""
+    engine = tiny_engine(tiny_model_dir)
+
+    def dying_add(*args, **kwargs):
+        raise SystemExit("adder gone")  # no Exception: the engine thread fails its loop on it
+
+    monkeypatch.setattr(engine, "add_request", dying_add)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    with serving(engine) as (base_url, _):
+        during = post(base_url, "/v1/completions", body)
+        after = post(base_url, "/v1/completions", body)
+    assert error_of(during, 500)["code"] == "engine_error" and "adder gone" in during.json()["error"]["message"]
+    assert error_of(after, 500)["code"] == "engine_error"

@@ -360,6 +360,33 @@ def test_each_system_counts_every_requests_own_max_tokens_in_a_mixed_batch(tiny_
     assert run_hf_continuous(items, str(tiny_model_dir), 2, 64, 1024).useful_tokens == 12
 
 
+def test_the_engine_and_hf_baselines_run_past_a_model_end_token(tiny_model_dir, tmp_path):
+    """The benchmark compares equal work: every system runs each request to its max_tokens, even
+    where the model would end the reply. Here the model's end token is the one it produces first
+    (named in generation_config.json, as SmolLM2's extra end ids are), so a system that stopped
+    there would count one token, not four."""
+    import shutil
+
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from scheduler.request import SamplingParams
+    from training.engine_baselines import WorkItem, run_engine, run_hf_static
+
+    prompt = [10, 11, 12]
+    common = dict(max_num_seqs=2, num_gpu_blocks=64, block_size=16, num_threads=1, attention_backend="torch")
+    first = LLM(config=EngineConfig(model=str(tiny_model_dir), **common)).generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0].token_ids[0]
+    ending = tmp_path / "ends-at-once"
+    shutil.copytree(tiny_model_dir, ending)
+    (ending / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    stopped = LLM(config=EngineConfig(model=str(ending), **common)).generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(stopped.token_ids) == 1 and stopped.finish_reason == "stop"  # the end token does end a reply
+    items = [WorkItem(tuple(prompt), 4)]
+    assert run_engine(items, EngineConfig(model=str(ending), max_num_batched_tokens=16, **common)).useful_tokens == 4
+    assert run_hf_static(items, str(ending), 1, 0).useful_tokens == 4
+
+
 def test_the_arrival_cv_bounds_are_inclusive():
     from training.simulate import arrival_cv
 

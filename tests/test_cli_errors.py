@@ -379,6 +379,9 @@ def test_eval_predictor_reads_its_store_without_creating_it(capsys, tmp_path) ->
     assert f"no MLflow store at {typo}" in one_line_error(
         capsys, ["eval-predictor", "--store", str(typo), "--no-latency"], "eval-predictor")
     assert not typo.exists()
+    # Nor asks that it could be written: a store in a place it may not write is still only read.
+    assert "no MLflow store at /proc/nope" in one_line_error(
+        capsys, ["eval-predictor", "--store", "/proc/nope", "--no-latency"], "eval-predictor")
 
 
 @pytest.mark.parametrize("policies, message", [(",", "no policies"), ("", "no policies"),

@@ -563,6 +563,19 @@ def test_cached_predictions_keep_every_head_of_a_predictor_whose_ranking_length_
             pytest.approx((p.point, p.p50, p.p90, p.rank_len)) for p in expected]
 
 
+def test_the_prediction_cache_follows_a_renamed_file_with_the_same_bytes(tmp_path):
+    # A predictor reads its files by name: one whose heads.json was renamed away predicts with its
+    # default heads, though every byte in the folder is the same, so the old cache must not be read.
+    from training.sim_workload import _cache_path
+
+    folder = tmp_path / "predictor"
+    folder.mkdir()
+    (folder / "heads.json").write_text('{"rank_len": "p50"}')
+    before = _cache_path(folder, tmp_path)
+    (folder / "heads.json").rename(folder / "heads.json.off")
+    assert _cache_path(folder, tmp_path) != before
+
+
 def test_simulate_refuses_a_folder_that_is_no_predictor_before_reading_anything_else(tmp_path, capsys):
     # A wrong --predictor is the first thing said, before the step cost and the turn table are
     # read, not found after the workload has loaded.

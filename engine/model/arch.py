@@ -24,6 +24,11 @@ class LlamaArch:
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
@@ -52,13 +57,15 @@ class LlamaArch:
             raise ValueError(f"activation {raw['hidden_act']!r} is not supported (only silu)")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:  # before it divides
+            raise ValueError(f"num_attention_heads must be a positive integer, got {heads!r}")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads", heads),
+            num_kv_heads=_or_default(raw.get("num_key_value_heads"), heads),  # null: one per head, as in HF
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=float(theta),
@@ -78,6 +85,10 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a JSON object is expected, got {type(data).__name__}")
     return data
+
+
+def _or_default(value, default):
+    return default if value is None else value
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -22,9 +22,12 @@ def longest_token_lengths(tokenizer: Any) -> tuple[int, int]:
     each byte it stands for as one character (and a character of text takes at least one byte), a
     SentencePiece piece spells a space as "▁" and a fallback byte as "<0xNN>", and an added token
     is its own text. So a text of more than max_model_len * longest characters cannot fit; nor,
-    piece character by character, does one of more bytes than max_model_len * longest bytes. (This
-    assumes the tokenizer drops no text: no normalizer that deletes characters, no run of unknown
-    characters fused into one <unk>; the Llama-family tokenizers served here do neither.)"""
+    piece character by character, does one of more bytes than max_model_len * longest bytes. (Text
+    the tokenizer drops makes a prompt's tokens fewer, so such a prompt may be refused though it
+    would fit, never the other way round. SmolLM2's tokenizer drops six control characters it has
+    no byte token for, U+0004, U+0006, U+0013, U+0014, U+0016 and U+001D, so only a text made
+    mostly of them is refused wrongly; it has no normalizer that deletes characters and fuses no
+    unknown characters into one <unk>.)"""
     pieces = [piece or "" for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
     return max(len(piece) for piece in pieces), max(len(piece.encode("utf-8")) for piece in pieces)
 

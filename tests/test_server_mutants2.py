@@ -286,9 +286,12 @@ def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_mode
     assert by_path.status_code == 200 and by_path.json()["model"] == str(tiny_model_dir)
 
 
-def test_serve_exits_130_after_ctrl_c(tiny_model_dir):
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN])
+def test_serve_exits_130_after_ctrl_c(tiny_model_dir, inherited):
     """As a shell expects of a program stopped by SIGINT (128 + 2), once the drain is done: a
-    script or supervisor that reads 0 would take the stop for a clean finish."""
+    script or supervisor that reads 0 would take the stop for a clean finish. Also when started
+    with SIGINT ignored, as a non-interactive shell starts a background job (`make serve &`): it
+    read 0 then, since uvicorn's re-raised SIGINT was ignored on the way out."""
     import subprocess
     import sys
 
@@ -298,7 +301,8 @@ def test_serve_exits_130_after_ctrl_c(tiny_model_dir):
 
     command = [sys.executable, "-m", "training.cli", "serve", "--model", str(tiny_model_dir), "--predictor", "none",
                "--attention-backend", "torch", "--max-model-len", "256", "--port", "0"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     try:
         for line in process.stderr:  # the log line that names the port it bound
             found = re.search(r"on http://127\.0\.0\.1:(\d+)", line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 from pathlib import Path
 
@@ -136,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # uvicorn re-raises the Ctrl-C it caught once shutdown (our drain included) is complete.
         return 130
-    return 0
+    # Started with SIGINT ignored (a script's background job), uvicorn still stops on it, but the
+    # SIGINT it raises again on the way out is ignored: the interrupt is still what ended it.
+    return 130 if server.stop_signal == signal.SIGINT else 0
 
 
 def build_server(args: argparse.Namespace, config, predictor_path: str | None) -> tuple["DrainingServer", str]:
@@ -242,9 +245,12 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._async_engine = async_engine
         self._grace_s = grace_s
+        self.stop_signal: int | None = None  # the first stop signal, if one stopped it
 
     def handle_exit(self, sig, frame) -> None:
         self._async_engine.begin_drain()
+        if self.stop_signal is None:
+            self.stop_signal = sig
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:

@@ -25,7 +25,7 @@ from engine.kernels import launch
 from engine.kernels.cases import MIXED_SEQS, TOLERANCE, AttentionCase, make_batch
 from engine.kernels.launch import LaunchConfig, _auto_splits, next_power_of_2, resolve
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams, Tier
-from test_kernels import DEVICE, _max_error, kernels  # noqa: F401 - kernels is the module fixture
+from test_kernels import DEVICE, _max_error, kernels, poison_unused_slots  # noqa: F401 - kernels: the fixture
 
 # ---------------------------------------------------------------- paged attention: layouts
 
@@ -61,16 +61,6 @@ def test_attention_reads_views_and_differently_laid_out_caches_through_their_str
     assert out.is_contiguous() and _max_error(out, expected) <= TOLERANCE[case.dtype]
 
 
-def _poison_unused_slots(batch, case: AttentionCase) -> None:
-    """NaN in every cache slot outside the sequences' contexts (spare blocks, partial-block tails)."""
-    used = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
-    for b, (seq_len, _) in enumerate(case.seqs):
-        for pos in range(seq_len):
-            used[batch.block_tables[b, pos // case.block_size], pos % case.block_size] = True
-    batch.k_cache[~used] = float("nan")
-    batch.v_cache[~used] = float("nan")
-
-
 @pytest.mark.parametrize("launch_config", [None, LaunchConfig(block_n=16, num_splits=2)], ids=["one-split", "splits2"])
 def test_padded_head_dims_and_split_tails_never_touch_unused_slots(kernels, launch_config):
     # head_dim 24 is padded to 32 lanes: the padding must read nothing (the last KV head's padding
@@ -79,7 +69,7 @@ def test_padded_head_dims_and_split_tails_never_touch_unused_slots(kernels, laun
     case = AttentionCase("pad-nan", ((23, 23), (9, 1), (33, 1)), group=3, head_dim=24)
     batch = make_batch(case, DEVICE)
     clean = reference.paged_attention(*batch.args())
-    _poison_unused_slots(batch, case)
+    poison_unused_slots(batch, case)
     out = kernels.attention(*batch.args(), launch=launch_config)
     assert _max_error(out, clean) <= TOLERANCE[case.dtype]
 

@@ -81,17 +81,21 @@ def test_launch_variants_match_reference(kernels, case, launch):
     assert _max_error(out, reference.paged_attention(*batch.args())) <= TOLERANCE[case.dtype]
 
 
-def test_unreferenced_cache_slots_are_never_read(kernels):
-    case = AttentionCase("nan-garbage", MIXED_SEQS, group=3)
-    batch = make_batch(case, DEVICE)
-    clean = kernels.attention(*batch.args())
-    # Poison every slot outside the sequences' contexts: spare blocks and partial-block tails.
+def poison_unused_slots(batch, case: AttentionCase) -> None:
+    """NaN in every cache slot outside the sequences' contexts (spare blocks, partial-block tails)."""
     used = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
     for b, (seq_len, _) in enumerate(case.seqs):
         for pos in range(seq_len):
             used[batch.block_tables[b, pos // case.block_size], pos % case.block_size] = True
     batch.k_cache[~used] = float("nan")
     batch.v_cache[~used] = float("nan")
+
+
+def test_unreferenced_cache_slots_are_never_read(kernels):
+    case = AttentionCase("nan-garbage", MIXED_SEQS, group=3)
+    batch = make_batch(case, DEVICE)
+    clean = kernels.attention(*batch.args())
+    poison_unused_slots(batch, case)
     poisoned = kernels.attention(*batch.args())
     assert torch.equal(poisoned, clean)
 

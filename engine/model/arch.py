@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from scheduler.request import is_int
+
 
 @dataclass(frozen=True)
 class LlamaArch:
@@ -26,9 +28,7 @@ class LlamaArch:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _check_count(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
@@ -57,15 +57,15 @@ class LlamaArch:
             raise ValueError(f"activation {raw['hidden_act']!r} is not supported (only silu)")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:  # before it divides
-            raise ValueError(f"num_attention_heads must be a positive integer, got {heads!r}")
+        _check_count("num_attention_heads", heads)  # before it divides
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=_or_default(raw.get("num_key_value_heads"), heads),  # null: one per head, as in HF
+            # Absent or null: one per head, as in HF.
+            num_kv_heads=heads if raw.get("num_key_value_heads") is None else raw["num_key_value_heads"],
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=float(theta),
@@ -87,8 +87,9 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
-def _or_default(value, default):
-    return default if value is None else value
+def _check_count(name: str, value) -> None:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -1,0 +1,140 @@
+"""A random stream of arrivals, aborts, tiers and priorities through the engine (tiny model), with a
+KV cache too small for the requests it holds, for every servable policy, both preemption modes,
+with and without prefix caching: every request not aborted ends once, with the greedy tokens of a
+run that had room to spare; an aborted one never reports again; and at the end the block manager,
+the host pool, the prefix cache and the detokenizers hold nothing.
+
+The unit tests check each of these mechanisms alone; this one checks that they compose, in the
+interleavings a server sees (an abort while a request is swapped out, an interactive arrival that
+preempts a batch request whose prefix another request shares, and so on)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from engine.llm import LLM
+from hf_reference import random_prompts
+from scheduler.request import SamplingParams, Tier
+
+MAX_TOKENS = 20
+NUM_REQUESTS = 24
+BLOCKS = 10  # of 16 tokens: the longest request (100 tokens) fits alone, a few of them do not
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    step: int  # the engine step before which it is added
+    prompt: tuple[int, ...]
+    max_tokens: int
+    tier: Tier
+    priority: int
+
+
+@pytest.fixture(scope="module")
+def prompt_pool() -> list[list[int]]:
+    """Prompts of 3-80 tokens, half of them after one of two shared 32-token prefixes (two full
+    blocks, which the prefix cache can find)."""
+    prefixes = random_prompts([32, 32], seed=11)
+    tails = random_prompts([3, 9, 17, 25, 40, 48, 1, 13, 30, 44, 6, 21], seed=12)
+    return tails[:6] + [prefixes[i % 2] + tail for i, tail in enumerate(tails[6:])]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompt_pool) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's first MAX_TOKENS greedy tokens, from an engine with room for everything at once
+    (never preempted); a request with fewer max_tokens gets their prefix."""
+    ample = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = ample.generate(prompt_pool, params)
+    assert ample.engine.stats().scheduler.num_preemptions == 0
+    return {tuple(prompt): list(out.token_ids) for prompt, out in zip(prompt_pool, outputs)}
+
+
+def random_arrivals(rng: random.Random, prompt_pool: list[list[int]], with_priority: bool) -> list[Arrival]:
+    arrivals, step = [], 0
+    for i in range(NUM_REQUESTS):
+        step += rng.choice([0, 0, 1, 2, 4])  # bursts and gaps
+        arrivals.append(Arrival(
+            f"r{i}", step, tuple(rng.choice(prompt_pool)), rng.randint(1, MAX_TOKENS),
+            rng.choice(list(Tier)), rng.randint(0, 3) if with_priority else 0))
+    return arrivals
+
+
+def drive(llm: LLM, arrivals: list[Arrival], rng: random.Random, abort_chance: float):
+    """Steps the engine through the arrivals, aborting a random live request now and then; returns
+    each request's final output and the ids aborted while live. Checks the block accounting after
+    every step and that nothing reports after it finished or was aborted."""
+    engine, block_manager = llm.engine, llm.engine.scheduler.block_manager
+    pending, live, aborted, final = list(arrivals), set(), set(), {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            step = max(step, pending[0].step)  # an idle engine waits for the next arrival
+        while pending and pending[0].step <= step:
+            arrival = pending.pop(0)
+            engine.add_request(arrival.request_id, list(arrival.prompt), SamplingParams(
+                max_tokens=arrival.max_tokens, temperature=0.0, ignore_eos=True),
+                tier=arrival.tier, priority=arrival.priority)
+            live.add(arrival.request_id)
+        if live and rng.random() < abort_chance:
+            victim = rng.choice(sorted(live))
+            assert engine.abort_request(victim)
+            live.discard(victim)
+            aborted.add(victim)
+        for output in engine.step():
+            assert output.request_id in live, f"{output.request_id} reported after it ended"
+            if output.finished:
+                live.discard(output.request_id)
+                final[output.request_id] = output
+        block_manager.check_integrity()
+        step += 1
+    return final, aborted
+
+
+SETTINGS = [
+    # (seed, policy, preemption mode, prefix caching, step budget, chunked prefill)
+    (0, "fcfs", "recompute", False, 32, True),
+    (1, "fcfs", "swap", True, 64, True),
+    (2, "priority", "swap", False, 48, True),
+    (3, "priority", "recompute", True, 32, True),
+    (4, "sjf", "recompute", True, 64, True),
+    (5, "sjf", "swap", False, 128, False),
+    (6, "srpt", "swap", True, 32, True),
+    (7, "srpt", "recompute", False, 128, False),
+    (8, "goodput", "recompute", True, 48, True),
+    (9, "goodput", "swap", True, 128, False),
+]
+
+
+@pytest.mark.parametrize("seed, policy, mode, prefix_caching, budget, chunked", SETTINGS)
+def test_random_arrivals_and_aborts_keep_every_token_and_leak_no_block(
+        tiny_model_dir, prompt_pool, reference, seed, policy, mode, prefix_caching, budget, chunked):
+    rng = random.Random(seed)
+    arrivals = random_arrivals(rng, prompt_pool, with_priority=policy == "priority")
+    # No watermark with prefix caching: the tight cache must preempt, which is what is under test.
+    options = {"enable_prefix_caching": True, "kv_watermark": 0.0} if prefix_caching else {}
+    llm = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1, num_gpu_blocks=BLOCKS, max_num_seqs=6,
+              max_num_batched_tokens=budget, enable_chunked_prefill=chunked, preemption_mode=mode,
+              policy=policy, scheduler_options=options)
+    final, aborted = drive(llm, arrivals, rng, abort_chance=0.04)
+
+    assert aborted and set(final) | aborted == {a.request_id for a in arrivals}
+    assert not set(final) & aborted
+    for arrival in arrivals:
+        if arrival.request_id in final:
+            output = final[arrival.request_id]
+            assert output.finish_reason == "length"
+            assert list(output.token_ids) == reference[arrival.prompt][:arrival.max_tokens], arrival.request_id
+    stats = llm.engine.stats().scheduler
+    assert stats.num_preemptions > 0  # the cache was too small, as meant
+    assert stats.num_free_blocks == stats.num_total_blocks
+    block_manager = llm.engine.scheduler.block_manager
+    assert block_manager.num_requests_holding() == 0
+    assert block_manager.host.num_free == block_manager.host.num_blocks
+    assert llm.engine.output_processor.num_tracked() == 0
+    if prefix_caching:
+        assert block_manager.prefix_cache.num_hit_tokens > 0

@@ -3,14 +3,19 @@ swap preemption, sjf): chat and completions, streaming and not, `n` = 2, all thr
 and clients that hang up mid-stream or stop waiting for a whole reply. Every client that stays
 gets the text and usage it gets when it is served alone (preempted equals never preempted, over
 HTTP); every hang-up is aborted, at most once; and at the end the engine holds no request and no
-block, and /metrics says so."""
+block, and /metrics says so. A shutdown under the same load ends every accepted request with its
+whole reply or an explicit abort."""
 
 from __future__ import annotations
 
+import collections
+import json
 import random
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -19,6 +24,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from test_server import (API_KEY, MODEL, aborted_count, chars_predictor, engine_idle_and_intact, metric,
                          openai_client, scrape, serving, wait_until)
+from test_server_lifecycle import start_draining_server
 
 MAX_MODEL_LEN = 256
 NUM_CLIENTS = 28
@@ -152,3 +158,83 @@ def test_concurrent_clients_under_preemption_get_the_replies_of_a_quiet_server(t
     assert metric(samples, "lengthwise:num_requests_running") == 0
     assert metric(samples, "lengthwise:num_requests_waiting") == 0
     assert metric(samples, "lengthwise:kv_cache_usage_perc") == 0
+
+
+def stream_to_the_end(base_url: str, call: Call) -> tuple[list[str], list[str | None], bool]:
+    """A streaming client that reads every event: the choices' texts, their finish reasons, and
+    whether the stream ended with [DONE]."""
+    route = "/v1/chat/completions" if call.chat else "/v1/completions"
+    texts, reasons, done = [""] * call.n, [None] * call.n, False
+    with httpx.stream("POST", base_url + route, json={**call.body(), "stream": True}, timeout=300) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    texts[choice["index"]] += (choice["delta"].get("content") or "") if call.chat else choice["text"]
+                    reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    return texts, reasons, done
+
+
+def whole_reply(base_url: str, call: Call) -> httpx.Response:
+    route = "/v1/chat/completions" if call.chat else "/v1/completions"
+    return httpx.post(base_url + route, json=call.body(), timeout=300)
+
+
+def test_a_shutdown_under_load_ends_every_accepted_request_with_its_reply_or_an_abort(tiny_model_dir, monkeypatch):
+    """SIGINT while the tight cache holds requests running, swapped out and waiting, with a grace too
+    short for them: each client still gets a whole reply, or its text so far and finish_reason
+    "abort" followed by [DONE] (a 503 aborted_at_shutdown without a stream); none is cut off or
+    left waiting, and no block is held at the end."""
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_model_dir), num_gpu_blocks=12, block_size=16, max_num_seqs=6, max_num_batched_tokens=64,
+        max_model_len=MAX_MODEL_LEN, preemption_mode="swap", policy="sjf", attention_backend="torch",
+        num_threads=1))
+    steps = [0]
+    real_step = engine.step
+
+    def counted_slow_step():
+        steps[0] += 1
+        time.sleep(0.01)  # 28 requests of up to 60 tokens in six seats outlast the grace on any machine
+        return real_step()
+
+    async_engine, server, thread, sock = start_draining_server(engine, grace_s=0.5)
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    calls = [replace(call, hang_up_after=None) for call in random_calls(2)]
+    alone = {call.index: texts_of(whole_reply(base_url, call).json(), call.chat) for call in calls}
+    monkeypatch.setattr(engine, "step", counted_slow_step)
+    gate = threading.Event()
+    held = async_engine.call_in_engine(lambda engine: gate.wait(120))
+    with ThreadPoolExecutor(max_workers=NUM_CLIENTS) as pool:
+        replies = [pool.submit(stream_to_the_end if call.stream else whole_reply, base_url, call) for call in calls]
+        wait_until(lambda: len(async_engine._pending) == sum(call.n for call in calls))
+        gate.set()
+        held.result(timeout=30)
+        start = steps[0]
+        wait_until(lambda: steps[0] > start + 20)  # some replies under way, none near the end
+        server.handle_exit(signal.SIGINT, None)
+        results = [reply.result(timeout=120) for reply in replies]
+    thread.join(timeout=60)
+    sock.close()
+    assert not thread.is_alive()
+
+    endings = collections.Counter()
+    for call, result in zip(calls, results):
+        expected = alone[call.index]
+        if call.stream:
+            texts, reasons, done = result
+            assert done and set(reasons) <= {"length", "abort"}, (call, reasons)
+            for text, reason, whole in zip(texts, reasons, expected):
+                assert text == whole if reason == "length" else whole.startswith(text), call
+                endings[reason] += 1
+        elif result.status_code == 200:
+            assert texts_of(result.json(), call.chat) == expected, call
+            endings["length"] += call.n
+        else:
+            assert result.status_code == 503 and result.json()["error"]["code"] == "aborted_at_shutdown", call
+            endings["abort"] += call.n
+    assert endings["length"] > 0 and endings["abort"] > 0  # the grace ended some requests, not all
+    manager = engine.scheduler.block_manager
+    manager.check_integrity()
+    assert manager.num_free_blocks == manager.num_total_blocks and manager.num_requests_holding() == 0

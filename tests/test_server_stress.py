@@ -1,10 +1,10 @@
 """Many clients at once against a real server whose KV cache is too small for them (tiny model,
 swap preemption, sjf): chat and completions, streaming and not, `n` = 2, all three service tiers,
-and clients that hang up mid-stream or stop waiting for a whole reply. Every client that stays
-gets the text and usage it gets when it is served alone (preempted equals never preempted, over
-HTTP); every hang-up is aborted, at most once; and at the end the engine holds no request and no
-block, and /metrics says so. A shutdown under the same load ends every accepted request with its
-whole reply or an explicit abort."""
+and clients that hang up mid-stream. Every client that stays gets the text and usage it gets when
+it is served alone (preempted equals never preempted, over HTTP); every hang-up is aborted, at
+most once; and at the end the engine holds no request and no block, and /metrics says so. A
+shutdown under the same load ends every accepted request with its whole reply or an explicit
+abort."""
 
 from __future__ import annotations
 

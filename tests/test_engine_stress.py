@@ -4,6 +4,10 @@ with and without prefix caching: every request not aborted ends once, with the g
 run that had room to spare; an aborted one never reports again; and at the end the block manager,
 the host pool, the prefix cache and the detokenizers hold nothing.
 
+The same stream with random sampling settings (penalties, logit bias, bad words, allowed ids,
+min_tokens, stop strings and tokens, logprobs, prompt logprobs, seeded draws) ends each request
+as it ends when run alone.
+
 The unit tests check each of these mechanisms alone; this one checks that they compose, in the
 interleavings a server sees (an abort while a request is swapped out, an interactive arrival that
 preempts a batch request whose prefix another request shares, and so on)."""
@@ -29,7 +33,7 @@ class Arrival:
     request_id: str
     step: int  # the engine step before which it is added
     prompt: tuple[int, ...]
-    max_tokens: int
+    params: SamplingParams
     tier: Tier
     priority: int
 
@@ -54,13 +58,18 @@ def reference(tiny_model_dir, prompt_pool) -> dict[tuple[int, ...], list[int]]:
     return {tuple(prompt): list(out.token_ids) for prompt, out in zip(prompt_pool, outputs)}
 
 
-def random_arrivals(rng: random.Random, prompt_pool: list[list[int]], with_priority: bool) -> list[Arrival]:
+def greedy_params(rng: random.Random, prompt: tuple[int, ...]) -> SamplingParams:
+    return SamplingParams(max_tokens=rng.randint(1, MAX_TOKENS), temperature=0.0, ignore_eos=True)
+
+
+def random_arrivals(rng: random.Random, prompt_pool: list[list[int]], with_priority: bool,
+                    make_params=greedy_params) -> list[Arrival]:
     arrivals, step = [], 0
     for i in range(NUM_REQUESTS):
         step += rng.choice([0, 0, 1, 2, 4])  # bursts and gaps
-        arrivals.append(Arrival(
-            f"r{i}", step, tuple(rng.choice(prompt_pool)), rng.randint(1, MAX_TOKENS),
-            rng.choice(list(Tier)), rng.randint(0, 3) if with_priority else 0))
+        prompt = tuple(rng.choice(prompt_pool))
+        arrivals.append(Arrival(f"r{i}", step, prompt, make_params(rng, prompt), rng.choice(list(Tier)),
+                                rng.randint(0, 3) if with_priority else 0))
     return arrivals
 
 
@@ -76,9 +85,8 @@ def drive(llm: LLM, arrivals: list[Arrival], rng: random.Random, abort_chance: f
             step = max(step, pending[0].step)  # an idle engine waits for the next arrival
         while pending and pending[0].step <= step:
             arrival = pending.pop(0)
-            engine.add_request(arrival.request_id, list(arrival.prompt), SamplingParams(
-                max_tokens=arrival.max_tokens, temperature=0.0, ignore_eos=True),
-                tier=arrival.tier, priority=arrival.priority)
+            engine.add_request(arrival.request_id, list(arrival.prompt), arrival.params, tier=arrival.tier,
+                               priority=arrival.priority)
             live.add(arrival.request_id)
         if live and rng.random() < abort_chance:
             victim = rng.choice(sorted(live))
@@ -128,7 +136,7 @@ def test_random_arrivals_and_aborts_keep_every_token_and_leak_no_block(
         if arrival.request_id in final:
             output = final[arrival.request_id]
             assert output.finish_reason == "length"
-            assert list(output.token_ids) == reference[arrival.prompt][:arrival.max_tokens], arrival.request_id
+            assert list(output.token_ids) == reference[arrival.prompt][:arrival.params.max_tokens], arrival.request_id
     stats = llm.engine.stats().scheduler
     assert stats.num_preemptions > 0  # the cache was too small, as meant
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -138,3 +146,91 @@ def test_random_arrivals_and_aborts_keep_every_token_and_leak_no_block(
     assert llm.engine.output_processor.num_tracked() == 0
     if prefix_caching:
         assert block_manager.prefix_cache.num_hit_tokens > 0
+
+
+def featured_params(reference: dict[tuple[int, ...], list[int]], decode):
+    """A maker of random sampling settings that bite on the prompt's own greedy reply: penalties,
+    a logit bias and a bad word on tokens it would generate, an allowed set holding some of them,
+    min_tokens, a stop string or stop token from its text, logprobs, prompt logprobs, and seeded
+    sampling among the top 5 (a seeded draw is a function of seed and position alone)."""
+
+    def make(rng: random.Random, prompt: tuple[int, ...]) -> SamplingParams:
+        reply = reference[prompt]
+        options = {"max_tokens": rng.randint(1, MAX_TOKENS), "temperature": 0.0, "ignore_eos": rng.random() < 0.8}
+        if rng.random() < 0.2:
+            options.update(temperature=1.0, top_k=5, seed=rng.randrange(2**32))
+        if rng.random() < 0.3:
+            options.update(repetition_penalty=rng.choice([1.3, 0.8]), frequency_penalty=rng.choice([0.0, 0.5]),
+                           presence_penalty=rng.choice([-0.5, 1.0]))
+        if rng.random() < 0.2:
+            options["logit_bias"] = tuple((token, rng.choice([-100.0, 5.0])) for token in rng.sample(reply, 2))
+        if rng.random() < 0.2:
+            start = rng.randrange(len(reply) - 1)
+            options["bad_words_token_ids"] = (tuple(reply[start:start + 2]),)
+        if rng.random() < 0.15:
+            options["allowed_token_ids"] = tuple(sorted(set(reply[:5]) | set(rng.sample(range(3, 49152), 20))))
+        if rng.random() < 0.2:
+            options["min_tokens"] = rng.randint(0, options["max_tokens"])
+        if rng.random() < 0.2:
+            text = decode(reply)
+            start = rng.randrange(1, len(text) - 3)
+            options.update(stop=(text[start:start + 3],), include_stop_str_in_output=rng.random() < 0.5)
+        if rng.random() < 0.1:
+            options["stop_token_ids"] = (rng.choice(reply),)
+        if rng.random() < 0.3:
+            options["logprobs"] = rng.choice([0, 3])
+        if rng.random() < 0.2:
+            options["prompt_logprobs"] = rng.choice([0, 2])
+        return SamplingParams(**options)
+
+    return make
+
+
+def assert_logprobs_close(got, expected, label: str) -> None:
+    """The same tokens and alternatives, with logprobs equal up to float noise (batches differ)."""
+    assert (got is None) == (expected is None), label
+    if expected is None:
+        return
+    assert len(got) == len(expected), label
+    for mine, theirs in zip(got, expected):
+        assert (mine is None) == (theirs is None), label
+        if theirs is not None:
+            assert mine.token_id == theirs.token_id, label
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-3), label
+            assert [p for _, p in mine.top] == pytest.approx([p for _, p in theirs.top], abs=1e-3), label
+
+
+@pytest.mark.parametrize("seed, policy, mode, prefix_caching, budget, chunked", [
+    (20, "fcfs", "swap", True, 32, True),
+    (21, "priority", "recompute", False, 16, True),
+    (22, "sjf", "swap", False, 128, False),
+    (23, "srpt", "recompute", True, 64, True),
+])
+def test_sampling_features_survive_preemption_aborts_and_batching(
+        tiny_model_dir, prompt_pool, reference, seed, policy, mode, prefix_caching, budget, chunked):
+    """Penalties, biases, bad words, allowed ids, min_tokens, stops, logprobs and seeded draws keep
+    per-request state across steps; under a tight cache each request must still end exactly as it
+    ends alone (tokens, text, finish and stop reason, logprobs)."""
+    ample = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1)
+    rng = random.Random(seed)
+    arrivals = random_arrivals(rng, prompt_pool, with_priority=policy == "priority",
+                               make_params=featured_params(reference, ample.engine.tokenizer.decode))
+    alone = {a.request_id: ample.generate([list(a.prompt)], a.params)[0] for a in arrivals}
+    options = {"enable_prefix_caching": True, "kv_watermark": 0.0} if prefix_caching else {}
+    llm = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1, num_gpu_blocks=BLOCKS, max_num_seqs=6,
+              max_num_batched_tokens=budget, enable_chunked_prefill=chunked, preemption_mode=mode,
+              policy=policy, scheduler_options=options)
+    final, aborted = drive(llm, arrivals, rng, abort_chance=0.03)
+
+    assert set(final) | aborted == {a.request_id for a in arrivals}
+    for request_id, output in final.items():
+        expected = alone[request_id]
+        assert output.token_ids == expected.token_ids, request_id
+        assert (output.text, output.finish_reason, output.stop_reason) == (
+            expected.text, expected.finish_reason, expected.stop_reason), request_id
+        assert_logprobs_close(output.logprobs, expected.logprobs, request_id)
+        assert_logprobs_close(output.prompt_logprobs, expected.prompt_logprobs, request_id)
+    stats = llm.engine.stats().scheduler
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert llm.engine.output_processor.num_tracked() == 0

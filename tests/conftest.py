@@ -31,6 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--stress-seeds", type=int, default=0, metavar="N",
+                     help="also run the stress tests' random configurations for N seeds each "
+                          "(test_engine_stress.py, test_server_stress.py; none by default)")
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     if not (REAL_MODEL_DIR / "config.json").is_file():

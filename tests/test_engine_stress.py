@@ -200,28 +200,18 @@ def assert_logprobs_close(got, expected, label: str) -> None:
             assert [p for _, p in mine.top] == pytest.approx([p for _, p in theirs.top], abs=1e-3), label
 
 
-@pytest.mark.parametrize("seed, policy, mode, prefix_caching, budget, chunked", [
-    (20, "fcfs", "swap", True, 32, True),
-    (21, "priority", "recompute", False, 16, True),
-    (22, "sjf", "swap", False, 128, False),
-    (23, "srpt", "recompute", True, 64, True),
-])
-def test_sampling_features_survive_preemption_aborts_and_batching(
-        tiny_model_dir, prompt_pool, reference, seed, policy, mode, prefix_caching, budget, chunked):
-    """Penalties, biases, bad words, allowed ids, min_tokens, stops, logprobs and seeded draws keep
-    per-request state across steps; under a tight cache each request must still end exactly as it
-    ends alone (tokens, text, finish and stop reason, logprobs)."""
-    ample = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1)
-    rng = random.Random(seed)
-    arrivals = random_arrivals(rng, prompt_pool, with_priority=policy == "priority",
-                               make_params=featured_params(reference, ample.engine.tokenizer.decode))
-    alone = {a.request_id: ample.generate([list(a.prompt)], a.params)[0] for a in arrivals}
-    options = {"enable_prefix_caching": True, "kv_watermark": 0.0} if prefix_caching else {}
-    llm = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1, num_gpu_blocks=BLOCKS, max_num_seqs=6,
-              max_num_batched_tokens=budget, enable_chunked_prefill=chunked, preemption_mode=mode,
-              policy=policy, scheduler_options=options)
-    final, aborted = drive(llm, arrivals, rng, abort_chance=0.03)
+@pytest.fixture(scope="module")
+def ample(tiny_model_dir) -> LLM:
+    """An engine with room for every request at once: what each request gets alone."""
+    return LLM(str(tiny_model_dir), max_model_len=128, num_threads=1)
 
+
+def check_each_ends_as_alone(llm: LLM, ample: LLM, arrivals: list[Arrival], rng: random.Random,
+                             abort_chance: float):
+    """Drives the arrivals through `llm`: each request not aborted ends as it ends alone in `ample`
+    (tokens, text, finish and stop reason, logprobs), and nothing is left held. Returns the stats."""
+    alone = {a.request_id: ample.generate([list(a.prompt)], a.params)[0] for a in arrivals}
+    final, aborted = drive(llm, arrivals, rng, abort_chance)
     assert set(final) | aborted == {a.request_id for a in arrivals}
     for request_id, output in final.items():
         expected = alone[request_id]
@@ -231,6 +221,68 @@ def test_sampling_features_survive_preemption_aborts_and_batching(
         assert_logprobs_close(output.logprobs, expected.logprobs, request_id)
         assert_logprobs_close(output.prompt_logprobs, expected.prompt_logprobs, request_id)
     stats = llm.engine.stats().scheduler
-    assert stats.num_preemptions > 0
-    assert stats.num_free_blocks == stats.num_total_blocks
+    block_manager = llm.engine.scheduler.block_manager
+    assert stats.num_free_blocks == stats.num_total_blocks and block_manager.num_requests_holding() == 0
+    assert block_manager.host.num_free == block_manager.host.num_blocks
     assert llm.engine.output_processor.num_tracked() == 0
+    return stats
+
+
+@pytest.mark.parametrize("seed, policy, mode, prefix_caching, budget, chunked", [
+    (20, "fcfs", "swap", True, 32, True),
+    (21, "priority", "recompute", False, 16, True),
+    (22, "sjf", "swap", False, 128, False),
+    (23, "srpt", "recompute", True, 64, True),
+])
+def test_sampling_features_survive_preemption_aborts_and_batching(
+        tiny_model_dir, prompt_pool, reference, ample, seed, policy, mode, prefix_caching, budget, chunked):
+    """Penalties, biases, bad words, allowed ids, min_tokens, stops, logprobs and seeded draws keep
+    per-request state across steps; under a tight cache each request must still end exactly as it
+    ends alone."""
+    rng = random.Random(seed)
+    arrivals = random_arrivals(rng, prompt_pool, with_priority=policy == "priority",
+                               make_params=featured_params(reference, ample.engine.tokenizer.decode))
+    options = {"enable_prefix_caching": True, "kv_watermark": 0.0} if prefix_caching else {}
+    llm = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1, num_gpu_blocks=BLOCKS, max_num_seqs=6,
+              max_num_batched_tokens=budget, enable_chunked_prefill=chunked, preemption_mode=mode,
+              policy=policy, scheduler_options=options)
+    assert check_each_ends_as_alone(llm, ample, arrivals, rng, abort_chance=0.03).num_preemptions > 0
+
+
+# ---- random configurations: `pytest tests/test_engine_stress.py --stress-seeds N` ---------------
+
+STRESS_SEED_BASE = 1000  # apart from the fixed cases' seeds
+SERVABLE_POLICIES = ("fcfs", "priority", "sjf", "srpt", "goodput")
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """`stress_seed` takes --stress-seeds values (none by default: the fixed cases above run in
+    every suite; a sweep of many configurations is a longer, deliberate run)."""
+    if "stress_seed" in metafunc.fixturenames:
+        count = metafunc.config.getoption("stress_seeds")
+        metafunc.parametrize("stress_seed", range(STRESS_SEED_BASE, STRESS_SEED_BASE + count))
+
+
+def random_engine_options(rng: random.Random, longest: int) -> dict:
+    """Engine settings drawn at random, with a cache from just enough for the `longest` request
+    alone to twice that."""
+    block_size, chunked, seats = rng.choice([8, 16]), rng.random() < 0.7, rng.choice([2, 4, 6, 8])
+    needed = -(-longest // block_size)
+    options = {"block_size": block_size, "num_gpu_blocks": rng.randint(needed, 2 * needed), "max_num_seqs": seats,
+               "enable_chunked_prefill": chunked, "preemption_mode": rng.choice(["recompute", "swap"]),
+               "policy": rng.choice(SERVABLE_POLICIES),
+               "max_num_batched_tokens": max(seats, rng.choice([16, 32, 64, 128])) if chunked else 128}
+    if rng.random() < 0.5:
+        options["scheduler_options"] = {"enable_prefix_caching": True, "kv_watermark": rng.choice([0.0, 0.01])}
+    return options
+
+
+def test_random_configurations_end_each_request_as_alone(tiny_model_dir, prompt_pool, reference, ample,
+                                                         stress_seed):
+    rng = random.Random(stress_seed)
+    options = random_engine_options(rng, max(map(len, prompt_pool)) + MAX_TOKENS)
+    make_params = featured_params(reference, ample.engine.tokenizer.decode) if rng.random() < 0.5 else greedy_params
+    arrivals = random_arrivals(rng, prompt_pool, with_priority=options["policy"] == "priority",
+                               make_params=make_params)
+    llm = LLM(str(tiny_model_dir), max_model_len=128, num_threads=1, **options)
+    check_each_ends_as_alone(llm, ample, arrivals, rng, abort_chance=rng.choice([0.0, 0.03, 0.1]))

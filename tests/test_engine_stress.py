@@ -64,6 +64,8 @@ def greedy_params(rng: random.Random, prompt: tuple[int, ...]) -> SamplingParams
 
 def random_arrivals(rng: random.Random, prompt_pool: list[list[int]], with_priority: bool,
                     make_params=greedy_params) -> list[Arrival]:
+    """NUM_REQUESTS arrivals in bursts and gaps, each of a random prompt, tier and priority, with
+    `make_params`' sampling settings."""
     arrivals, step = [], 0
     for i in range(NUM_REQUESTS):
         step += rng.choice([0, 0, 1, 2, 4])  # bursts and gaps
@@ -103,6 +105,17 @@ def drive(llm: LLM, arrivals: list[Arrival], rng: random.Random, abort_chance: f
     return final, aborted
 
 
+def nothing_held(llm: LLM):
+    """Checks that no device block, host block, request table or detokenizer is left; returns the
+    scheduler's stats."""
+    stats = llm.engine.stats().scheduler
+    block_manager = llm.engine.scheduler.block_manager
+    assert stats.num_free_blocks == stats.num_total_blocks and block_manager.num_requests_holding() == 0
+    assert block_manager.host.num_free == block_manager.host.num_blocks
+    assert llm.engine.output_processor.num_tracked() == 0
+    return stats
+
+
 SETTINGS = [
     # (seed, policy, preemption mode, prefix caching, step budget, chunked prefill)
     (0, "fcfs", "recompute", False, 32, True),
@@ -137,15 +150,9 @@ def test_random_arrivals_and_aborts_keep_every_token_and_leak_no_block(
             output = final[arrival.request_id]
             assert output.finish_reason == "length"
             assert list(output.token_ids) == reference[arrival.prompt][:arrival.params.max_tokens], arrival.request_id
-    stats = llm.engine.stats().scheduler
-    assert stats.num_preemptions > 0  # the cache was too small, as meant
-    assert stats.num_free_blocks == stats.num_total_blocks
-    block_manager = llm.engine.scheduler.block_manager
-    assert block_manager.num_requests_holding() == 0
-    assert block_manager.host.num_free == block_manager.host.num_blocks
-    assert llm.engine.output_processor.num_tracked() == 0
+    assert nothing_held(llm).num_preemptions > 0  # the cache was too small, as meant
     if prefix_caching:
-        assert block_manager.prefix_cache.num_hit_tokens > 0
+        assert llm.engine.scheduler.block_manager.prefix_cache.num_hit_tokens > 0
 
 
 def featured_params(reference: dict[tuple[int, ...], list[int]], decode):
@@ -220,12 +227,7 @@ def check_each_ends_as_alone(llm: LLM, ample: LLM, arrivals: list[Arrival], rng:
             expected.text, expected.finish_reason, expected.stop_reason), request_id
         assert_logprobs_close(output.logprobs, expected.logprobs, request_id)
         assert_logprobs_close(output.prompt_logprobs, expected.prompt_logprobs, request_id)
-    stats = llm.engine.stats().scheduler
-    block_manager = llm.engine.scheduler.block_manager
-    assert stats.num_free_blocks == stats.num_total_blocks and block_manager.num_requests_holding() == 0
-    assert block_manager.host.num_free == block_manager.host.num_blocks
-    assert llm.engine.output_processor.num_tracked() == 0
-    return stats
+    return nothing_held(llm)
 
 
 @pytest.mark.parametrize("seed, policy, mode, prefix_caching, budget, chunked", [

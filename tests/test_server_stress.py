@@ -43,6 +43,10 @@ class Call:
     max_tokens: int
     hang_up_after: int | None  # chunks read before a streaming client hangs up; None: it stays
 
+    @property
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
     def body(self) -> dict:
         body = {"model": MODEL, "max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True,
                 "n": self.n, "service_tier": self.tier}
@@ -77,8 +81,7 @@ def texts_of(response: dict, chat: bool) -> list[str]:
 
 
 def call_whole(base_url: str, call: Call) -> tuple[list[str], dict]:
-    route = "/v1/chat/completions" if call.chat else "/v1/completions"
-    reply = httpx.post(base_url + route, json=call.body(), headers={"Authorization": f"Bearer {API_KEY}"},
+    reply = httpx.post(base_url + call.route, json=call.body(), headers={"Authorization": f"Bearer {API_KEY}"},
                        timeout=300)
     reply.raise_for_status()
     body = reply.json()
@@ -181,9 +184,8 @@ def test_concurrent_clients_under_preemption_get_the_replies_of_a_quiet_server(t
 def stream_to_the_end(base_url: str, call: Call) -> tuple[list[str], list[str | None], bool]:
     """A streaming client that reads every event: the choices' texts, their finish reasons, and
     whether the stream ended with [DONE]."""
-    route = "/v1/chat/completions" if call.chat else "/v1/completions"
     texts, reasons, done = [""] * call.n, [None] * call.n, False
-    with httpx.stream("POST", base_url + route, json={**call.body(), "stream": True}, timeout=300) as response:
+    with httpx.stream("POST", base_url + call.route, json={**call.body(), "stream": True}, timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line == "data: [DONE]":
@@ -196,8 +198,7 @@ def stream_to_the_end(base_url: str, call: Call) -> tuple[list[str], list[str | 
 
 
 def whole_reply(base_url: str, call: Call) -> httpx.Response:
-    route = "/v1/chat/completions" if call.chat else "/v1/completions"
-    return httpx.post(base_url + route, json=call.body(), timeout=300)
+    return httpx.post(base_url + call.route, json=call.body(), timeout=300)
 
 
 def check_shutdown_under_load(engine: LLMEngine, calls: list[Call], monkeypatch) -> collections.Counter:

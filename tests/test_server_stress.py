@@ -289,8 +289,10 @@ def random_server_engine(model_dir, rng: random.Random) -> tuple[LLMEngine, bool
     if admission:
         options.update(enable_admission=True, max_queued_tokens=rng.choice([300, 1000, 3000]))
     seats = rng.choice([2, 4, 6, 8])
+    # At least 12 blocks: a call of n = 2 alone (two choices of up to 6) fits, so the reply it is
+    # compared with was never preempted.
     engine = LLMEngine(EngineConfig(
-        model=str(model_dir), num_gpu_blocks=rng.randint(8, 16), block_size=16, max_num_seqs=seats,
+        model=str(model_dir), num_gpu_blocks=rng.randint(12, 16), block_size=16, max_num_seqs=seats,
         max_num_batched_tokens=max(seats, rng.choice([16, 32, 64, 128])), max_model_len=MAX_MODEL_LEN,
         preemption_mode=rng.choice(["recompute", "swap"]), policy=rng.choice(SERVABLE_POLICIES),
         attention_backend="torch", num_threads=1, scheduler_options=options))

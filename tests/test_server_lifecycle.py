@@ -6,8 +6,10 @@ CLI's predictor resolution. Real tiny engine throughout; the predictors are real
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import httpx
 import openai
@@ -315,6 +317,30 @@ def test_draining_server_answers_503_and_finishes_in_flight_requests(engine):
     assert free == total
 
 
+def serve_every_route_once(engine) -> weakref.ref:
+    """A server over `engine` that answers one call of each route, then stops; returns a weak
+    reference to its async engine."""
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, engine.tokenizer, ServerSettings(model_name=MODEL, max_model_len=1024))
+    with running_server(app) as (base_url, _):
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for route, body in [("/v1/completions", {"prompt": "Hi", "max_tokens": 2}), ("/v1/chat/completions", chat),
+                            ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})]:
+            assert httpx.post(base_url + route, json={"model": MODEL, **body}, timeout=60).status_code == 200
+        for route in ["/v1/models", "/health", "/ping", "/version", "/metrics"]:
+            assert httpx.get(base_url + route, timeout=60).status_code == 200
+    return weakref.ref(async_engine)
+
+
+def test_a_stopped_server_lets_go_of_its_engine(engine):
+    """Nothing process-wide keeps a stopped app's engine alive (FastAPI caches every route function
+    it has seen, so routes must not close over one app's engine): a process, or a test suite, that
+    starts server after server holds one engine's KV cache and swap pool, not all of them."""
+    gone = serve_every_route_once(engine)
+    gc.collect()
+    assert gone() is None
+
+
 def start_draining_server(engine, grace_s: float):
     """The serve CLI's server over `engine` on a free loopback port, started in a thread; returns
     (async engine, server, thread, socket)."""
@@ -418,7 +444,7 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
     assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
     assert health.status_code == 500
     # The failed request is counted, and the metrics keep nothing of it.
-    assert 'finished_reason="error"' in failed and not app.state.metrics._last_token_time
+    assert 'finished_reason="error"' in failed and not app.state.served.metrics._last_token_time
 
 
 def test_a_request_aborted_while_the_engine_adds_it_is_refused_not_left_streaming(tiny_model_dir, monkeypatch):

@@ -55,6 +55,26 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 
 
+@dataclass(frozen=True)
+class ServedApp:
+    """What one app's routes use, kept in `app.state.served`. The routes are module functions that
+    read it from the request, as vLLM's are: FastAPI caches every route function it inspects,
+    process-wide, so a route closing over one app's engine would keep that engine (its KV cache and
+    swap pool) alive after the app stops."""
+
+    engine: AsyncLLMEngine
+    metrics: ServerMetrics
+    settings: ServerSettings
+    serving: OpenAIServing
+    tokenization: OpenAIServingTokenization
+
+    def check_model(self, name: str | None) -> None:
+        # An empty name means the served model, as vLLM takes it (clients send "" when none is chosen).
+        if name and name != self.settings.model_name and name not in self.settings.model_aliases:
+            raise errors.APIError(404, f"The model `{name}` does not exist.", type="not_found_error",
+                                  param="model", code="model_not_found")
+
+
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
     engine.attach_listener(metrics)
@@ -62,49 +82,80 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=engine.policy)
     tokenization = OpenAIServingTokenization(tokenizer, settings.max_model_len, serving.max_token_chars,
                                              serving.off_loop)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await engine.start()
-        yield
-        await engine.shutdown(settings.shutdown_grace_s)
-        serving.close()
-
-    app = FastAPI(title="lengthwise", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app = FastAPI(title="lengthwise", lifespan=_lifespan)
+    app.state.served = ServedApp(engine, metrics, settings, serving, tokenization)
     errors.install_error_handlers(app)
     _add_middleware(app, settings, serving.max_token_bytes)
-    _add_operational_routes(app, engine, metrics, settings)
-    served = {settings.model_name, *settings.model_aliases}
-
-    def check_model(name: str | None) -> None:
-        # An empty name means the served model, as vLLM takes it (clients send "" when none is chosen).
-        if name and name not in served:
-            raise errors.APIError(404, f"The model `{name}` does not exist.", type="not_found_error",
-                                  param="model", code="model_not_found")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        return await serving.completion(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        return await serving.chat(body, request)
-
-    @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]) -> TokenizeResponse:
-        request = tokenize_request(body)
-        check_model(request.model)
-        return await tokenization.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(body.model)
-        return await tokenization.detokenize(body)
-
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    # vLLM answers /ping (GET or POST, for SageMaker-style probes) exactly as /health.
+    app.add_api_route("/ping", _health, methods=["GET", "POST"])
+    app.add_api_route("/version", _version, methods=["GET"])
+    app.add_api_route("/metrics", _prometheus_metrics, methods=["GET"])
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    served: ServedApp = app.state.served
+    await served.engine.start()
+    yield
+    await served.engine.shutdown(served.settings.shutdown_grace_s)
+    served.serving.close()
+
+
+def _served(request: Request) -> ServedApp:
+    return request.app.state.served
+
+
+async def _completions(body: CompletionRequest, request: Request):
+    served = _served(request)
+    served.check_model(body.model)
+    return await served.serving.completion(body, request)
+
+
+async def _chat_completions(body: ChatCompletionRequest, request: Request):
+    served = _served(request)
+    served.check_model(body.model)
+    return await served.serving.chat(body, request)
+
+
+async def _tokenize(body: dict[str, Any], request: Request) -> TokenizeResponse:
+    served, tokenize = _served(request), tokenize_request(body)
+    served.check_model(tokenize.model)
+    return await served.tokenization.tokenize(tokenize)
+
+
+async def _detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    served = _served(request)
+    served.check_model(body.model)
+    return await served.tokenization.detokenize(body)
+
+
+async def _models(request: Request) -> ModelList:
+    settings = _served(request).settings
+    return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
+
+
+async def _health(request: Request) -> Response:
+    engine = _served(request).engine
+    if engine.healthy:
+        return Response(status_code=200)
+    if engine.failure:
+        return errors.engine_failed(engine.failure).response()
+    return errors.shutting_down().response()
+
+
+async def _version() -> dict[str, str]:
+    return {"version": package_version()}
+
+
+async def _prometheus_metrics(request: Request) -> Response:
+    return Response(_served(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_middleware(app: FastAPI, settings: ServerSettings, max_token_bytes: int) -> None:
@@ -116,32 +167,6 @@ def _add_middleware(app: FastAPI, settings: ServerSettings, max_token_bytes: int
     if settings.allowed_origins:  # outermost: a preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
-
-
-def _add_operational_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics,
-                            settings: ServerSettings) -> None:
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.healthy:
-            return Response(status_code=200)
-        if engine.failure:
-            return errors.engine_failed(engine.failure).response()
-        return errors.shutting_down().response()
-
-    # vLLM answers /ping (GET or POST, for SageMaker-style probes) exactly as /health.
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": package_version()}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def package_version() -> str:

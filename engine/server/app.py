@@ -86,16 +86,16 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings)
     app.state.served = ServedApp(engine, metrics, settings, serving, tokenization)
     errors.install_error_handlers(app)
     _add_middleware(app, settings, serving.max_token_bytes)
-    app.add_api_route("/v1/completions", _completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
-    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
-    app.add_api_route("/v1/models", _models, methods=["GET"])
-    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
     # vLLM answers /ping (GET or POST, for SageMaker-style probes) exactly as /health.
-    app.add_api_route("/ping", _health, methods=["GET", "POST"])
-    app.add_api_route("/version", _version, methods=["GET"])
-    app.add_api_route("/metrics", _prometheus_metrics, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     return app
 
 
@@ -112,36 +112,36 @@ def _served(request: Request) -> ServedApp:
     return request.app.state.served
 
 
-async def _completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request):
     served = _served(request)
     served.check_model(body.model)
     return await served.serving.completion(body, request)
 
 
-async def _chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = _served(request)
     served.check_model(body.model)
     return await served.serving.chat(body, request)
 
 
-async def _tokenize(body: dict[str, Any], request: Request) -> TokenizeResponse:
-    served, tokenize = _served(request), tokenize_request(body)
-    served.check_model(tokenize.model)
-    return await served.tokenization.tokenize(tokenize)
+async def tokenize(body: dict[str, Any], request: Request) -> TokenizeResponse:
+    served, parsed = _served(request), tokenize_request(body)
+    served.check_model(parsed.model)
+    return await served.tokenization.tokenize(parsed)
 
 
-async def _detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     served = _served(request)
     served.check_model(body.model)
     return await served.tokenization.detokenize(body)
 
 
-async def _models(request: Request) -> ModelList:
+async def models(request: Request) -> ModelList:
     settings = _served(request).settings
     return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
 
 
-async def _health(request: Request) -> Response:
+async def health(request: Request) -> Response:
     engine = _served(request).engine
     if engine.healthy:
         return Response(status_code=200)
@@ -150,11 +150,11 @@ async def _health(request: Request) -> Response:
     return errors.shutting_down().response()
 
 
-async def _version() -> dict[str, str]:
+async def version() -> dict[str, str]:
     return {"version": package_version()}
 
 
-async def _prometheus_metrics(request: Request) -> Response:
+async def prometheus_metrics(request: Request) -> Response:
     return Response(_served(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

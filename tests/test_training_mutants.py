@@ -525,11 +525,13 @@ def test_the_trainer_config_carries_the_seed_or_the_probes_token_count():
     import argparse
 
     from training import fitters, train
+    from training.finetune_train import FinetuneConfig
 
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert train.trainer_config(parser.parse_args(["--model", "lexical", "--seed", "3"])) == fitters.LgbmConfig(seed=3)
     assert train.trainer_config(parser.parse_args(["--model", "probe", "--probe-tokens", "7"])).max_tokens == 7
+    assert train.trainer_config(parser.parse_args(["--model", "finetune", "--seed", "5"])) == FinetuneConfig(seed=5)
 
 
 def test_cached_embeddings_mark_and_zero_the_prompts_not_in_the_cache(tmp_path: Path):

@@ -148,11 +148,16 @@ def replace_folder(source: Path, target: Path) -> None:
 
 
 def trainer_config(args: argparse.Namespace):
-    """The probe reads the served model's states; every other kind fits LightGBM-style heads."""
+    """The probe reads the served model's states, the fine-tune trains MiniLM itself; every other
+    kind fits LightGBM-style heads."""
     if args.model == "probe":
         from predictor.probe import ProbeConfig
 
         return ProbeConfig(max_tokens=args.probe_tokens)
+    if args.model == "finetune":
+        from training.finetune_train import FinetuneConfig
+
+        return FinetuneConfig(seed=args.seed)
     return fitters.LgbmConfig(seed=args.seed)
 
 

@@ -159,10 +159,11 @@ def train_probe(data: TrainingData, config) -> TrainedModel:
                         {"ridge_alpha": alpha, **encoder.config.as_dict()})
 
 
-def train_finetune(data: TrainingData, config: fitters.LgbmConfig) -> TrainedModel:
+def train_finetune(data: TrainingData, config) -> TrainedModel:
+    """MiniLM trained end to end (`config`: a FinetuneConfig)."""
     from training import finetune_train
 
-    return finetune_train.train(data, _spec("finetune", data, {}))
+    return finetune_train.train(data, _spec("finetune", data, {}), config)
 
 
 TRAINERS = {"length": train_length, "lexical": train_lexical, "embed_lgbm": train_embed_lgbm,

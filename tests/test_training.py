@@ -15,7 +15,7 @@ import torch
 import predictor
 from predictor.base import Prediction
 from training import fitters, metrics, tracking
-from training.finetune_train import listmle_loss, pinball_loss
+from training.finetune_train import FinetuneConfig, listmle_loss, pinball_loss, warmup_then_linear_decay
 
 
 def _plackett_luce_nll(scores: list[float], order: list[int]) -> float:
@@ -41,6 +41,15 @@ def test_listmle_prefers_the_true_order():
     best = min(itertools.permutations(range(5)), key=lambda p: listmle_loss(torch.tensor(p, dtype=torch.float) * 3,
                                                                              lengths).item())
     assert best == (0, 1, 2, 3, 4)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_zero():
+    factors = [warmup_then_linear_decay(step, 100, 0.1) for step in range(100)]
+    assert factors[:10] == pytest.approx([(step + 1) / 10 for step in range(10)])  # 0.1 ... 1.0
+    assert factors[10:] == pytest.approx([(100 - step) / 90 for step in range(10, 100)])  # 1.0 ... 1/90
+    assert [warmup_then_linear_decay(step, 4, 0.0) for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    with pytest.raises(ValueError, match="warmup_share"):
+        FinetuneConfig(warmup_share=1.0)
 
 
 def test_pinball_loss_matches_its_definition():

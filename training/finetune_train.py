@@ -5,7 +5,10 @@ likelihood of the true order under the Plackett-Luce model of the scores:
     loss = mean_i [ logsumexp(s_sorted[i:]) - s_sorted[i] ],  s sorted by true length, longest first,
 so only the order of the labels matters (as for the scheduler). The quantile heads learn
 log1p(length) with the pinball loss at 0.5 and 0.9. The encoder gets a small learning rate,
-the new head a larger one.
+the new head a larger one; both warm up linearly over the first `warmup_share` of the steps and
+then decay linearly to zero (BERT's schedule): a full rate at the first step lets the untrained
+head's gradients shake the pretrained encoder, and a constant one leaves the weights moving when
+training stops.
 """
 
 from __future__ import annotations
@@ -31,11 +34,23 @@ class FinetuneConfig:
     head_learning_rate: float = 1e-3
     quantile_weight: float = 1.0
     max_grad_norm: float = 1.0
+    warmup_share: float = 0.06
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.list_size < 2:
             raise ValueError("epochs >= 1 and list_size >= 2 required")
+        if not 0.0 <= self.warmup_share < 1.0:
+            raise ValueError(f"warmup_share must be in [0, 1), got {self.warmup_share!r}")
+
+
+def warmup_then_linear_decay(step: int, total_steps: int, warmup_share: float) -> float:
+    """The learning-rate factor at `step` (0-based) of `total_steps`: rises linearly to 1 over the
+    warm-up steps, then falls linearly to 0 at the end of training."""
+    warmup = int(warmup_share * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
 
 
 def listmle_loss(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -62,10 +77,12 @@ def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray
     ])
     target = torch.log1p(torch.from_numpy(lengths.astype(np.float32)))
     rng = np.random.default_rng(config.seed)
+    starts = range(0, len(prompts) - config.list_size + 1, config.list_size)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_then_linear_decay(
+        step, config.epochs * len(starts), config.warmup_share))
     network.train()
     for epoch in range(config.epochs):
         order = rng.permutation(len(prompts))
-        starts = range(0, len(order) - config.list_size + 1, config.list_size)
         progress = tqdm(starts, desc=f"finetune epoch {epoch + 1}", unit="list")
         for start in progress:
             rows = order[start : start + config.list_size]
@@ -78,11 +95,12 @@ def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray
             loss.backward()
             torch.nn.utils.clip_grad_norm_(network.parameters(), config.max_grad_norm)
             optimizer.step()
+            schedule.step()
             progress.set_postfix(loss=f"{loss.item():.3f}")
     network.eval()
 
 
-def train(data, spec: PredictorSpec, config: FinetuneConfig = FinetuneConfig()):
+def train(data, spec: PredictorSpec, config: FinetuneConfig):
     from training.train_models import TrainedModel, limit_torch_threads
 
     limit_torch_threads()

@@ -1,7 +1,9 @@
 """MiniLM fine-tuned end to end: a ranking score and monotone quantile heads in one network.
 
-Network. pooled MiniLM embedding [B, 384] ++ standardised lexical features [B, F] -> MLP ->
-(score, log_p50, log_p90 = log_p50 + softplus(gap)). The score is trained with a listwise
+Network. pooled MiniLM embedding [B, 384] * sqrt(384) ++ standardised lexical features [B, F] ->
+MLP -> (score, log_p50, log_p90 = log_p50 + softplus(gap)). The embedding is unit-length, so
+each of its components is about 1/sqrt(384); scaled by sqrt(384) they are about as large as the
+standardised lexical features beside them, and the MLP hears both from its first step. The score is trained with a listwise
 ranking loss, the quantiles with the pinball loss (training.finetune_train); the softplus gap
 keeps p90 >= p50 by construction. Saved weights are fp32 safetensors of the whole network.
 """
@@ -35,7 +37,7 @@ class RankingNetwork(torch.nn.Module):
 
     def forward(self, input_ids, mask, lexical) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(score [B], log_p50 [B], log_p90 [B])."""
-        pooled = self.encoder.pooled(input_ids, mask)
+        pooled = self.encoder.pooled(input_ids, mask) * self.encoder.dim ** 0.5
         scaled = (lexical - self.lexical_mean) / self.lexical_std
         out = self.mlp(torch.cat([pooled, scaled], dim=-1))
         log_p50 = out[:, 1]

@@ -373,18 +373,48 @@ def test_a_feature_spec_its_kind_cannot_read_is_a_value_error(tmp_path):
 
 
 @pytest.mark.integration
-def test_finetune_round_trip(tmp_path, encoder):
-    from predictor.finetune import FinetunePredictor, RankingNetwork
+@pytest.mark.parametrize("trained_layers", [None, 2])
+def test_finetune_round_trip(tmp_path, encoder, trained_layers):
+    import torch
+    from safetensors.torch import load_file
 
-    spec = PredictorSpec(kind="finetune", data_hash="h",
-                         feature_spec={**lexical_spec(), "encoder": encoder.config.as_dict()})
-    model = FinetunePredictor(RankingNetwork(encoder), spec)
+    from predictor.finetune import WEIGHTS_FILENAME, FinetunePredictor, RankingNetwork
+
+    spec = PredictorSpec(kind="finetune", data_hash="h", feature_spec={
+        **lexical_spec(), "encoder": encoder.config.as_dict(), "trained_layers": trained_layers})
+    network = RankingNetwork(encoder, trained_layers=trained_layers)
+    with torch.no_grad():  # as if trained: the saved top layer differs from the package's
+        network.encoder.model.encoder.layer[5].output.dense.bias.add_(0.5)
+    model = FinetunePredictor(network, spec)
     prompts = [chat(("user", "write an essay")), chat(("user", "hi"))]
     before = model.predict(prompts)
-    after = predictor.load(save(model, tmp_path / "ft")).predict(prompts)
+    folder = save(model, tmp_path / "ft")
+    saved = load_file(str(folder / WEIGHTS_FILENAME))
+    layers = {name.split(".")[4] for name in saved if name.startswith("encoder.model.encoder.layer.")}
+    assert layers == ({"0", "1", "2", "3", "4", "5"} if trained_layers is None else {"4", "5"})
+    assert ("encoder.model.embeddings.word_embeddings.weight" in saved) == (trained_layers is None)
+    after = predictor.load(folder).predict(prompts)
+    with torch.no_grad():
+        network.encoder.model.encoder.layer[5].output.dense.bias.sub_(0.5)  # the shared fixture as it was
     for a, b in zip(before, after):
         assert isinstance(b, Prediction) and b.p90 >= b.p50
         assert (b.score, b.p50, b.p90) == (a.score, a.p50, a.p90)  # the very network evaluated
+
+
+@pytest.mark.integration
+def test_finetune_weights_must_fit_the_network(encoder):
+    from predictor.finetune import RankingNetwork
+
+    network = RankingNetwork(encoder, trained_layers=1)
+    state = network.trained_state()
+    assert not any(".layer.4." in name or "embeddings" in name for name in state)
+    with pytest.raises(ValueError, match="missing .*encoder.model.encoder.layer.5"):
+        network.load_trained_state({k: v for k, v in state.items() if ".layer.5." not in k})
+    stray = {**state, "encoder.model.encoder.layer.4.output.dense.bias": state["mlp.0.bias"]}
+    with pytest.raises(ValueError, match="stray .*layer.4"):
+        network.load_trained_state(stray)
+    with pytest.raises(ValueError, match="trained_layers must be in"):
+        RankingNetwork(encoder, trained_layers=7)
 
 
 @pytest.mark.parametrize("name", ["lexical", pytest.param("default", marks=pytest.mark.integration)])

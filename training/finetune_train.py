@@ -35,6 +35,8 @@ class FinetuneConfig:
     quantile_weight: float = 1.0
     max_grad_norm: float = 1.0
     warmup_share: float = 0.06
+    # Train only the encoder's top N transformer layers (None: all of it, embeddings included).
+    trained_layers: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,8 +73,9 @@ def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray
     lexical = lexical_matrix(prompts)
     network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
     network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))
+    trained_encoder = [parameter for parameter in network.encoder.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW([
-        {"params": network.encoder.parameters(), "lr": config.encoder_learning_rate},
+        {"params": trained_encoder, "lr": config.encoder_learning_rate},
         {"params": network.mlp.parameters(), "lr": config.head_learning_rate},
     ])
     target = torch.log1p(torch.from_numpy(lengths.astype(np.float32)))
@@ -106,9 +109,10 @@ def train(data, spec: PredictorSpec, config: FinetuneConfig):
     limit_torch_threads()
     torch.manual_seed(config.seed)
     encoder_config = EncoderConfig()
-    network = RankingNetwork(MiniLMEncoder(encoder_config))
+    network = RankingNetwork(MiniLMEncoder(encoder_config), trained_layers=config.trained_layers)
     fit_network(network, data.train.prompts, data.train.lengths, config)
-    spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), **encoder_feature_spec(encoder_config)})
+    spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), **encoder_feature_spec(encoder_config),
+                                                   "trained_layers": config.trained_layers})
     model = FinetunePredictor(network, spec)
     return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
                         predict_in_batches(model, data.test.prompts),

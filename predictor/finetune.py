@@ -7,10 +7,11 @@ standardised lexical features beside them, and the MLP hears both from its first
 The score is trained with a listwise ranking loss, the quantiles with the pinball loss
 (training.finetune_train); the softplus gap keeps p90 >= p50 by construction.
 
-`trained_layers` = N trains only the encoder's top N transformer layers: the word embeddings
-(most of MiniLM's 90 MB) and the layers below stay as the installed package has them, so a
-saved predictor holds only what training changed (fp32 safetensors) and takes the rest from the
-package, whose files' fingerprint it checks at load. None trains and saves the whole network.
+`lora_rank` = r trains low-rank adapters on every encoder layer (predictor.lora) instead of
+the encoder itself: the pretrained weights stay as the installed package has them, so a saved
+predictor holds only the adapters and the head (2.8 MB at r = 16, fp32 safetensors) and takes the
+rest from the package, whose files' fingerprint it checks at load. None trains and saves the
+whole network (91 MB).
 """
 
 from __future__ import annotations
@@ -24,39 +25,31 @@ import torch
 from predictor.base import Prediction
 from predictor.encoder import EncoderConfig, MiniLMEncoder, check_encoder_weights
 from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
+from predictor.lora import add_adapters, is_adapter
 from predictor.saved import PredictorSpec
 
 WEIGHTS_FILENAME = "finetune.safetensors"
 HIDDEN = 128
-LAYER_PREFIX = "encoder.model.encoder.layer."  # + index: one of the encoder's transformer layers
 
 
 class RankingNetwork(torch.nn.Module):
     def __init__(self, encoder: MiniLMEncoder, num_lexical: int = len(FEATURE_NAMES),
-                 trained_layers: int | None = None) -> None:
+                 lora_rank: int | None = None) -> None:
         super().__init__()
-        num_layers = int(encoder.model.config.num_hidden_layers)
-        if trained_layers is not None and not 1 <= trained_layers <= num_layers:
-            raise ValueError(f"trained_layers must be in [1, {num_layers}] or None (all), got {trained_layers!r}")
         self.encoder = encoder
-        # Encoder layers from this index up are trained (0: the whole encoder, embeddings too).
-        self.first_trained_layer = 0 if trained_layers is None else num_layers - trained_layers
-        self.trains_whole_encoder = trained_layers is None
+        self.adapted = lora_rank is not None
+        if self.adapted:
+            add_adapters(encoder.model, lora_rank)  # freezes the pretrained weights
         self.register_buffer("lexical_mean", torch.zeros(num_lexical))
         self.register_buffer("lexical_std", torch.ones(num_lexical))
         self.mlp = torch.nn.Sequential(
             torch.nn.Linear(encoder.dim + num_lexical, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, 3)
         )
-        for name, parameter in self.named_parameters():
-            parameter.requires_grad_(self.is_trained(name))
 
     def is_trained(self, name: str) -> bool:
-        """Whether the parameter or buffer `name` (of this module's state) is trained and saved."""
-        if not name.startswith("encoder.") or self.trains_whole_encoder:
-            return True
-        if not name.startswith(LAYER_PREFIX):
-            return False  # embeddings, pooler
-        return int(name[len(LAYER_PREFIX):].split(".")[0]) >= self.first_trained_layer
+        """Whether the parameter or buffer `name` (of this module's state) is trained and saved:
+        with adapters, everything but the pretrained encoder's own weights."""
+        return not (self.adapted and name.startswith("encoder.") and not is_adapter(name))
 
     def forward(self, input_ids, mask, lexical) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(score [B], log_p50 [B], log_p90 [B])."""
@@ -113,9 +106,9 @@ class FinetunePredictor:
         from safetensors.torch import load_file
 
         check_lexical_spec(spec.feature_spec)
-        check_encoder_weights(spec.feature_spec)  # its tokenizer (and frozen layers) come from there
+        check_encoder_weights(spec.feature_spec)  # its tokenizer (and frozen weights) come from there
         network = RankingNetwork(MiniLMEncoder(EncoderConfig(**spec.feature_spec["encoder"])),
-                                 trained_layers=spec.feature_spec.get("trained_layers"))
+                                 lora_rank=spec.feature_spec.get("lora_rank"))
         state = {name: tensor.float() for name, tensor in load_file(str(folder / WEIGHTS_FILENAME)).items()}
         network.load_trained_state(state)
         return cls(network, spec)

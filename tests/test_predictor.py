@@ -372,49 +372,61 @@ def test_a_feature_spec_its_kind_cannot_read_is_a_value_error(tmp_path):
         predictor.load(saved)
 
 
+def _fresh_encoder():
+    """An encoder of its own: adapters change the encoder they are added to."""
+    from predictor.encoder import EncoderConfig, MiniLMEncoder
+
+    return MiniLMEncoder(EncoderConfig(head_tokens=4, tail_tokens=12, batch_size=4))
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("trained_layers", [None, 2])
-def test_finetune_round_trip(tmp_path, encoder, trained_layers):
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_finetune_round_trip(tmp_path, lora_rank):
     import torch
     from safetensors.torch import load_file
 
     from predictor.finetune import WEIGHTS_FILENAME, FinetunePredictor, RankingNetwork
 
+    encoder = _fresh_encoder()
     spec = PredictorSpec(kind="finetune", data_hash="h", feature_spec={
-        **lexical_spec(), "encoder": encoder.config.as_dict(), "trained_layers": trained_layers})
-    network = RankingNetwork(encoder, trained_layers=trained_layers)
-    with torch.no_grad():  # as if trained: the saved top layer differs from the package's
-        network.encoder.model.encoder.layer[5].output.dense.bias.add_(0.5)
+        **lexical_spec(), "encoder": encoder.config.as_dict(), "lora_rank": lora_rank})
+    network = RankingNetwork(encoder, lora_rank=lora_rank)
+    with torch.no_grad():  # as if trained: a saved adapter or weight that differs from its start
+        last = network.encoder.model.encoder.layer[5].output.dense
+        (last.lora_b if lora_rank else last.bias).add_(0.05)
     model = FinetunePredictor(network, spec)
     prompts = [chat(("user", "write an essay")), chat(("user", "hi"))]
     before = model.predict(prompts)
     folder = save(model, tmp_path / "ft")
     saved = load_file(str(folder / WEIGHTS_FILENAME))
-    layers = {name.split(".")[4] for name in saved if name.startswith("encoder.model.encoder.layer.")}
-    assert layers == ({"0", "1", "2", "3", "4", "5"} if trained_layers is None else {"4", "5"})
-    assert ("encoder.model.embeddings.word_embeddings.weight" in saved) == (trained_layers is None)
+    encoder_names = {name for name in saved if name.startswith("encoder.")}
+    if lora_rank:  # the adapters of 6 maps in each of 6 layers, and nothing else of the encoder
+        assert len(encoder_names) == 72 and all(name.endswith((".lora_a", ".lora_b")) for name in encoder_names)
+    else:
+        assert "encoder.model.embeddings.word_embeddings.weight" in saved
     after = predictor.load(folder).predict(prompts)
-    with torch.no_grad():
-        network.encoder.model.encoder.layer[5].output.dense.bias.sub_(0.5)  # the shared fixture as it was
     for a, b in zip(before, after):
         assert isinstance(b, Prediction) and b.p90 >= b.p50
         assert (b.score, b.p50, b.p90) == (a.score, a.p50, a.p90)  # the very network evaluated
 
 
 @pytest.mark.integration
-def test_finetune_weights_must_fit_the_network(encoder):
+def test_adapters_start_at_the_pretrained_function_and_must_fit_the_network(encoder):
+    import torch
+
     from predictor.finetune import RankingNetwork
 
-    network = RankingNetwork(encoder, trained_layers=1)
-    state = network.trained_state()
-    assert not any(".layer.4." in name or "embeddings" in name for name in state)
-    with pytest.raises(ValueError, match="missing .*encoder.model.encoder.layer.5"):
-        network.load_trained_state({k: v for k, v in state.items() if ".layer.5." not in k})
-    stray = {**state, "encoder.model.encoder.layer.4.output.dense.bias": state["mlp.0.bias"]}
-    with pytest.raises(ValueError, match="stray .*layer.4"):
-        network.load_trained_state(stray)
-    with pytest.raises(ValueError, match="trained_layers must be in"):
-        RankingNetwork(encoder, trained_layers=7)
+    adapted = RankingNetwork(_fresh_encoder(), lora_rank=2)
+    ids, mask = encoder.batch_inputs([chat(("user", "write an essay on rivers"))])
+    with torch.no_grad():
+        assert torch.equal(adapted.encoder.pooled(ids, mask), encoder.pooled(ids, mask))  # B starts at 0
+    state = adapted.trained_state()
+    with pytest.raises(ValueError, match="missing .*layer.5.output.dense.lora_b"):
+        adapted.load_trained_state({k: v for k, v in state.items() if "layer.5.output.dense.lora_b" not in k})
+    with pytest.raises(ValueError, match="stray .*word_embeddings"):
+        adapted.load_trained_state({**state, "encoder.model.embeddings.word_embeddings.weight": state["mlp.0.bias"]})
+    with pytest.raises(ValueError, match="already has adapters"):
+        RankingNetwork(adapted.encoder, lora_rank=2)
 
 
 @pytest.mark.parametrize("name", ["lexical", pytest.param("default", marks=pytest.mark.integration)])

@@ -460,7 +460,7 @@ def test_the_parity_check_reads_every_row_of_a_table_smaller_than_its_sample():
     (["--model", "lexical", "--labels", "trace", "--prior", "p"], "--prior applies to"),
     (["--model", "embed_lgbm", "--labels", "sharegpt", "--prior", "p"], "--prior applies to"),
     (["--model", "lexical", "--labels", "trace", "--hold-out-trace"], "--hold-out-trace applies to"),
-    (["--model", "embed_lgbm", "--finetune-layers", "2"], "--finetune-layers applies to --model finetune only"),
+    (["--model", "embed_lgbm", "--lora-rank", "2"], "--lora-rank applies to --model finetune only"),
 ])
 def test_train_refuses_a_prior_or_a_held_out_trace_it_cannot_use_before_loading_data(flags, message, monkeypatch):
     import argparse
@@ -533,8 +533,8 @@ def test_the_trainer_config_carries_the_seed_or_the_probes_token_count():
     assert train.trainer_config(parser.parse_args(["--model", "lexical", "--seed", "3"])) == fitters.LgbmConfig(seed=3)
     assert train.trainer_config(parser.parse_args(["--model", "probe", "--probe-tokens", "7"])).max_tokens == 7
     assert train.trainer_config(parser.parse_args(["--model", "finetune", "--seed", "5"])) == FinetuneConfig(seed=5)
-    assert train.trainer_config(parser.parse_args(["--model", "finetune", "--finetune-layers", "2"])) == FinetuneConfig(
-        trained_layers=2)
+    assert train.trainer_config(parser.parse_args(["--model", "finetune", "--lora-rank", "2"])) == FinetuneConfig(
+        lora_rank=2)
 
 
 def test_cached_embeddings_mark_and_zero_the_prompts_not_in_the_cache(tmp_path: Path):

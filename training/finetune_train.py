@@ -4,8 +4,8 @@ Each mini-batch of LIST_SIZE prompts is one list. ListMLE (Xia et al., 2008) max
 likelihood of the true order under the Plackett-Luce model of the scores:
     loss = mean_i [ logsumexp(s_sorted[i:]) - s_sorted[i] ],  s sorted by true length, longest first,
 so only the order of the labels matters (as for the scheduler). The quantile heads learn
-log1p(length) with the pinball loss at 0.5 and 0.9. The encoder gets a small learning rate,
-the new head a larger one; both warm up linearly over the first `warmup_share` of the steps and
+log1p(length) with the pinball loss at 0.5 and 0.9. The encoder gets a small learning rate
+(its adapters, with `lora_rank`, a larger one), the new head a larger one; all warm up linearly over the first `warmup_share` of the steps and
 then decay linearly to zero (BERT's schedule): a full rate at the first step lets the untrained
 head's gradients shake the pretrained encoder, and a constant one leaves the weights moving when
 training stops.
@@ -31,17 +31,22 @@ class FinetuneConfig:
     epochs: int = 1
     list_size: int = 32
     encoder_learning_rate: float = 3e-5
+    # Adapters start at zero and move only within their rank: they take a larger rate, as in
+    # LoRA's own recipes (measured: 5e-4 at rank 16 on the whole train split, one epoch).
+    adapter_learning_rate: float = 5e-4
     head_learning_rate: float = 1e-3
     quantile_weight: float = 1.0
     max_grad_norm: float = 1.0
     warmup_share: float = 0.06
-    # Train only the encoder's top N transformer layers (None: all of it, embeddings included).
-    trained_layers: int | None = None
+    # Train rank-r adapters on a frozen encoder (predictor.lora), or (None) the encoder itself.
+    lora_rank: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.list_size < 2:
             raise ValueError("epochs >= 1 and list_size >= 2 required")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank!r}")
         if not 0.0 <= self.warmup_share < 1.0:
             raise ValueError(f"warmup_share must be in [0, 1), got {self.warmup_share!r}")
 
@@ -74,8 +79,9 @@ def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray
     network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
     network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))
     trained_encoder = [parameter for parameter in network.encoder.parameters() if parameter.requires_grad]
+    encoder_rate = config.adapter_learning_rate if network.adapted else config.encoder_learning_rate
     optimizer = torch.optim.AdamW([
-        {"params": trained_encoder, "lr": config.encoder_learning_rate},
+        {"params": trained_encoder, "lr": encoder_rate},
         {"params": network.mlp.parameters(), "lr": config.head_learning_rate},
     ])
     target = torch.log1p(torch.from_numpy(lengths.astype(np.float32)))
@@ -109,10 +115,10 @@ def train(data, spec: PredictorSpec, config: FinetuneConfig):
     limit_torch_threads()
     torch.manual_seed(config.seed)
     encoder_config = EncoderConfig()
-    network = RankingNetwork(MiniLMEncoder(encoder_config), trained_layers=config.trained_layers)
+    network = RankingNetwork(MiniLMEncoder(encoder_config), lora_rank=config.lora_rank)
     fit_network(network, data.train.prompts, data.train.lengths, config)
     spec = dataclasses.replace(spec, feature_spec={**lexical_spec(), **encoder_feature_spec(encoder_config),
-                                                   "trained_layers": config.trained_layers})
+                                                   "lora_rank": config.lora_rank})
     model = FinetunePredictor(network, spec)
     return TrainedModel(model, predict_in_batches(model, data.valid.prompts),
                         predict_in_batches(model, data.test.prompts),

@@ -54,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "can be a --prior of a trace-trained one")
     parser.add_argument("--probe-tokens", type=positive_int, default=64, metavar="N",
                         help="probe: the prompt's last N tokens it reads (its cost grows with N)")
-    parser.add_argument("--finetune-layers", type=positive_int, default=None, metavar="N",
-                        help="finetune: train only MiniLM's top N layers (default: all of it); the saved "
-                             "folder then holds only those and the head, the rest comes from the package")
+    parser.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
+                        help="finetune: train rank-R adapters on a frozen MiniLM (default: MiniLM itself); "
+                             "the saved folder then holds only the adapters and the head")
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -160,7 +160,7 @@ def trainer_config(args: argparse.Namespace):
     if args.model == "finetune":
         from training.finetune_train import FinetuneConfig
 
-        return FinetuneConfig(seed=args.seed, trained_layers=args.finetune_layers)
+        return FinetuneConfig(seed=args.seed, lora_rank=args.lora_rank)
     return fitters.LgbmConfig(seed=args.seed)
 
 
@@ -171,8 +171,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
 
     if args.prior is not None and (args.model != "embed_lgbm" or args.labels != "trace"):
         raise ValueError("--prior applies to --model embed_lgbm --labels trace only")
-    if args.finetune_layers is not None and args.model != "finetune":
-        raise ValueError("--finetune-layers applies to --model finetune only")
+    if args.lora_rank is not None and args.model != "finetune":
+        raise ValueError("--lora-rank applies to --model finetune only")
     if args.hold_out_trace and args.labels != "sharegpt":
         raise ValueError("--hold-out-trace applies to --labels sharegpt only")
     check_save_target(args.save)

@@ -443,6 +443,23 @@ def test_committed_predictors_load_and_rank_an_essay_above_a_greeting(name):
     assert chosen == "p50" and (essay.rank_len, greeting.rank_len) == (essay.p50, greeting.p50)
 
 
+@pytest.mark.integration
+def test_the_committed_finetune_reproduces_its_recorded_test_tau():
+    from training import labels
+    from training.dataset import REPO_ROOT
+    from training.metrics import prediction_metrics
+
+    model = predictor.load(REPO_ROOT / "data" / "predictors" / "finetune")  # adapters on the package's MiniLM
+    essay, greeting = model.predict([chat(("user", "Write a detailed 1000 word essay on the history of Rome.")),
+                                     chat(("user", "hi"))])
+    assert essay.rank_len > greeting.rank_len and 0 < greeting.p50 <= greeting.p90
+    # The rows training scored it on (`lengthwise train` subsamples the test split with seed 2):
+    # a network loaded other than it was trained (adapters, scaling, features) ranks them otherwise.
+    test = labels.subsample(labels.load_split("test", "sharegpt"), 2000, seed=2)
+    tau = prediction_metrics(test.lengths, predict_in_batches(model, test.prompts)).kendall_tau
+    assert tau == pytest.approx(model.spec.metrics["test_kendall_tau"], abs=5e-4)
+
+
 def test_a_saved_folder_is_never_mixed_with_another_predictor_and_a_newer_format_says_so(tmp_path):
     from predictor.length import LengthParams, LengthPredictor
 

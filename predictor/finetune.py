@@ -9,7 +9,7 @@ The score is trained with a listwise ranking loss, the quantiles with the pinbal
 
 `lora_rank` = r trains low-rank adapters on every encoder layer (predictor.lora) instead of
 the encoder itself: the pretrained weights stay as the installed package has them, so a saved
-predictor holds only the adapters and the head (2.8 MB at r = 16, fp32 safetensors) and takes the
+predictor holds only the adapters and the head (2.9 MB at r = 16, fp32 safetensors) and takes the
 rest from the package, whose files' fingerprint it checks at load. None trains and saves the
 whole network (91 MB).
 """
@@ -38,8 +38,8 @@ class RankingNetwork(torch.nn.Module):
         super().__init__()
         self.encoder = encoder
         self.adapted = lora_rank is not None
-        if self.adapted:
-            add_adapters(encoder.model, lora_rank)  # freezes the pretrained weights
+        if self.adapted:  # into `encoder` itself, whose pretrained weights it freezes
+            add_adapters(encoder.model, lora_rank)
         self.register_buffer("lexical_mean", torch.zeros(num_lexical))
         self.register_buffer("lexical_std", torch.ones(num_lexical))
         self.mlp = torch.nn.Sequential(

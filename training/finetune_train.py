@@ -5,10 +5,10 @@ likelihood of the true order under the Plackett-Luce model of the scores:
     loss = mean_i [ logsumexp(s_sorted[i:]) - s_sorted[i] ],  s sorted by true length, longest first,
 so only the order of the labels matters (as for the scheduler). The quantile heads learn
 log1p(length) with the pinball loss at 0.5 and 0.9. The encoder gets a small learning rate
-(its adapters, with `lora_rank`, a larger one), the new head a larger one; all warm up linearly over the first `warmup_share` of the steps and
-then decay linearly to zero (BERT's schedule): a full rate at the first step lets the untrained
-head's gradients shake the pretrained encoder, and a constant one leaves the weights moving when
-training stops.
+(its adapters, with `lora_rank`, a larger one), the new head a larger one; all warm up linearly
+over the first `warmup_share` of the steps and then decay linearly to zero (BERT's schedule): a
+full rate at the first step lets the untrained head's gradients shake the pretrained encoder,
+and a constant one leaves the weights moving when training stops.
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def replace_folder(source: Path, target: Path) -> None:
 
 
 def trainer_config(args: argparse.Namespace):
-    """The probe reads the served model's states, the fine-tune trains MiniLM itself; every other
-    kind fits LightGBM-style heads."""
+    """The probe reads the served model's states, the fine-tune trains MiniLM (or adapters on it);
+    every other kind fits LightGBM-style heads."""
     if args.model == "probe":
         from predictor.probe import ProbeConfig
 

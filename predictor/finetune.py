@@ -69,7 +69,7 @@ class RankingNetwork(torch.nn.Module):
 
     def load_trained_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load what `trained_state` saved; the frozen encoder weights stay the package's."""
-        expected = set(self.trained_state())
+        expected = {name for name in self.state_dict() if self.is_trained(name)}
         if set(state) != expected:
             missing, stray = sorted(expected - set(state)), sorted(set(state) - expected)
             raise ValueError(f"fine-tuned weights do not fit the network: missing {missing[:3]}, "

@@ -149,6 +149,16 @@ def test_explicit_prompt_logprobs_win_over_echos():
     assert completion(logprobs=2).requested_prompt_logprobs() is None
 
 
+def test_a_stream_scores_the_prompt_only_for_an_echo_with_logprobs():
+    # vLLM takes prompt_logprobs 0 with a stream and sends none: scoring the prompt would be waste.
+    assert completion(stream=True, prompt_logprobs=0).requested_prompt_logprobs() is None
+    assert completion(stream=True, echo=True, prompt_logprobs=0).requested_prompt_logprobs() is None
+    assert completion(stream=True, echo=True, logprobs=2).requested_prompt_logprobs() == 2
+    assert completion(stream=True, echo=True, logprobs=2, prompt_logprobs=0).requested_prompt_logprobs() == 0
+    assert chat(stream=True, prompt_logprobs=0).requested_prompt_logprobs() is None
+    assert chat(prompt_logprobs=0).requested_prompt_logprobs() == 0
+
+
 def test_the_reply_extends_the_final_turn_without_a_generation_prompt():
     assert chat(add_generation_prompt=False).reply_role("user") == "user"
     assert chat().reply_role("user") == "assistant"

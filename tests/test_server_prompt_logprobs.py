@@ -2,8 +2,8 @@
 vLLM's `prompt_logprobs` field (completions per choice, chat at the top level) and completions'
 `echo` with `logprobs`, each against the offline engine's prompt logprobs for the same ids (which
 tests/test_prompt_logprobs.py checks against HF); the n choices of one whole reply share one
-scoring; a streamed echo carries a whole reply's logprobs, and streamed prompt_logprobs are a 400
-naming the field, as in vLLM."""
+scoring; a streamed echo carries a whole reply's logprobs, and streamed prompt_logprobs above 0 are
+a 400 naming the field, as in vLLM (which takes 0 and sends none)."""
 
 from __future__ import annotations
 
@@ -134,6 +134,16 @@ def test_only_the_first_choice_of_a_whole_reply_scores_the_shared_prompt() -> No
 def test_bad_prompt_logprobs_are_400s_naming_the_field(served, path, body, field) -> None:
     error = error_of(post(served[0], path, {"model": MODEL, "max_tokens": 2, **body}), 400)
     assert error["param"] == field and error["message"].startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": CHAT})])
+def test_a_stream_takes_prompt_logprobs_0_and_sends_none(served, path, body) -> None:
+    reply = post(served[0], path, {"model": MODEL, "max_tokens": 2, "stream": True, "prompt_logprobs": 0, **body})
+    assert reply.status_code == 200
+    events = [line[len("data: "):] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert all("prompt_logprobs" not in event for event in events)
 
 
 def test_a_reply_with_prompt_logprobs_alone_is_built_off_the_event_loop(tiny_model_dir) -> None:

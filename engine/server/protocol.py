@@ -93,7 +93,8 @@ class BaseRequest(CompletionUnsupportedFields):
     # never stop anything; the prompt's ids are checked against the vocabulary in prompt_input.py.)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)  # no stop before this many tokens
-    # Each prompt token's logprob with this many alternatives (not streamed, as in vLLM).
+    # Each prompt token's logprob with this many alternatives. As in vLLM, a stream takes only 0,
+    # and carries none (but in a streamed completion's echo with logprobs).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Token ids the model may generate (the engine checks them against the vocabulary).
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
@@ -121,13 +122,14 @@ class BaseRequest(CompletionUnsupportedFields):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs_are_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("stream"):
-            raise ValueError("prompt_logprobs are not available with stream: true")
+        if value and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream: true (only 0, as in vLLM)")
         return value
 
     def requested_prompt_logprobs(self) -> int | None:
-        """SamplingParams.prompt_logprobs."""
-        return self.prompt_logprobs
+        """SamplingParams.prompt_logprobs: none for a stream, which would not carry them (a long
+        prompt's scores cost a vocabulary-wide row of logits per token)."""
+        return None if self.stream else self.prompt_logprobs
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -233,10 +235,11 @@ class CompletionRequest(BaseRequest):
         return self.max_tokens == 0
 
     def requested_prompt_logprobs(self) -> int | None:
-        # Echoed with logprobs, the prompt's tokens get theirs too, as many alternatives (vLLM's rule).
-        if self.prompt_logprobs is None and self.echo:
-            return self.logprobs
-        return self.prompt_logprobs
+        # Echoed with logprobs, the prompt's tokens get theirs too, as many alternatives (vLLM's rule;
+        # an explicit prompt_logprobs wins). Only such an echo carries them in a stream.
+        if self.echo and self.logprobs is not None:
+            return self.logprobs if self.prompt_logprobs is None else self.prompt_logprobs
+        return super().requested_prompt_logprobs()
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -298,7 +298,7 @@ def test_train_refuses_to_save_over_a_folder_that_is_not_a_predictor(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=10, max_eval=10, store=tmp_path / "mlruns",
                               save=tmp_path / "notes", no_register=True, seed=0, prior=None, hold_out_trace=False,
-                              lora_rank=None)
+                              lora_rank=None, probe_tokens=None)
     with pytest.raises(ValueError, match="not a predictor folder"):
         train.train_and_log(args)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
@@ -310,7 +310,7 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
 
     args = argparse.Namespace(model="lexical", labels="sharegpt", max_train=600, max_eval=300, store=tmp_path / "mlruns",
                               save=tmp_path / "saved", no_register=False, seed=0, prior=None, hold_out_trace=False,
-                              lora_rank=None)
+                              lora_rank=None, probe_tokens=None)
     (tmp_path / "saved" / "prior").mkdir(parents=True)  # left by an earlier stacked model saved there
     (tmp_path / "saved" / "predictor.json").write_text("{}")
     run_id, logged = train.train_and_log(args)

@@ -461,6 +461,7 @@ def test_the_parity_check_reads_every_row_of_a_table_smaller_than_its_sample():
     (["--model", "embed_lgbm", "--labels", "sharegpt", "--prior", "p"], "--prior applies to"),
     (["--model", "lexical", "--labels", "trace", "--hold-out-trace"], "--hold-out-trace applies to"),
     (["--model", "embed_lgbm", "--lora-rank", "2"], "--lora-rank applies to --model finetune only"),
+    (["--model", "finetune", "--probe-tokens", "128"], "--probe-tokens applies to --model probe only"),
 ])
 def test_train_refuses_a_prior_or_a_held_out_trace_it_cannot_use_before_loading_data(flags, message, monkeypatch):
     import argparse
@@ -525,6 +526,7 @@ def test_a_training_run_competes_for_champion_only_on_its_own_table_and_without_
 def test_the_trainer_config_carries_the_seed_or_the_probes_token_count():
     import argparse
 
+    from predictor.probe import ProbeConfig
     from training import fitters, train
     from training.finetune_train import FinetuneConfig
 
@@ -532,6 +534,7 @@ def test_the_trainer_config_carries_the_seed_or_the_probes_token_count():
     train.add_arguments(parser)
     assert train.trainer_config(parser.parse_args(["--model", "lexical", "--seed", "3"])) == fitters.LgbmConfig(seed=3)
     assert train.trainer_config(parser.parse_args(["--model", "probe", "--probe-tokens", "7"])).max_tokens == 7
+    assert train.trainer_config(parser.parse_args(["--model", "probe"])) == ProbeConfig()  # its 64 tokens
     assert train.trainer_config(parser.parse_args(["--model", "finetune", "--seed", "5"])) == FinetuneConfig(seed=5)
     assert train.trainer_config(parser.parse_args(["--model", "finetune", "--lora-rank", "2"])) == FinetuneConfig(
         lora_rank=2)

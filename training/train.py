@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-out-trace", action="store_true",
                         help="leave the trace's conversations out of train and validation, so the model "
                              "can be a --prior of a trace-trained one")
-    parser.add_argument("--probe-tokens", type=positive_int, default=64, metavar="N",
-                        help="probe: the prompt's last N tokens it reads (its cost grows with N)")
+    # None, not the probe's 64, so that a --probe-tokens given to another kind is refused, not ignored.
+    parser.add_argument("--probe-tokens", type=positive_int, default=None, metavar="N",
+                        help="probe: the prompt's last N tokens it reads (default 64; its cost grows with N)")
     parser.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
                         help="finetune: train rank-R adapters on a frozen MiniLM (default: MiniLM itself); "
                              "the saved folder then holds only the adapters and the head")
@@ -156,7 +157,7 @@ def trainer_config(args: argparse.Namespace):
     if args.model == "probe":
         from predictor.probe import ProbeConfig
 
-        return ProbeConfig(max_tokens=args.probe_tokens)
+        return ProbeConfig() if args.probe_tokens is None else ProbeConfig(max_tokens=args.probe_tokens)
     if args.model == "finetune":
         from training.finetune_train import FinetuneConfig
 
@@ -173,6 +174,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         raise ValueError("--prior applies to --model embed_lgbm --labels trace only")
     if args.lora_rank is not None and args.model != "finetune":
         raise ValueError("--lora-rank applies to --model finetune only")
+    if args.probe_tokens is not None and args.model != "probe":
+        raise ValueError("--probe-tokens applies to --model probe only")
     if args.hold_out_trace and args.labels != "sharegpt":
         raise ValueError("--hold-out-trace applies to --labels sharegpt only")
     check_save_target(args.save)

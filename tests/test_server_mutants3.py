@@ -120,11 +120,13 @@ def test_null_echo_and_stream_options_are_their_defaults():
     assert options.usage_in_stream() == (False, False)
 
 
-def test_continuous_usage_comes_only_with_include_usage():
-    # vLLM's continuous_usage_stats adds to the usage the stream carries; alone it asks for none.
-    assert chat(stream=True, stream_options={"continuous_usage_stats": True}).usage_in_stream() == (False, False)
-    both = {"include_usage": True, "continuous_usage_stats": True}
-    assert chat(stream=True, stream_options=both).usage_in_stream() == (True, True)
+def test_stream_options_ask_for_usage_unless_they_say_no():
+    # vLLM's (and SGLang's) include_usage is true unless set; continuous_usage_stats adds to it.
+    assert chat(stream=True).usage_in_stream() == (False, False)
+    assert chat(stream=True, stream_options={}).usage_in_stream() == (True, False)
+    assert chat(stream=True, stream_options={"continuous_usage_stats": True}).usage_in_stream() == (True, True)
+    refused = {"include_usage": False, "continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=refused).usage_in_stream() == (False, False)
 
 
 # ---- what the fields ask for ----------------------------------------------------------------------

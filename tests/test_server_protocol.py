@@ -231,13 +231,22 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
         assert error_of(post(served[0], "/v1/completions", body), 400)["param"] == field
 
 
-def test_stream_options_take_null_as_unset(served):
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True}
-    unset = post(served[0], "/v1/completions", {**body, "stream_options": {"include_usage": None}})
-    assert unset.status_code == 200 and '"usage":{' not in unset.text  # no usage chunk asked for
-    # vLLM's continuous usage comes with include_usage only, as vLLM gives it.
-    alone = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
-    assert alone.status_code == 200 and '"usage":{' not in alone.text
+def test_stream_options_ask_for_usage_unless_include_usage_is_false_or_null(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True, "ignore_eos": True}
+
+    def usages(options) -> list[dict | None]:
+        reply = post(served[0], "/v1/completions", {**body, "stream_options": options})
+        assert reply.status_code == 200
+        return [json.loads(line[6:]).get("usage") for line in reply.text.splitlines()
+                if line.startswith("data: {")]
+
+    for unasked in ({"include_usage": None}, {"include_usage": False, "continuous_usage_stats": True}):
+        assert not any(usages(unasked))
+    # As vLLM gives it: an empty object asks for the last chunk's usage, and continuous usage
+    # alone for every chunk's.
+    final_only = usages({})
+    assert not any(final_only[:-1]) and final_only[-1]["completion_tokens"] == 2
+    assert all(usages({"continuous_usage_stats": True}))
     refused = post(served[0], "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": "x"}})
     assert error_of(refused, 400)["param"].startswith("stream_options")
 

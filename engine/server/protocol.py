@@ -55,11 +55,13 @@ def not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    # As vLLM and SGLang take it: a stream_options object asks for the usage chunk unless it says
+    # include_usage false (or null); a stream without stream_options gets none, as from OpenAI.
+    include_usage: bool | None = True
     # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens).
     continuous_usage_stats: bool = False
 
-    _null_is_the_default = field_validator("include_usage", "continuous_usage_stats",
+    _null_is_the_default = field_validator("continuous_usage_stats",
                                            mode="before")(classmethod(null_is_the_default))
 
 

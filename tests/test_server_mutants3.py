@@ -236,6 +236,61 @@ def test_a_chat_cut_to_the_context_is_refused_naming_messages(tokenizer):
         context.close()
 
 
+def test_truncation_side_right_keeps_the_prompts_first_tokens(tokenizer):
+    context = Context(tokenizer, max_model_len=8)
+    try:
+        ids = list(range(100, 120))
+        kept = asyncio.run(context._truncated(completion(truncate_prompt_tokens=5, truncation_side="right"), ids,
+                                              "text", "prompt"))
+        assert kept == (ids[:5], tokenizer.decode(ids[:5]))
+        left = asyncio.run(context._truncated(completion(truncate_prompt_tokens=5, truncation_side="left"), ids,
+                                              "text", "prompt"))
+        assert left[0] == ids[-5:]
+    finally:
+        context.close()
+
+
+class SpecialTokens:
+    """A tokenizer whose special tokens are a BOS (id 1), and whose other ids are characters."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids if i != 1)
+
+    def __len__(self) -> int:
+        return 0x110000
+
+
+@pytest.mark.parametrize("asked, expected", [({}, [1, 72, 105]), ({"add_special_tokens": False}, [72, 105]),
+                                             ({"add_special_tokens": None}, [1, 72, 105])])
+def test_a_completions_text_gets_special_tokens_unless_asked_not_to(asked, expected):
+    context = Context(SpecialTokens(), max_model_len=100, max_token_chars=100)
+    try:
+        assert asyncio.run(context._completion_prompt(completion(**asked), "Hi"))[0] == expected
+    finally:
+        context.close()
+
+
+def test_a_chats_templated_text_gets_special_tokens_only_when_asked(monkeypatch):
+    from engine.server import prompt_input
+
+    monkeypatch.setattr(prompt_input, "render_chat", lambda tokenizer, messages, body, tools: "Hi")
+    context = Context(SpecialTokens(), max_model_len=100, max_token_chars=100)
+    assert context._render_chat(chat(), CHAT) == ("Hi", [72, 105])
+    assert context._render_chat(chat(add_special_tokens=True), CHAT) == ("Hi", [1, 72, 105])
+
+
+@pytest.mark.parametrize("field, value", [("return_tokens_as_token_ids", True), ("logprob_token_ids", [3]),
+                                          ("truncation_side", "middle")])
+def test_vllm_fields_this_server_does_not_honour_are_refused_by_name(field, value):
+    assert refused_field(completion, **{field: value}) == field
+    assert refused_field(chat, **{field: value}) == field
+    assert refused_field(chat, documents=[{"title": "t", "text": "x"}]) == "documents"
+    completion(return_tokens_as_token_ids=False, logprob_token_ids=None)  # their neutral values pass
+
+
 def test_a_prompt_no_longer_than_the_truncation_keeps_its_own_text(tokenizer):
     # Nothing is cut, so echo shows the text sent, not the ids' decoding (which drops "\x04": SmolLM2's
     # vocabulary has no token for that byte).

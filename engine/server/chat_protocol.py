@@ -148,7 +148,10 @@ class ChatCompletionRequest(BaseRequest, ChatUnsupportedFields, ChatTemplateFiel
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     # vLLM's: the final message's text before the reply, when the reply continues its role.
     echo: bool = False
-    _null_is_false = field_validator("logprobs", "echo", mode="before")(classmethod(null_is_the_default))
+    # vLLM's: the tokenizer's special tokens on the templated text (off: the template has its own).
+    add_special_tokens: bool = False
+    _null_is_false = field_validator("logprobs", "echo", "add_special_tokens",
+                                     mode="before")(classmethod(null_is_the_default))
     _counts_are_not_bools = field_validator("top_logprobs", "max_completion_tokens",
                                             mode="before")(classmethod(not_a_bool))
 

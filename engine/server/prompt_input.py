@@ -44,7 +44,7 @@ class PromptInput:
                      tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         prompt_text = render_chat(self.tokenizer, messages, body, tools)
         self._check_untruncated_text(body, prompt_text, "messages")
-        return prompt_text, self._encode(prompt_text, False)
+        return prompt_text, self._encode(prompt_text, body.add_special_tokens)
 
     def _check_untruncated_text(self, body: CompletionRequest | ChatCompletionRequest, text: str, param: str) -> None:
         """A text too long for any tokenization to fit the context is refused before it is
@@ -55,14 +55,15 @@ class PromptInput:
     async def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                          prompt_text: str | None, prompt_param: str) -> tuple[list[int], str]:
         """The prompt as the model will see it: vLLM's truncate_prompt_tokens keeps its last N
-        tokens (-1: max_model_len), from the left as vLLM cuts. Its text (for echo and the length
-        predictor) is decoded from the ids when they were given as ids or cut; the context is
-        checked before that decode."""
+        tokens (-1: max_model_len), cut from the left as vLLM cuts by default, or its first N with
+        truncation_side "right". Its text (for echo and the length predictor) is decoded from the
+        ids when they were given as ids or cut; the context is checked before that decode."""
         keep = body.truncate_prompt_tokens
         if keep is not None:
             keep = self.max_model_len if keep == -1 else keep
             if len(prompt_ids) > keep:
-                prompt_ids, prompt_text = prompt_ids[-keep:], None
+                kept = prompt_ids[:keep] if body.truncation_side == "right" else prompt_ids[-keep:]
+                prompt_ids, prompt_text = kept, None
         if prompt_text is None:
             self._check_context(len(prompt_ids), None, prompt_param, "max_tokens")
             prompt_text = await self.off_loop(self.tokenizer.decode, prompt_ids)
@@ -75,9 +76,7 @@ class PromptInput:
         """One prompt of a completion request as (ids, text), checked and truncated."""
         if isinstance(prompt, str):
             self._check_untruncated_text(body, prompt, "prompt")
-            # As vLLM: a plain prompt gets the tokenizer's special tokens (a BOS, for models that
-            # add one); a chat's come from its template.
-            prompt_ids, prompt_text = await self.off_loop(self._encode, prompt, True), prompt
+            prompt_ids, prompt_text = await self.off_loop(self._encode, prompt, body.add_special_tokens), prompt
         else:
             check_token_ids(prompt, len(self.tokenizer), "prompt")
             prompt_ids, prompt_text = list(prompt), None

@@ -87,8 +87,10 @@ class BaseRequest(CompletionUnsupportedFields):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays in the text
     skip_special_tokens: bool = True  # False: special tokens' names stay in the text
-    # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM truncates.
+    # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM truncates; its
+    # first N with vLLM's truncation_side "right".
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
@@ -208,6 +210,9 @@ class CompletionRequest(BaseRequest):
     top_logprobs: Any = None  # chat's field: refused here, so it is not silently ignored
     # The prompt's text before each choice's (decoded, for a prompt of token ids).
     echo: bool = False
+    # vLLM's: a text prompt gets the tokenizer's special tokens (a BOS, for models that add one).
+    add_special_tokens: bool = True
+    _null_is_true = field_validator("add_special_tokens", mode="before")(classmethod(null_is_the_default))
 
     @field_validator("logprobs", mode="before")
     @classmethod

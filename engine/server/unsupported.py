@@ -22,11 +22,12 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
 CHAT_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"), "prediction": (None,), "audio": (None,),
-    "modalities": (None, ["text"]),
+    "modalities": (None, ["text"]), "documents": (None,),
     # A template of the request's own: vLLM too refuses it unless told to trust requests' templates.
     "chat_template": (None,),
 }
@@ -44,7 +45,9 @@ class CompletionUnsupportedFields(BaseModel):
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    return_tokens_as_token_ids: bool | None = None
     # Refused whatever their value unless null, so their shape is not checked.
+    logprob_token_ids: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -85,6 +88,7 @@ class ChatUnsupportedFields(BaseModel):
     audio: Any = None
     modalities: list[str] | None = None
     chat_template: Any = None
+    documents: Any = None  # vLLM hands them to the chat template; this server does not
 
     @field_validator(*CHAT_NEUTRAL_VALUES)
     @classmethod

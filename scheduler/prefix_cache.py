@@ -22,7 +22,8 @@ at most (num_tokens - 1) // block_size blocks from the cache: at least one token
 logits give the next token, and it goes into a block of the request's own.
 
 A request that asks for prompt logprobs finds nothing: they need every prompt position's
-hidden state.
+hidden state. A request with a cache salt (vLLM's `cache_salt`) starts its chain from the salt's
+digest, so it shares blocks only with requests of the same salt.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def chain_hash(previous: bytes | None, tokens: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
+def salt_digest(request: Request) -> bytes | None:
+    """What a request's first block follows: its cache salt's digest, or nothing."""
+    salt = request.sampling_params.cache_salt
+    return None if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
+
+
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -59,8 +66,10 @@ class PrefixCache:
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) <= index:
             at = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, token_slice(request, at * size, (at + 1) * size)))
-        return (hashes[index - 1] if index else None, token_slice(request, index * size, (index + 1) * size))
+            hashes.append(chain_hash(hashes[-1] if hashes else salt_digest(request),
+                                     token_slice(request, at * size, (at + 1) * size)))
+        return (hashes[index - 1] if index else salt_digest(request),
+                token_slice(request, index * size, (index + 1) * size))
 
     def lookup(self, request: Request) -> list[int]:
         """The device blocks holding the request's longest cached prefix, in order."""

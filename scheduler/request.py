@@ -111,6 +111,10 @@ class SamplingParams:
     # vLLM's bad words, as token id sequences: the last token of each is ruled out wherever the
     # output ends with the ones before it (a one-token word: everywhere).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: prefix caching shares KV blocks only between requests with the same salt
+    # (or none), so one tenant cannot time its way to another's prompts. Not a sampling setting,
+    # but it travels with the request to the scheduler as these do.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
@@ -132,6 +136,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):

@@ -88,6 +88,23 @@ def test_the_server_reports_cached_prompt_tokens_and_counts_them(tiny_model_dir)
     assert hits == cached and queries == first.usage.prompt_tokens + again.usage.prompt_tokens
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_model_dir) -> None:
+    from test_server import MODEL, openai_client, serving, tiny_engine
+
+    messages = [{"role": "system", "content": "You answer in one word. " * 8},
+                {"role": "user", "content": "Name a colour."}]
+    with serving(tiny_engine(tiny_model_dir, enable_prefix_caching=True)) as (base_url, _):
+        client = openai_client(base_url)
+
+        def cached(salt: str | None) -> int:
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                   extra_body={} if salt is None else {"cache_salt": salt})
+            return reply.usage.prompt_tokens_details.cached_tokens
+
+        assert [cached("tenant-a"), cached(None), cached("tenant-b")] == [0, 0, 0]
+        assert cached("tenant-a") > 0 and cached(None) > 0
+
+
 def test_without_the_flag_usage_has_no_cached_tokens(tiny_model_dir) -> None:
     from test_server import MODEL, openai_client, serving, tiny_engine
 

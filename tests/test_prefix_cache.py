@@ -162,6 +162,18 @@ def test_a_request_asking_for_prompt_logprobs_finds_nothing() -> None:
     assert m.cached_prefix(request("b", range(1, 11), prompt_logprobs=0)).num_tokens == 0
 
 
+def test_a_salted_request_finds_only_blocks_of_its_own_salt() -> None:
+    m = manager()
+    computed(m, request("a", range(1, 11), cache_salt="x"))
+    assert m.cached_prefix(request("plain", range(1, 11))).num_tokens == 0
+    assert m.cached_prefix(request("other", range(1, 11), cache_salt="y")).num_tokens == 0
+    assert m.cached_prefix(request("same", range(1, 11), cache_salt="x")).num_tokens == 8
+    computed(m, request("b", range(1, 11)))
+    assert m.cached_prefix(request("plain2", range(1, 11))).num_tokens == 8
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:
     m = manager()
     computed(m, request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))

@@ -91,6 +91,8 @@ class BaseRequest(CompletionUnsupportedFields):
     # first N with vLLM's truncation_side "right".
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: with prefix caching, KV blocks are shared only among requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
     top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they

@@ -96,7 +96,7 @@ class EngineSubmission:
                                   logit_bias=body.token_logit_bias(),
                                   allowed_token_ids=None if body.allowed_token_ids is None
                                   else tuple(body.allowed_token_ids),
-                                  bad_words_token_ids=bad_words)
+                                  bad_words_token_ids=bad_words, cache_salt=body.cache_salt)
         except ValueError as exc:
             raise errors.invalid_field(None, str(exc)) from exc
 

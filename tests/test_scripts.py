@@ -287,3 +287,20 @@ def test_margin_vs_load_refuses_an_abbreviation_of_a_flag_it_decides(capsys) -> 
     with pytest.raises(SystemExit) as exited:
         script.main(["--polic", "sjf"])
     assert exited.value.code == 2 and "unrecognized arguments: --polic" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--probe", "data/predictors/finetune"], "--probe data/predictors/finetune: a finetune predictor, not a probe"),
+    (["--finetune", "data/predictors/nowhere"], "--finetune: data/predictors/nowhere/predictor.json not found"),
+    (["--head-lr", "0"], "argument --head-lr: must be a positive number, got 0"),
+    (["--epochs", "0"], "argument --epochs: must be a positive integer"),
+])
+def test_trace_transfer_checks_its_predictors_before_loading(capsys, monkeypatch, argv, message) -> None:
+    from predictor import saved
+
+    script = load_script("trace_transfer")
+    monkeypatch.setattr(saved, "load", lambda path: pytest.fail("predictor loaded first"))
+    with pytest.raises(SystemExit) as exited:
+        script.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and message in err

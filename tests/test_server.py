@@ -275,18 +275,18 @@ def test_priority_and_service_tiers_reach_the_scheduler_tiers(served, client, mo
 
     monkeypatch.setattr(engine, "add_request", recording)
     before = scrape(served[0])
-    for service_tier in ("priority", "flex", "default", "auto"):
+    for service_tier in ("priority", "flex", "default", "auto", "scale"):
         reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, service_tier=service_tier,
                                                extra_body={"priority": 0})
         assert reply.choices[0].finish_reason in ("stop", "length")
-    assert scheduled_tiers == ["interactive", "batch", "standard", "standard"]
+    assert scheduled_tiers == ["interactive", "batch", "standard", "standard", "standard"]
     after = scrape(served[0])
     name = "lengthwise:e2e_request_latency_seconds_count"
     counts = {tier: metric(after, name, tier=tier) - metric(before, name, tier=tier)
               for tier in ("interactive", "batch", "standard")}
-    assert counts == {"interactive": 1, "batch": 1, "standard": 2}
+    assert counts == {"interactive": 1, "batch": 1, "standard": 3}
     queued = "lengthwise:request_queue_time_seconds_count"
-    assert metric(after, queued) - metric(before, queued) == 4
+    assert metric(after, queued) - metric(before, queued) == 5
 
 
 def test_completion_stream_reports_usage_only_in_its_last_chunk(client):

@@ -206,6 +206,10 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
                                            frequency_penalty=0.0, logit_bias={}, logprobs=False,
                                            response_format={"type": "text"}, tool_choice="none")
     assert reply.usage.completion_tokens >= 1
+    # A typed client's dump of the text format, its unset members null, asks for text all the same.
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                           response_format={"type": "text", "json_schema": None})
+    assert reply.usage.completion_tokens >= 1
     neutral = {"include_stop_str_in_output": False, "add_generation_prompt": True, "continue_final_message": False,
                "skip_special_tokens": True, "echo": False, "use_beam_search": False, "guided_json": None,
                "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
@@ -400,7 +404,8 @@ def test_responses_name_the_model_asked_for_and_chunks_carry_the_service_tier(se
         reply = post(served[0], path, sent)
         assert reply.status_code == 200 and reply.json()["model"] == named, reply.text
         assert {chunk["model"] for chunk in stream_payloads(served[0], path, sent)} == {named}
-    for tier, named in (("flex", "flex"), ("priority", "priority"), ("auto", "default"), (None, "default")):
+    for tier, named in (("flex", "flex"), ("priority", "priority"), ("auto", "default"), ("scale", "default"),
+                        (None, "default")):
         sent = {**body, "service_tier": tier, "stream_options": {"include_usage": True}}
         assert post(served[0], path, {**sent, "stream_options": None}).json()["service_tier"] == named
         chunks = stream_payloads(served[0], path, sent)  # the usage chunk among them

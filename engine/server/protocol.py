@@ -29,7 +29,8 @@ MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
 
 # OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
-ServiceTier = Literal["auto", "default", "flex", "priority"]
+# OpenAI's tiers; "scale" (reserved capacity) is served as the standard tier, as "default" is.
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale"]
 
 
 def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:

@@ -25,7 +25,7 @@ from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import SEED_MAX, ChoiceGroup, SamplingParams, Tier
 
-SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD,
+SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD, "scale": Tier.STANDARD,
                  "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
 
 

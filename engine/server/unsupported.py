@@ -63,7 +63,10 @@ class CompletionUnsupportedFields(BaseModel):
 
 
 def _neutral_or_refused(value: Any, field: str, neutral: tuple[Any, ...]) -> Any:
-    if value is not None and value not in neutral:
+    # An object's null members are unset ({"type": "text", "json_schema": null} asks for text, as
+    # a typed client writes it).
+    compared = {key: item for key, item in value.items() if item is not None} if isinstance(value, dict) else value
+    if value is not None and compared not in neutral:
         usable = " or ".join(json.dumps(v) for v in neutral if v is not None)
         raise ValueError(f"{field} is not supported by this server (send it unset{' or ' + usable if usable else ''})")
     return value

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                                   max_model_len=args.max_model_len, attention_backend=args.attention_backend))
     prompts = args.prompts if args.raw else [
         llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
-    for prompt, output in zip(args.prompts, llm.generate(prompts, params)):
+    for prompt, output in zip(args.prompts, llm.generate(prompts, params, use_tqdm=False)):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": output.text, "num_tokens": len(output.token_ids),
                               "finish_reason": output.finish_reason}))

@@ -1,14 +1,18 @@
-"""Offline API: `LLM(...).generate(prompts, params) -> list[RequestOutput]`.
+"""Offline API: `LLM(...).generate(prompts, sampling_params) -> list[RequestOutput]`.
 
 All prompts are queued at once and the engine steps until every one has finished, so they share
 batches through continuous batching; results come back in the order of the prompts. Every prompt is
-validated before any is run: bad input raises ValueError and leaves nothing queued.
+validated before any is run: bad input raises ValueError and leaves nothing queued. As in vLLM, a
+prompt is a text, a list of token ids, or a mapping {"prompt": text} / {"prompt_token_ids": ids},
+and `priority` gives each prompt its priority (lower first, under the `priority` policy).
 """
 
 from __future__ import annotations
 
 import itertools
 from typing import Any, Mapping, Sequence
+
+from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -17,6 +21,19 @@ from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
 ParamsLike = SamplingParams | Mapping[str, Any]
+# vLLM's TextPrompt and TokensPrompt: a mapping with exactly one of these keys.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _as_prompt(prompt: Any) -> Any:
+    """A vLLM prompt mapping as the text or ids it holds; anything else as it is (add_request
+    checks it)."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+        raise ValueError(f"a prompt mapping holds exactly one of {', '.join(PROMPT_KEYS)}, got keys "
+                         f"{sorted(map(str, prompt))}")
+    return next(iter(prompt.values()))
 
 
 def _as_params(params: ParamsLike | None) -> SamplingParams:
@@ -49,14 +66,14 @@ class LLM:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]  # one prompt of token ids
         elif not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a string, a list of token ids, or a list of those; got "
-                             f"{type(prompts).__name__}")
-        prompts = list(prompts)
+            raise ValueError("prompts must be a string, a list of token ids, a prompt mapping, or a list of "
+                             f"those; got {type(prompts).__name__}")
+        prompts = [_as_prompt(prompt) for prompt in prompts]
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -64,30 +81,39 @@ class LLM:
         return prompts, [_as_params(params)] * len(prompts)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: ParamsLike | Sequence[ParamsLike] | None = None) -> list[RequestOutput]:
-        prompts, params_list = self._normalise(prompts, params)
+                 sampling_params: ParamsLike | Sequence[ParamsLike] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompts, params_list = self._normalise(prompts, sampling_params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         predictions = self.engine.predict(prompts)  # in batches, not one predictor call per prompt
         added: list[str] = []
         try:
-            for request_id, prompt, request_params, prediction in zip(request_ids, prompts, params_list,
-                                                                      predictions):
+            for request_id, prompt, request_params, prediction, rank in zip(request_ids, prompts, params_list,
+                                                                            predictions, priority):
                 added.append(request_id)  # first: a Ctrl-C right after the add must still abort it
-                self.engine.add_request(request_id, prompt, request_params, prediction=prediction)
+                self.engine.add_request(request_id, prompt, request_params, prediction=prediction, priority=rank)
         except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm)
         try:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        progress.update()
         except BaseException:
             # Interrupted (Ctrl-C) or failed: nobody will collect these, so free their blocks.
             for request_id in request_ids:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
             raise
+        finally:
+            progress.close()
         return [finished[request_id] for request_id in request_ids]

@@ -51,7 +51,7 @@ def replay(waves: list[list[list[int]]], max_tokens: int, enable_prefix_caching:
     times, tokens = [], []
     for wave in waves:
         start = time.perf_counter()
-        outputs = llm.generate(wave, params)
+        outputs = llm.generate(wave, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         tokens.append([list(output.token_ids) for output in outputs])
     stats = llm.engine.stats().scheduler

@@ -53,10 +53,40 @@ def test_bad_input_raises_a_clear_value_error(llm, prompt, params, message):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("prompts", [None, 5, {"a": 1}])
+@pytest.mark.parametrize("prompts", [None, 5])
 def test_prompts_that_are_no_list_of_prompts_are_a_value_error(llm, prompts):
-    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids, or a list of those"):
+    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids, a prompt mapping"):
         llm.generate(prompts)
+
+
+def test_vllms_prompt_mappings_are_their_text_or_ids(llm):
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    plain = [o.token_ids for o in llm.generate([PROMPT, ids], greedy(4), use_tqdm=False)]
+    mapped = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], sampling_params=greedy(4))
+    assert [o.token_ids for o in mapped] == plain
+    assert llm.generate({"prompt": PROMPT}, greedy(4))[0].token_ids == plain[0]  # one mapping, one prompt
+    for bad in ({"a": 1}, {"prompt": PROMPT, "multi_modal_data": {}}, {}):
+        with pytest.raises(ValueError, match="a prompt mapping holds exactly one of prompt, prompt_token_ids"):
+            llm.generate([PROMPT, bad], greedy(4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_priorities_order_the_prompts_under_the_priority_policy(tiny_model_dir):
+    one_seat = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=1, num_threads=1, policy="priority")
+    outputs = one_seat.generate(["a", "b", "c"], greedy(2), priority=[2, -1, 0])
+    order = sorted(range(3), key=lambda i: outputs[i].first_scheduled_time)
+    assert order == [1, 2, 0]
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        one_seat.generate(["a", "b", "c"], greedy(2), priority=[0, 1])
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm(llm):
+    assert SamplingParams(seed=-1).seed is None
+    hot = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, seed=-1)
+    draws = {llm.generate(PROMPT, hot)[0].token_ids for _ in range(3)}
+    assert len(draws) > 1  # three unseeded draws of 12 tokens from a random model: alike by chance never
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1.0)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -42,7 +42,8 @@ class Tier(enum.IntEnum):
     BATCH = 2  # throughput only
 
 
-# Seeds are 64-bit integers, signed or not (the sampler hashes a seed's 64 bits with the position).
+# Seeds are 64-bit integers, signed or not (the sampler hashes a seed's 64 bits with the position);
+# -1 is no seed, as in vLLM.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
 PRIORITY_LIMIT = 2**63
@@ -131,6 +132,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, or -1 (disabled), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed", as clients and UIs send it
+            object.__setattr__(self, "seed", None)
         if self.seed is not None and not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

@@ -28,8 +28,8 @@ MAX_CHOICES = 16
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
 
-# OpenAI's service_tier values and the scheduler tier names they map to (see app.py).
-# OpenAI's tiers; "scale" (reserved capacity) is served as the standard tier, as "default" is.
+# OpenAI's service_tier values (submission.SERVICE_TIERS maps them to the scheduler's tiers;
+# "scale", OpenAI's reserved capacity, is served as the standard tier, as "default" is).
 ServiceTier = Literal["auto", "default", "flex", "priority", "scale"]
 
 

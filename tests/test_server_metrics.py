@@ -51,7 +51,19 @@ def test_first_token_inter_token_and_end_to_end_are_observed_when_they_happen():
     assert total(samples, "lengthwise:time_to_first_token_seconds_count") == 1
     assert total(samples, "lengthwise:e2e_request_latency_seconds_sum") == pytest.approx(3.0)
     assert total(samples, "lengthwise:generation_tokens_total") == 5
+    assert total(samples, "lengthwise:prompt_tokens_total") == 2  # once, with the first token
     assert not metrics._last_token_time  # nothing kept for a finished request
+
+
+def test_prompt_tokens_count_when_the_prefill_is_done_not_at_admission():
+    # As vLLM counts them: a request that leaves before its first token was never prefilled.
+    metrics = ServerMetrics(MODEL, lambda: None)
+    metrics.on_admitted(Tier.STANDARD, 2)
+    metrics.on_aborted("gone", Tier.STANDARD)
+    assert total(samples_of(metrics), "lengthwise:prompt_tokens_total") == 0
+    metrics.on_admitted(Tier.STANDARD, 2)
+    metrics.on_output(step_output("a", 1, 1.0), Tier.STANDARD)
+    assert total(samples_of(metrics), "lengthwise:prompt_tokens_total") == 2
 
 
 def test_an_aborted_request_keeps_its_first_token_and_leaves_nothing_behind():
@@ -77,6 +89,12 @@ def test_long_latencies_land_in_finite_buckets():
     finite = {le: v for le, v in counts.items() if le != float("inf")}
     assert 1 in finite.values() and 2 in finite.values()  # each request below a finite bound
     assert all(v == 0 for le, v in finite.items() if le < 300.0)
+    # A token 60 s after the one before it (a wait after a preemption) too.
+    metrics.on_output(step_output("slow", 1, 1.0), Tier.STANDARD)
+    metrics.on_output(step_output("slow", 2, 61.0), Tier.STANDARD)
+    token_counts = {float(dict(ls)["le"]): v for (n, ls), v in samples_of(metrics).items()
+                    if n == "lengthwise:time_per_output_token_seconds_bucket"}
+    assert token_counts[80.0] == 1 and token_counts[40.0] == 0
 
 
 def test_prompts_scored_are_counted_beside_the_batch_latency():

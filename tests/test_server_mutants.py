@@ -109,7 +109,7 @@ def test_a_server_that_refused_nothing_shows_zero_rejections_per_tier(served):
     assert rejections == {"interactive": 0.0, "standard": 0.0, "batch": 0.0}
 
 
-def test_prompt_tokens_count_every_admitted_prompt_token(served, client):
+def test_prompt_tokens_count_every_prefilled_prompt_token(served, client):
     before = metric(scrape(served[0]), "lengthwise:prompt_tokens_total")
     client.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=1)
     assert metric(scrape(served[0]), "lengthwise:prompt_tokens_total") - before == 5

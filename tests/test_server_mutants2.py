@@ -147,6 +147,24 @@ def test_a_tokens_logprobs_go_out_with_its_step_though_its_text_waits():
     assert done == "[DONE]"
 
 
+def test_a_token_whose_text_waits_still_sends_a_chunk_as_vllm_does():
+    """Without logprobs too: a client timing tokens by chunks (a benchmark's inter-token latency)
+    must see the step that made it; the text follows in a later chunk."""
+    async def scenario():
+        stream = RequestStream("r", Tier.STANDARD)
+        events = stream_events([stream], chunk_of, (), False, lambda usage: Chunk(index=0, text=""))
+        stream.put(output("ab"))
+        sent = [await anext(events)]
+        stream.put(output("ab", num_tokens=3))  # half a character, or a special token skipped
+        sent.append(await asyncio.wait_for(anext(events), 60))  # a deadline, not a speed: it is due now
+        stream.put(output("abcd", finished=True, num_tokens=4))
+        return sent + [event async for event in events]
+
+    first, waiting, last, done = payloads(asyncio.run(scenario()))
+    assert [c["text"] for c in (first, waiting, last)] == ["ab", "", "cd"]
+    assert waiting["finish_reason"] is None and last["finish_reason"] == "length" and done == "[DONE]"
+
+
 def test_with_continuous_usage_an_abort_that_replaced_an_unread_output_counts_its_tokens():
     """The abort's last chunk sends the unread output's text ("cde"), so its usage counts that
     output's tokens too: five, not the two of the last output read."""

@@ -37,7 +37,10 @@ TAU_WINDOW = 256  # finished requests kept for the rank correlation
 # requests took over 160 s, the old top bucket, so every tail quantile read 160 s.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
                    1280.0, 2560.0, 7680.0)
-TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# Up to vLLM's 80 s: a token after a recompute preemption's wait, or an engine step stalled by an
+# inline predictor batch, must land below a finite bound too.
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
 # A probe predictor scores a batch of 64 prompts in 2-5 s on a CPU: the top buckets hold it.
 PREDICT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -122,7 +125,8 @@ class ServerMetrics:
         labels = ["model_name"]
         tiered = ["model_name", "tier"]
         reg = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.", labels, registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled (a request's, when its "
+                                     "first token is out, as vLLM counts them).", labels, registry=reg)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg)
         self.rejections = Counter(PREFIX + "admission_rejections",
                                   "Engine requests refused by admission control (a request for n choices counts n).",
@@ -160,7 +164,8 @@ class ServerMetrics:
 
     # ---- EngineListener --------------------------------------------------------------------------
     def on_admitted(self, tier: Tier, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self._model_name).inc(num_prompt_tokens)
+        """Nothing is counted yet: a request may leave, or be drained, before its prefill (its
+        prompt tokens count with its first token)."""
 
     def on_rejected(self, tier: Tier, error: Exception) -> None:
         if isinstance(error, AdmissionRejected):
@@ -187,6 +192,7 @@ class ServerMetrics:
                 self.itl.labels(*labels).observe(gap)
 
     def _observe_first_token(self, output: RequestOutput, labels: tuple[str, str]) -> None:
+        self.prompt_tokens.labels(self._model_name).inc(len(output.prompt_token_ids))
         arrival = output.arrival_time
         if output.first_token_time is not None:
             self.ttft.labels(*labels).observe(max(0.0, output.first_token_time - arrival))

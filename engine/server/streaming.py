@@ -149,10 +149,12 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                 continue
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
             # A token's logprobs go out with the step that made it, though its text may wait (an
-            # unfinished character, or the start of a possible stop string).
+            # unfinished character, or the start of a possible stop string); and, as vLLM sends
+            # them, so does a chunk, empty then, so that a client timing tokens by chunks (a
+            # benchmark's inter-token latency) sees every step.
             entries = cursor.new_logprobs(item.logprobs)
-            cursor.tokens = len(item.token_ids)
-            if delta or item.finished or entries:
+            new_tokens, cursor.tokens = len(item.token_ids) > cursor.tokens, len(item.token_ids)
+            if delta or item.finished or entries or new_tokens:
                 made = chunk(ChunkContent(index, delta, item.finish_reason if item.finished else None,
                                           item.stop_reason, entries, item.prompt_logprobs))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)

@@ -111,7 +111,8 @@ class LLMEngine:
         self.arch = LlamaArch.from_model_dir(config.model)
         if config.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"{self.arch.max_position_embeddings} positions")
+                             f"{self.arch.max_position_embeddings} positions (set it at most that: "
+                             "--max-model-len)")
         dtype = getattr(torch, config.dtype)
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads,
                                  dtype)

@@ -191,11 +191,14 @@ def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypa
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(tmp_path)
     defaults = [EngineConfig().model, simulate.DEFAULT_STEP_COST]
-    for argv, names in ((["generate", "hi"], ("model",)), (["serve"], ("model",)),
+    for argv, names in ((["generate", "hi"], ("model",)),
                         (["bench", "engine"], ("model", "json", "step_cost_out")), (["bench", "serve"], ("result_dir",)),
                         (["simulate"], ("predictor", "json"))):
         args = _build_parser(argv).parse_args(argv)
         defaults += [getattr(args, name) for name in names]
+    from engine.server.serve_cli import model_folder
+
+    defaults.append(model_folder(_build_parser(["serve"]).parse_args(["serve"])))
     for path in defaults:
         assert Path(path).is_absolute() and Path(path).is_relative_to(root), path
 
@@ -394,6 +397,45 @@ def test_simulate_needs_known_policies(capsys, tmp_path, policies, message) -> N
     err = usage_error(capsys, ["simulate", "--policies", policies, "--json", str(tmp_path / "sim.json"),
                                "--num-requests", "2", "--predictions", "noisy-oracle", "--no-plots"])
     assert f"argument --policies: {message}" in err and not (tmp_path / "sim.json").exists()
+
+
+def test_a_stray_argument_is_reported_with_the_commands_usage(capsys) -> None:
+    err = usage_error(capsys, ["serve", "--uvicorn-log-lvl=debug"])
+    assert "usage: lengthwise serve" in err and err.strip().splitlines()[-1] == (
+        "lengthwise serve: error: unrecognized arguments: --uvicorn-log-lvl=debug")
+    err = usage_error(capsys, ["bench", "serve", "--num-promptz", "3"]).strip().splitlines()[-1]
+    assert err == "lengthwise bench serve: error: unrecognized arguments: --num-promptz 3"
+
+
+def test_serve_takes_the_model_as_vllm_serve_does_and_refuses_two_different_ones(capsys, tmp_path) -> None:
+    from engine.server.serve_cli import model_folder
+    from training.cli import _build_parser
+
+    def parsed(*argv):
+        return _build_parser(["serve"]).parse_args(["serve", *argv])
+
+    assert model_folder(parsed("m")) == "m" == model_folder(parsed("--model", "m")) == model_folder(parsed("m", "--model", "m"))
+    err = one_line_error(capsys, ["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b"), "--port", "0"], "serve")
+    assert "the model is named twice" in err
+
+
+def test_the_api_key_comes_from_the_environment_when_not_given(monkeypatch) -> None:
+    from engine.server.serve_cli import API_KEY_VARIABLES, api_key_of
+    from training.cli import _build_parser
+
+    def key_of(*argv):
+        return api_key_of(_build_parser(["serve"]).parse_args(["serve", *argv]))
+
+    for variable in API_KEY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert key_of() is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert key_of() == "from-vllm"
+    monkeypatch.setenv("LENGTHWISE_API_KEY", "ours")
+    assert key_of() == "ours" and key_of("--api-key", "given") == "given"
+    monkeypatch.setenv("LENGTHWISE_API_KEY", " ")
+    with pytest.raises(ValueError, match=r"\$LENGTHWISE_API_KEY is set but empty"):
+        key_of()
 
 
 def test_usage_errors_name_the_flag_once(capsys) -> None:

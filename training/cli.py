@@ -59,6 +59,7 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for path, command_parser in parsers.items():
         if list(path) == argv[: len(path)]:
             importlib.import_module(COMMANDS[path][0]).add_arguments(command_parser)
+    parser.command_parsers = parsers  # main() reports stray arguments with the command's own usage
     return parser
 
 
@@ -85,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(name, "1")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _build_parser(argv).parse_args(argv)
+    parser = _build_parser(argv)
+    args, stray = parser.parse_known_args(argv)
+    if stray:  # with the command's usage and name ("lengthwise serve: error: ..."), not the root's
+        parser.command_parsers[tuple(args._command.split())].error(f"unrecognized arguments: {' '.join(stray)}")
     module = importlib.import_module(args._module)
     try:
         _check_store(args)

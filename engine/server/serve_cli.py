@@ -31,13 +31,22 @@ FORCE_EXIT_POLL_S = 0.1  # how soon a second stop signal cuts the grace period s
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
+# Where the API key is read from when --api-key is not given, first found first: a key on the
+# command line is visible to every local user (ps), and vLLM deployments set VLLM_API_KEY.
+API_KEY_VARIABLES = ("LENGTHWISE_API_KEY", "VLLM_API_KEY")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.config import DEFAULT_MODEL
+    from engine.config import DEFAULT_MODEL, EngineConfig
     from scheduler.policies import POLICIES
+
+    defaults = EngineConfig()  # its checks only: no model is read
 
     servable = [name for name, policy in POLICIES.items() if not policy.needs_true_length]
 
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="converted model folder, as `vllm serve MODEL` takes it (or --model)")
+    parser.add_argument("--model", default=None, help=f"converted model folder (default {DEFAULT_MODEL})")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=port_number, default=8000)
@@ -45,19 +54,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GIB",
-                        help="memory for the paged KV cache in GiB")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
-    parser.add_argument("--max-model-len", type=positive_int, default=None)
-    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
+                        help=f"memory for the paged KV cache in GiB (default {defaults.kv_cache_memory_gib:g})")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None,
+                        help=f"requests running at once (default {defaults.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help=f"tokens one engine step may run (default {defaults.max_num_batched_tokens})")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help=f"the longest prompt plus output (default {defaults.max_model_len}; at most the "
+                             "model's positions)")
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
+                        help=f"default {defaults.preemption_mode}")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="find full KV blocks of earlier prompts again by their tokens, so a prompt that "
                              "starts as one before it skips that part of its prefill (vLLM's automatic prefix "
                              "caching)")
-    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None,
+                        help=f"default {defaults.attention_backend}: Triton on a GPU, else the torch reference")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help=f"weights and KV cache (default {defaults.dtype})")
     add_scheduler_arguments(parser)
-    parser.add_argument("--api-key", type=api_key, default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    parser.add_argument("--api-key", type=api_key, default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1 (default: $LENGTHWISE_API_KEY, "
+                             "else $VLLM_API_KEY, else none)")
     parser.add_argument("--allowed-origins", nargs="+", type=cors_origin, default=(), metavar="ORIGIN",
                         help="origins whose browser pages may call the API (CORS), or '*' for any; "
                              "default: none")
@@ -102,7 +120,34 @@ def build_engine_config(args: argparse.Namespace):
     options = scheduler_options(args, args.policy)
     if args.enable_prefix_caching:  # not a shared scheduler flag: simulated prompts are all one token
         options["enable_prefix_caching"] = True
-    return EngineConfig(model=args.model, policy=args.policy, scheduler_options=options, **chosen)
+    return EngineConfig(model=model_folder(args), policy=args.policy, scheduler_options=options, **chosen)
+
+
+def model_folder(args: argparse.Namespace) -> str:
+    """The model to serve: the positional MODEL (vLLM's form) or --model, the default without
+    either; both, naming different folders, is an error rather than a guess."""
+    from engine.config import DEFAULT_MODEL
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is named twice: {args.model_tag} and --model {args.model}")
+    return args.model_tag or args.model or DEFAULT_MODEL
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first of API_KEY_VARIABLES that is set; an empty one is an error, not
+    an open server."""
+    import os
+
+    if args.api_key is not None:
+        return args.api_key
+    for variable in API_KEY_VARIABLES:
+        key = os.environ.get(variable)
+        if key is not None:
+            if not key.strip():
+                raise ValueError(f"${variable} is set but empty: unset it, or give the key")
+            logger.info("requests to /v1 need the API key from $%s", variable)
+            return key
+    return None
 
 
 def predictor_folder(spec: str | None) -> str | None:
@@ -157,13 +202,13 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
     warn_if_probing_another_model(length_predictor, config.model)
-    name = args.served_model_name or Path(args.model).name
+    name = args.served_model_name or Path(config.model).name
     info = {"policy": config.policy, "predictor": predictor_path or "none",
             "attention_backend": attention_backend_name(engine), "max_num_seqs": str(config.max_num_seqs),
             "max_num_batched_tokens": str(config.max_num_batched_tokens),
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
-    settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
-                              model_aliases=model_aliases(args.model), shutdown_grace_s=args.shutdown_grace,
+    settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=api_key_of(args),
+                              model_aliases=model_aliases(config.model), shutdown_grace_s=args.shutdown_grace,
                               allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()),
                               max_body_bytes=args.max_body_bytes)
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.

@@ -203,6 +203,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_ids(prompt)
+        if params.max_tokens is None:  # vLLM's: up to the end of the context
+            params = replace(params, max_tokens=self.config.max_model_len - len(token_ids))
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         self._check_sampler_token_ids(params)

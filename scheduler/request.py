@@ -79,7 +79,9 @@ def _as_tuple(values: object, name: str) -> tuple:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: the rest of the context (vLLM's), which the engine fills in for each prompt before the
+    # request reaches the scheduler.
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0  # 0 (or vLLM's -1, stored as 0) = disabled
     top_p: float = 1.0
@@ -120,8 +122,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
         # and fail with a TypeError inside an engine step, part-way through a generate call.
-        if not is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -146,7 +148,7 @@ class SamplingParams:
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         self._check_penalties()
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got {self.min_tokens!r}")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
@@ -263,6 +265,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if self.sampling_params.max_tokens is None:
+            raise ValueError("max_tokens None (the rest of the context) must be resolved before scheduling")
         if not (is_int(self.priority) and -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT):
             raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {self.priority!r}")
         # The policies sort by it: a string failed inside the sort, a NaN sorted anywhere.

@@ -80,6 +80,16 @@ def test_priorities_order_the_prompts_under_the_priority_policy(tiny_model_dir):
         one_seat.generate(["a", "b", "c"], greedy(2), priority=[0, 1])
 
 
+def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
+    ids = list(range(100, 110))
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    out = llm.generate(ids, params)[0]
+    assert (len(out.token_ids), out.finish_reason) == (128 - len(ids), "length")  # max_model_len 128
+    with pytest.raises(ValueError, match="min_tokens"):  # checked against what None resolves to
+        llm.generate(ids, SamplingParams(max_tokens=None, min_tokens=119))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_seed_minus_one_is_no_seed_as_in_vllm(llm):
     assert SamplingParams(seed=-1).seed is None
     hot = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, seed=-1)

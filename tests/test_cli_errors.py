@@ -532,6 +532,21 @@ def test_serve_listens_before_handing_its_sockets_to_uvicorn() -> None:
     assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
 
 
+def test_port_0_on_every_interface_is_one_port_for_every_address() -> None:
+    from engine.server.serve_cli import listen_sockets
+
+    try:
+        sockets = listen_sockets("", 0)
+    except OSError as exc:  # a host without IPv6 may refuse the "::" half
+        pytest.skip(f"cannot listen on every interface here: {exc}")
+    try:
+        ports = {sock.getsockname()[1] for sock in sockets}
+        assert len(ports) == 1, [sock.getsockname() for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the check reads MemAvailable from /proc/meminfo")
 def test_a_kv_cache_larger_than_memory_is_one_line(capsys, tiny_model_dir) -> None:
     # It was a 23-line allocator traceback.

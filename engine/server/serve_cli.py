@@ -226,7 +226,8 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
     """Listening sockets on every address `host` resolves to ("" for all interfaces), as asyncio
     binds them for uvicorn (IPv6 ones IPv6-only); OSError naming both flags when the port is taken
-    or the host resolves to nothing. Port 0 takes a free port (the log line says which)."""
+    or the host resolves to nothing. Port 0 takes a free port (the log line says which): the
+    first address's, which the others then take too, so every address serves on one port."""
     try:
         addresses = dict.fromkeys(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                      flags=socket.AI_PASSIVE))
@@ -240,6 +241,8 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
             sock.listen(LISTEN_BACKLOG)  # bound but not listening, a port taken the same way would pass
     except OSError as exc:

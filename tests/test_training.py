@@ -68,6 +68,13 @@ def test_finetuning_with_adapters_moves_the_adapters_and_the_head_and_no_pretrai
     assert moved <= set(network.trained_state())  # every pretrained weight as the package has it
 
 
+def test_a_finetune_with_too_few_rows_for_one_list_is_refused_not_saved_untrained():
+    from training.finetune_train import fit_network
+
+    with pytest.raises(ValueError, match="lists of 4 prompts, and 3 train rows make none"):
+        fit_network(None, ["a", "b", "c"], np.arange(3.0), FinetuneConfig(list_size=4))
+
+
 def test_pinball_loss_matches_its_definition():
     predicted, target = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 2.0])
     # under-prediction costs q per unit, over-prediction (1 - q)

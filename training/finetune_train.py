@@ -75,6 +75,9 @@ def pinball_loss(predicted: torch.Tensor, target: torch.Tensor, quantile: float)
 def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray, config: FinetuneConfig) -> None:
     from tqdm import tqdm
 
+    if len(prompts) < config.list_size:  # not one whole list: it would save the untrained network
+        raise ValueError(f"the fine-tune trains on lists of {config.list_size} prompts, and {len(prompts)} "
+                         "train rows make none (raise --max-train)")
     lexical = lexical_matrix(prompts)
     network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
     network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))

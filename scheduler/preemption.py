@@ -6,7 +6,8 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
   fewest running victims that let it in this step (`_victims_for`), and is admitted at once
   (`_admit_now`).
 - `_allocate_or_preempt` (step part 2): when blocks run out for a running request, the policy's
-  victim among those not yet scheduled this step gives way (possibly the request itself).
+  victim among those not yet scheduled this step gives way (possibly the request itself, once a
+  prefill chunk has found that not even a smaller chunk fits).
 - `_preempt`: the configured eviction (eviction.py) takes the victim's blocks: swapped to host
   memory, or freed for recompute (the tokens are kept either way).
 - `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.
@@ -23,8 +24,8 @@ from scheduler.step import StepPlan
 
 
 class Preemption:
-    """Preemption for `Scheduler`: the attributes below are the scheduler's, and so are the two
-    methods it calls, `_num_new_tokens` and `_start_running`."""
+    """Preemption for `Scheduler`: the attributes below are the scheduler's, and so are the
+    methods it calls, `_num_new_tokens`, `_start_running` and `_allocate_what_fits`."""
 
     config: SchedulerConfig
     policy: SchedulingPolicy
@@ -137,15 +138,22 @@ class Preemption:
             growth -= self.block_manager.num_new_blocks_needed(victim, 1)
         return victims
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> bool:
-        """Allocate, preempting policy victims until it fits; False if the request itself gave way."""
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> int:
+        """Allocate, preempting policy victims until it fits: the tokens granted, 0 if the request
+        itself gave way. Before giving way, a prefill chunk takes what the free blocks hold: its
+        victim is itself when every request ranked after it is a decode already granted (decodes
+        go first), and preempting itself would throw away its prefill so far for nothing."""
         while self.block_manager.allocate_slots(request, num_new) is None:
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
             victim = self.policy.choose_victim(candidates, now)
+            if victim is request and num_new > 1:
+                granted = self._allocate_what_fits(request, num_new, plan)
+                if granted:
+                    return granted
             self._preempt(victim, plan)
             if victim is request:
-                return False
-        return True
+                return 0
+        return num_new
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)

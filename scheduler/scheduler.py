@@ -12,8 +12,9 @@ the token budget (`max_num_batched_tokens`); the preemption they use is in preem
    preempt nobody: those keep their place.
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
-   running requests not yet scheduled this step (possibly the request itself); a prefill chunk
-   ranked after a request admitted as urgent takes only what the free blocks hold instead.
+   running requests not yet scheduled this step (possibly the request itself, though a prefill
+   chunk first takes what the free blocks hold); a prefill chunk ranked after a request admitted
+   as urgent takes only what the free blocks hold instead.
 3. `_schedule_swapped`: swap-preempted requests come back before new work they rank ahead of,
    when blocks allow (not in a step that preempted, so a block is never copied out and in at once).
 4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a
@@ -185,20 +186,25 @@ class Scheduler(Preemption):
             if num_new > 1 and plan.urgent_key is not None and self.policy.sort_key(request, now) > plan.urgent_key:
                 # The room an urgent request was let into counted one token of this one's growth
                 # (preemption.py): its chunk takes what the free blocks hold, and preempts nobody.
-                self._grant_what_fits(request, num_new, plan)
-            elif num_new > 0 and self._allocate_or_preempt(request, num_new, plan, now):
-                plan.add(request, num_new)
+                granted = self._allocate_what_fits(request, num_new, plan)
+            else:
+                granted = self._allocate_or_preempt(request, num_new, plan, now) if num_new > 0 else 0
+            if granted:
+                plan.add(request, granted)
 
-    def _grant_what_fits(self, request: Request, num_new: int, plan: StepPlan) -> None:
-        # The urgent admission also counted a token of growth for each running request still to
-        # come in this loop: their blocks are not this chunk's to take.
+    def _allocate_what_fits(self, request: Request, num_new: int, plan: StepPlan) -> int:
+        """Blocks for as much of `num_new` as the free blocks hold (all of it or none without
+        chunked prefill); the tokens allocated."""
+        # Each running request still to come in this loop needs a token of growth: its blocks are
+        # not this chunk's to take.
         reserved = sum(self.block_manager.num_new_blocks_needed(other, 1) for other in self.running
                        if other is not request and other.request_id not in plan.scheduled_ids)
         fit = min(num_new, self.block_manager.num_tokens_that_fit(request, reserved))
         if fit < num_new and not self.config.enable_chunked_prefill:
-            return  # a whole prefill or none
+            return 0  # a whole prefill or none
         if fit > 0 and self.block_manager.allocate_slots(request, fit) is not None:
-            plan.add(request, fit)
+            return fit
+        return 0
 
     def _schedule_swapped(self, plan: StepPlan, now: float) -> None:
         self.swapped.sort(key=lambda r: self.policy.sort_key(r, now))

@@ -254,6 +254,36 @@ def test_decodes_fill_the_budget_before_prefill_chunks() -> None:
     assert scheduler.get_request("r9").num_computed_tokens == 7
 
 
+def test_a_prefill_chunk_takes_what_fits_before_it_would_preempt_itself() -> None:
+    # sjf, blocks short: the long decode C, ranked last, is granted first (decodes go first), so the
+    # shortest request A, part-way through its prefill, was its own only victim and threw its
+    # prefill away again and again (4 times here, feeding 104 tokens for a 30-token prompt).
+    config = SchedulerConfig(num_gpu_blocks=13, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                             max_model_len=64, policy="sjf", aging_tokens_per_s=0.0)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(13, 4)
+    long_decode = make_request("r1", 20, 30, predicted_len=30)
+    short = make_request("r2", 30, 2, arrival=1.0, predicted_len=2)
+    scheduler.add_request(long_decode, 0.0)
+    fed = {"r1": 0, "r2": 0}
+    for step in range(100):
+        if step == 1:
+            scheduler.add_request(short, 1.0)
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(float(step))
+        for chunk in output.chunks:
+            fed[chunk.request_id] += len(chunk.token_ids)
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+    assert short.num_preemptions == 0 and fed["r2"] == 30 + 1  # its prompt once, then one decode
+    assert short.finish_time < long_decode.finish_time
+    for request in (short, long_decode):
+        assert request.output_token_ids == reference_output(request.prompt_token_ids,
+                                                            request.sampling_params.max_tokens)
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_whole_prefill_waits_for_room_without_chunking(chunked: bool) -> None:
     config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=40, max_model_len=40,

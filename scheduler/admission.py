@@ -18,8 +18,9 @@ alongside it divided by the throughput.
   conservative: it assumes the work ahead is served before the request's own decode starts.
 
 The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
-step's rate when that is higher: at light load the served rate measures demand, not capacity (a
-lone decode feeds one token a step), and would refuse an idle server's first request. The best
+step's rate when that is higher and a seat is free: at light load the served rate measures
+demand, not capacity (a lone decode feeds one token a step), and would refuse an idle server's
+first request, while with every seat taken it is what the work ahead drains at. The best
 step's rate halves every `capacity_half_life_s` (600 s) unless a step matches it again, so a
 lone decode that outlasts any window does not make the server look slow, while a machine that
 really slowed down is believed within minutes.
@@ -47,7 +48,9 @@ prefill chunk); and KV, lambda * t_step * mean(d * (p + d / 2)) against the KV c
 arrivals that came with a prediction. The window holds the last `stability_window_s` seconds, and
 at least the last MIN_ARRIVALS_IN_WINDOW arrivals, back to MAX_ARRIVAL_AGE_WINDOWS windows: two
 arrivals in ten seconds say little about a rate, but one from before an idle hour says nothing
-about a burst now. Above 1 the queue cannot drain; it is logged when it crosses 1.
+about a burst now; and a window that holds MIN_ARRIVALS_FOR_A_WINDOW_RATE arrivals or more is
+rated on its own too, so that the older ones kept beside a burst cannot dilute it. Above 1 the
+queue cannot drain; it is logged when it crosses 1.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a
 # this many windows.
 MIN_ARRIVALS_IN_WINDOW = 32
 MAX_ARRIVAL_AGE_WINDOWS = 30
+# A window holding this many arrivals has a rate of its own, which older arrivals kept beside it
+# must not dilute (a burst after a quiet spell); fewer are too few to say.
+MIN_ARRIVALS_FOR_A_WINDOW_RATE = 8
 
 
 class _Step(NamedTuple):
@@ -175,6 +181,14 @@ class AdmissionController:
             return None
         return max(served, self._best_rate_at(self._last_step_at))
 
+    def _drain_rate(self, saturated: bool) -> float | None:
+        """The token rate the work ahead of a request drains at. With every seat taken, the served
+        rate: what the server serves is then all it can, and the best step's rate (a full prefill
+        chunk's) overstates how fast queued decodes drain, one token per seat per step (2x, under
+        a simulated overload). Otherwise the capacity, since a lightly loaded server's served
+        rate measures its demand."""
+        return self.throughput_tokens_per_s if saturated else self.capacity_tokens_per_s
+
     @property
     def mean_step_time_s(self) -> float | None:
         """EWMA of measured step seconds; a decoding seat gains one token per step."""
@@ -200,8 +214,11 @@ class AdmissionController:
         # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
         # even before a window has passed: dividing by the time since the first arrival alone would
         # call two requests 20 ms apart 50 per second.
-        span = max(self.config.stability_window_s, now - self._arrivals[0].at)
-        arrival_rate = len(self._arrivals) / span
+        window = self.config.stability_window_s
+        span = max(window, now - self._arrivals[0].at)
+        in_window = sum(1 for a in self._arrivals if a.at >= now - window)
+        window_rate = in_window / window if in_window >= MIN_ARRIVALS_FOR_A_WINDOW_RATE else 0.0
+        arrival_rate = max(len(self._arrivals) / span, window_rate)
         mean_prompt = sum(a.prompt_tokens for a in self._arrivals) / len(self._arrivals)
         # The mean over arrivals with a prediction (none: the prompt terms alone), as for KV: the
         # max_tokens fallback made a server without a predictor report an overload not there.
@@ -239,7 +256,7 @@ class AdmissionController:
         waiting = [r for r in waiting if not request.shares_group_with(r)]
         running = [r for r in running if not request.shares_group_with(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
-        throughput = self.capacity_tokens_per_s
+        throughput = self._drain_rate(saturated=len(running) >= self.config.max_num_seqs)
         self._check_queue_bound(request, one_work, waiting, throughput)
         if throughput is None:
             return  # nothing measured yet: no basis for a delay estimate
@@ -269,9 +286,11 @@ class AdmissionController:
         own_work = one_work * request.group_size
         # A request larger than the limit on its own would fit only an empty queue, which steady
         # traffic never leaves (every retry refused): it is refused only while the queue is full.
-        overflows = queued >= limit if one_work > limit else queued + own_work > limit
+        if one_work > limit:  # it waits for the queue to drain below the limit, not to empty
+            overflows, excess = queued >= limit, queued - limit
+        else:
+            overflows, excess = queued + own_work > limit, queued + min(own_work, limit) - limit
         if queued > 0 and overflows:  # an empty queue is never full
-            excess = queued + min(own_work, limit) - limit
             retry = min(excess, queued) / throughput if throughput else MIN_RETRY_AFTER_S
             self._reject(f"queue full: {queued:.0f} queued tokens + {own_work:.0f} exceed the "
                          f"{request.tier.name.lower()} bound {bound * share:.0f}", retry)

@@ -157,6 +157,31 @@ def test_a_request_larger_than_the_queue_bound_is_refused_only_while_the_queue_i
         ctl.check(big, [req(f"q{i}", 200, 50, Tier.BATCH) for i in range(2)], [])  # 500 queued: full
 
 
+def test_a_request_larger_than_the_bound_retries_when_the_queue_is_below_it_not_empty() -> None:
+    ctl = controller(max_queued_tokens=10_000)  # 1000 tokens/s
+    queued = [req(f"q{i}", 1000, 500) for i in range(10)]  # 15,000 tokens queued
+    with pytest.raises(AdmissionRejected, match="queue full") as info:
+        ctl.check(req("big", 11_000, 1000), queued, [])  # 12,000 tokens on its own
+    assert info.value.retry_after_s == pytest.approx(5.0)  # 5,000 tokens drained, not all 15,000
+
+
+def test_with_every_seat_taken_the_work_ahead_drains_at_the_served_rate() -> None:
+    # Full prefill chunks ran at 2,048 tokens/s; then 32 seats decode a token each per 0.25 s step,
+    # 128 tokens/s: queued decodes drain at that, not at a prefill chunk's rate.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True, max_num_seqs=32,
+                                              slo_e2e_standard_s=10.0))
+    ctl.record_step(now=0.0, num_tokens=512, step_time_s=0.25)
+    for k in range(1, 200):
+        ctl.record_step(now=0.25 * k, num_tokens=32, step_time_s=0.25)
+    ahead = [req("w", 100, 900)]  # 1,000 tokens: 0.5 s at the best step's rate, 7.8 s at the served
+    running = [req(f"run{i}", 10, 1) for i in range(32)]
+    newcomer = req("new", 10, 1)  # its own 0.25 s decode and a short prefill
+    ctl.check(newcomer, ahead, running[:31])  # a seat free: judged by capacity, admitted
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        ctl.check(newcomer, ahead + [req("w2", 100, 900)], running)  # 2,000 tokens: 15.6 s
+    ctl.check(newcomer, ahead + [req("w2", 100, 900)], running[:31])  # 1 s at capacity
+
+
 def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
     ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5, slo_e2e_standard_s=1e9)  # the bound alone
     waiting = [req(f"w{i}", 2000, 1000) for i in range(2)]  # 6000 queued tokens
@@ -258,6 +283,21 @@ def test_a_burst_after_an_idle_hour_is_not_diluted_by_the_arrivals_before_it() -
     # The one from an hour ago is older than 30 windows: the rate is 31 over the 10 s window
     # (it read 32 per hour before).
     assert ctl.stability_margin(3600.0) == pytest.approx(31 / 10 * 500 * 0.25 / 500)
+
+
+def test_a_burst_is_not_diluted_by_an_arrival_minutes_before_it() -> None:
+    # Within 30 windows, so kept: it stretched the span to 290 s and read a 20x overload as 0.69.
+    def margin(with_old_arrival: bool) -> float:
+        ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=500,
+                                                  max_num_seqs=256, stability_window_s=10.0))
+        if with_old_arrival:
+            ctl.record_arrival(10.0, req("old", 300, 200))
+        for i in range(31):
+            ctl.record_arrival(295.0 + i * 5 / 31, req(f"r{i}", 300, 200))
+        ctl.record_step(now=300.0, num_tokens=500, step_time_s=0.25)
+        return ctl.stability_margin(300.0)
+
+    assert margin(True) == pytest.approx(margin(False)) == pytest.approx(31 / 10 * 500 * 0.25 / 500)
 
 
 def test_stability_margin_counts_kv_which_binds_when_the_cache_fills() -> None:

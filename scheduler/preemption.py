@@ -6,8 +6,8 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
   fewest running victims that let it in this step (`_victims_for`), and is admitted at once
   (`_admit_now`).
 - `_allocate_or_preempt` (step part 2): when blocks run out for a running request, the policy's
-  victim among those not yet scheduled this step gives way (possibly the request itself, once a
-  prefill chunk has found that not even a smaller chunk fits).
+  victim among those not yet scheduled this step gives way (possibly the request itself: for a
+  waiting request ranked before it, or when not even a smaller prefill chunk fits).
 - `_preempt`: the configured eviction (eviction.py) takes the victim's blocks: swapped to host
   memory, or freed for recompute (the tokens are kept either way).
 - `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.
@@ -140,13 +140,14 @@ class Preemption:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> int:
         """Allocate, preempting policy victims until it fits: the tokens granted, 0 if the request
-        itself gave way. Before giving way, a prefill chunk takes what the free blocks hold: its
-        victim is itself when every request ranked after it is a decode already granted (decodes
-        go first), and preempting itself would throw away its prefill so far for nothing."""
+        itself gave way. Its victim is itself when every request ranked after it is a decode
+        already granted (decodes go first). Giving way then frees its blocks for a waiting request
+        ranked before it; with none, it would throw its prefill away for nothing, and a prefill
+        chunk takes what the free blocks hold instead."""
         while self.block_manager.allocate_slots(request, num_new) is None:
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
             victim = self.policy.choose_victim(candidates, now)
-            if victim is request and num_new > 1:
+            if victim is request and num_new > 1 and not self._waiting_ranks_before(request, now):
                 granted = self._allocate_what_fits(request, num_new, plan)
                 if granted:
                     return granted
@@ -154,6 +155,10 @@ class Preemption:
             if victim is request:
                 return 0
         return num_new
+
+    def _waiting_ranks_before(self, request: Request, now: float) -> bool:
+        key = self.policy.sort_key(request, now)
+        return any(self.policy.sort_key(other, now) < key for other in self.waiting)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)

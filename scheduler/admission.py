@@ -186,7 +186,8 @@ class AdmissionController:
         rate: what the server serves is then all it can, and the best step's rate (a full prefill
         chunk's) overstates how fast queued decodes drain, one token per seat per step (2x, under
         a simulated overload). Otherwise the capacity, since a lightly loaded server's served
-        rate measures its demand."""
+        rate measures its demand. (The request's own prompt is priced at the capacity: pricing
+        it at a decode-bound rate would make most requests miss on their own, which admits them.)"""
         return self.throughput_tokens_per_s if saturated else self.capacity_tokens_per_s
 
     @property
@@ -256,9 +257,12 @@ class AdmissionController:
         waiting = [r for r in waiting if not request.shares_group_with(r)]
         running = [r for r in running if not request.shares_group_with(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
-        throughput = self._drain_rate(saturated=len(running) >= self.config.max_num_seqs)
-        self._check_queue_bound(request, one_work, waiting, throughput)
-        if throughput is None:
+        # The work ahead drains at the served rate while every seat is taken; the request's own
+        # prompt, once its turn comes, is fed at the capacity's.
+        drain = self._drain_rate(saturated=len(running) >= self.config.max_num_seqs)
+        self._check_queue_bound(request, one_work, waiting, drain)
+        throughput = self.capacity_tokens_per_s
+        if throughput is None or drain is None:
             return  # nothing measured yet: no basis for a delay estimate
         n = request.group_size
         if request.tier == Tier.INTERACTIVE:
@@ -266,13 +270,13 @@ class AdmissionController:
             # served before anything waiting.
             ahead = sum(tokens_to_prefill(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
             one_s = request.num_prompt_tokens / throughput  # the last choice's TTFT waits for n prefills
-            self._check_slo(ahead / throughput, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
+            self._check_slo(ahead / drain, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
                             request)
         elif request.tier == Tier.STANDARD:
             ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
             decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # choices side by side
             prefill_s = request.num_prompt_tokens / throughput
-            self._check_slo(ahead / throughput, prefill_s + decode_s, n * prefill_s + decode_s,
+            self._check_slo(ahead / drain, prefill_s + decode_s, n * prefill_s + decode_s,
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
     def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],

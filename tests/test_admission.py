@@ -180,6 +180,11 @@ def test_with_every_seat_taken_the_work_ahead_drains_at_the_served_rate() -> Non
     with pytest.raises(AdmissionRejected, match="end-to-end"):
         ctl.check(newcomer, ahead + [req("w2", 100, 900)], running)  # 2,000 tokens: 15.6 s
     ctl.check(newcomer, ahead + [req("w2", 100, 900)], running[:31])  # 1 s at capacity
+    # Its own prompt is fed at the capacity's rate even then: priced at the served 128 tokens/s, a
+    # 1,400-token prompt alone (10.9 s) would miss the SLO on its own, and so be let in whatever
+    # waited ahead of it.
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        ctl.check(req("long-prompt", 1400, 1), ahead * 6, running)
 
 
 def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:

@@ -141,13 +141,13 @@ class Preemption:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan, now: float) -> int:
         """Allocate, preempting policy victims until it fits: the tokens granted, 0 if the request
         itself gave way. Its victim is itself when every request ranked after it is a decode
-        already granted (decodes go first). Giving way then frees its blocks for a waiting request
-        ranked before it; with none, it would throw its prefill away for nothing, and a prefill
-        chunk takes what the free blocks hold instead."""
+        already granted (decodes go first). Giving way then frees its blocks for a waiting (or
+        swapped-out) request ranked before it; with none, it would give its prefill up for
+        nothing, and a prefill chunk takes what the free blocks hold instead."""
         while self.block_manager.allocate_slots(request, num_new) is None:
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
             victim = self.policy.choose_victim(candidates, now)
-            if victim is request and num_new > 1 and not self._waiting_ranks_before(request, now):
+            if victim is request and num_new > 1 and not self._queued_ranks_before(request, now):
                 granted = self._allocate_what_fits(request, num_new, plan)
                 if granted:
                     return granted
@@ -156,9 +156,9 @@ class Preemption:
                 return 0
         return num_new
 
-    def _waiting_ranks_before(self, request: Request, now: float) -> bool:
+    def _queued_ranks_before(self, request: Request, now: float) -> bool:
         key = self.policy.sort_key(request, now)
-        return any(self.policy.sort_key(other, now) < key for other in self.waiting)
+        return any(self.policy.sort_key(other, now) < key for other in self.waiting + self.swapped)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)

@@ -13,8 +13,9 @@ the token budget (`max_num_batched_tokens`); the preemption they use is in preem
 2. `_schedule_running`: running requests first, by tier, then decodes before unfinished prefill
    chunks, each group in policy order. When blocks run out, `_preempt` takes the policy's victim among the
    running requests not yet scheduled this step (possibly the request itself, though a prefill
-   chunk that no waiting request outranks first takes what the free blocks hold); a prefill
-   chunk ranked after a request admitted as urgent takes only what the free blocks hold instead.
+   chunk that no queued request, waiting or swapped out, outranks first takes what the free
+   blocks hold); a prefill chunk ranked after a request admitted as urgent takes only what the
+   free blocks hold instead.
 3. `_schedule_swapped`: swap-preempted requests come back before new work they rank ahead of,
    when blocks allow (not in a step that preempted, so a block is never copied out and in at once).
 4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a

@@ -101,6 +101,28 @@ def api_key(text: str) -> str:
     return text
 
 
+# Where `serve` and `bench serve` read the API key when --api-key is not given, first found first:
+# a key on the command line is visible to every local user (ps), and vLLM deployments set
+# VLLM_API_KEY.
+API_KEY_VARIABLES = ("LENGTHWISE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_or_environment(given: str | None) -> str | None:
+    """`given` (--api-key), else the first of API_KEY_VARIABLES that is set, else None; a variable
+    set but empty is an error, not a server open to all."""
+    import os
+
+    if given is not None:
+        return given
+    for variable in API_KEY_VARIABLES:
+        key = os.environ.get(variable)
+        if key is not None:
+            if not key.strip():
+                raise ValueError(f"${variable} is set but empty: unset it, or give the key")
+            return key
+    return None
+
+
 # A file name's bytes on Linux file systems (NAME_MAX); a stem leaves room for its suffix.
 MAX_FILE_NAME_BYTES = 255
 STEM_SUFFIX_ROOM = 16

@@ -415,27 +415,35 @@ def test_serve_takes_the_model_as_vllm_serve_does_and_refuses_two_different_ones
         return _build_parser(["serve"]).parse_args(["serve", *argv])
 
     assert model_folder(parsed("m")) == "m" == model_folder(parsed("--model", "m")) == model_folder(parsed("m", "--model", "m"))
+    assert model_folder(parsed("m/", "--model", "./m")) == "m/"  # one folder, spelled two ways
     err = one_line_error(capsys, ["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b"), "--port", "0"], "serve")
     assert "the model is named twice" in err
 
 
 def test_the_api_key_comes_from_the_environment_when_not_given(monkeypatch) -> None:
-    from engine.server.serve_cli import API_KEY_VARIABLES, api_key_of
-    from training.cli import _build_parser
-
-    def key_of(*argv):
-        return api_key_of(_build_parser(["serve"]).parse_args(["serve", *argv]))
+    from engine.arg_types import API_KEY_VARIABLES, api_key_or_environment
 
     for variable in API_KEY_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    assert key_of() is None
+    assert api_key_or_environment(None) is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert key_of() == "from-vllm"
+    assert api_key_or_environment(None) == "from-vllm"
     monkeypatch.setenv("LENGTHWISE_API_KEY", "ours")
-    assert key_of() == "ours" and key_of("--api-key", "given") == "given"
+    assert api_key_or_environment(None) == "ours" and api_key_or_environment("given") == "given"
     monkeypatch.setenv("LENGTHWISE_API_KEY", " ")
     with pytest.raises(ValueError, match=r"\$LENGTHWISE_API_KEY is set but empty"):
-        key_of()
+        api_key_or_environment(None)
+
+
+def test_an_empty_api_key_variable_stops_serve_and_bench_serve_before_any_work(capsys, monkeypatch) -> None:
+    from engine import llm_engine
+    from training import bench_serve
+
+    monkeypatch.setenv("LENGTHWISE_API_KEY", "")
+    monkeypatch.setattr(llm_engine, "check_model_dir", lambda model: pytest.fail("model read first"))
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: pytest.fail("server asked first"))
+    for argv, command in ((["serve", "--port", "0"], "serve"), (["bench", "serve", "--no-mlflow"], "bench serve")):
+        assert "$LENGTHWISE_API_KEY is set but empty" in one_line_error(capsys, argv, command)
 
 
 def test_usage_errors_name_the_flag_once(capsys) -> None:

@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from engine.arg_types import (api_key, checked_by, file_stem, non_negative_float, non_negative_int, positive_float,
-                               positive_int, positive_rate, prepare_output_dir)
+from engine.arg_types import (api_key, api_key_or_environment, checked_by, file_stem, non_negative_float,
+                              non_negative_int, positive_float, positive_int, positive_rate, prepare_output_dir)
 from engine.config import REPO_ROOT
 from training import bench_serve_compare
 from training import bench_serve_report as report
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
-    parser.add_argument("--api-key", type=api_key, default=None)
+    parser.add_argument("--api-key", type=api_key, default=None,
+                        help="the server's key (default: $LENGTHWISE_API_KEY, else $VLLM_API_KEY, else none)")
     parser.add_argument("--label", type=file_stem, default=None, help="run name (e.g. the server's policy)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="RUN.json",
                         help="an earlier run's JSON (e.g. the fcfs server's): report ratios against it, "
@@ -283,6 +284,7 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.api_key = api_key_or_environment(args.api_key)  # as serve reads it
     slos = report.parse_goodput(args.goodput)
     baseline = bench_serve_compare.load_baseline(args.baseline) if args.baseline else None
     if not args.no_mlflow:  # the run is logged after the load: a store it cannot write fails now

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.arg_types import (api_key, configure_serve_logging, cors_origin, non_negative_float, port_number,
-                              positive_float, positive_int)
+from engine.arg_types import (API_KEY_VARIABLES, api_key, api_key_or_environment, configure_serve_logging,
+                              cors_origin, non_negative_float, port_number, positive_float, positive_int)
 from engine.config import REPO_ROOT
 from engine.scheduler_args import add_scheduler_arguments, scheduler_options
 from predictor.saved import SPEC_FILENAME, read_spec
@@ -29,11 +29,6 @@ logger = logging.getLogger("lengthwise.serve")
 FLUSH_AFTER_DRAIN_S = 5
 FORCE_EXIT_POLL_S = 0.1  # how soon a second stop signal cuts the grace period short
 LISTEN_BACKLOG = 2048  # uvicorn's default
-
-
-# Where the API key is read from when --api-key is not given, first found first: a key on the
-# command line is visible to every local user (ps), and vLLM deployments set VLLM_API_KEY.
-API_KEY_VARIABLES = ("LENGTHWISE_API_KEY", "VLLM_API_KEY")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,26 +123,11 @@ def model_folder(args: argparse.Namespace) -> str:
     either; both, naming different folders, is an error rather than a guess."""
     from engine.config import DEFAULT_MODEL
 
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+    if (args.model_tag is not None and args.model is not None
+            and Path(args.model_tag).resolve() != Path(args.model).resolve()):
         raise ValueError(f"the model is named twice: {args.model_tag} and --model {args.model}")
     return args.model_tag or args.model or DEFAULT_MODEL
 
-
-def api_key_of(args: argparse.Namespace) -> str | None:
-    """--api-key, else the first of API_KEY_VARIABLES that is set; an empty one is an error, not
-    an open server."""
-    import os
-
-    if args.api_key is not None:
-        return args.api_key
-    for variable in API_KEY_VARIABLES:
-        key = os.environ.get(variable)
-        if key is not None:
-            if not key.strip():
-                raise ValueError(f"${variable} is set but empty: unset it, or give the key")
-            logger.info("requests to /v1 need the API key from $%s", variable)
-            return key
-    return None
 
 
 def predictor_folder(spec: str | None) -> str | None:
@@ -164,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
     configure_serve_logging(args.log_level)
     from engine.llm_engine import check_model_dir
 
+    if args.api_key is None:  # before the model loads: an empty variable is an error
+        args.api_key = api_key_or_environment(None)
+        if args.api_key is not None:
+            logger.info("requests to /v1 need the API key from the environment (%s)", ", ".join(API_KEY_VARIABLES))
     config = build_engine_config(args)
     predictor_path = predictor_folder(args.predictor)
     warn_if_ordering_without_predictor(args.policy, predictor_path)
@@ -207,7 +191,7 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
             "attention_backend": attention_backend_name(engine), "max_num_seqs": str(config.max_num_seqs),
             "max_num_batched_tokens": str(config.max_num_batched_tokens),
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
-    settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=api_key_of(args),
+    settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
                               model_aliases=model_aliases(config.model), shutdown_grace_s=args.shutdown_grace,
                               allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()),
                               max_body_bytes=args.max_body_bytes)

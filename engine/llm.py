@@ -32,7 +32,8 @@ def _as_prompt(prompt: Any) -> Any:
         return prompt
     if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
         raise ValueError(f"a prompt mapping holds exactly one of {', '.join(PROMPT_KEYS)}, got keys "
-                         f"{sorted(map(str, prompt))}")
+                         f"{sorted(map(str, prompt))} (sampling settings, cache_salt among them, go in "
+                         "SamplingParams)")
     return next(iter(prompt.values()))
 
 
@@ -88,6 +89,10 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        elif any(priority) and not self.engine.scheduler.policy.orders_by_priority:
+            # As vLLM and the server answer: under another policy they would be silently ignored.
+            raise ValueError(f"priority: this engine schedules by {self.engine.scheduler.policy.name}, not by "
+                             "priority (policy='priority')")
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         predictions = self.engine.predict(prompts)  # in batches, not one predictor call per prompt
         added: list[str] = []

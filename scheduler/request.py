@@ -141,8 +141,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt
+                                                and _encodes(self.cache_salt)):
+            raise ValueError(f"cache_salt must be a non-empty string (valid UTF-8) or None, got {self.cache_salt!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
@@ -190,6 +191,15 @@ class SamplingParams:
     def clamp_length(self, length: float) -> float:
         """A predicted output length within what these parameters allow: [max(1, min_tokens), max_tokens]."""
         return max(1.0, float(self.min_tokens), min(length, float(self.max_tokens)))
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (a lone surrogate has none), as hashing it needs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _finite(value: float) -> bool:

@@ -80,6 +80,12 @@ def test_priorities_order_the_prompts_under_the_priority_policy(tiny_model_dir):
         one_seat.generate(["a", "b", "c"], greedy(2), priority=[0, 1])
 
 
+def test_priorities_under_another_policy_are_refused_not_ignored(llm):
+    with pytest.raises(ValueError, match="schedules by fcfs, not by priority"):
+        llm.generate(["a", "b"], greedy(2), priority=[1, 0])
+    assert len(llm.generate(["a", "b"], greedy(2), priority=[0, 0])) == 2  # all 0: nothing to ignore
+
+
 def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
     ids = list(range(100, 110))
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)

@@ -170,8 +170,9 @@ def test_a_salted_request_finds_only_blocks_of_its_own_salt() -> None:
     assert m.cached_prefix(request("same", range(1, 11), cache_salt="x")).num_tokens == 8
     computed(m, request("b", range(1, 11)))
     assert m.cached_prefix(request("plain2", range(1, 11))).num_tokens == 8
-    with pytest.raises(ValueError, match="cache_salt"):
-        SamplingParams(cache_salt="")
+    for bad in ("", "\ud800", 5):  # a lone surrogate has no UTF-8 form to hash
+        with pytest.raises(ValueError, match="cache_salt"):
+            SamplingParams(cache_salt=bad)
 
 
 def test_a_block_is_found_only_after_the_same_blocks_before_it() -> None:

@@ -114,8 +114,9 @@ def test_an_explicit_null_is_the_chat_fields_default(field):
     assert getattr(chat(**{field: None}), field) == ChatCompletionRequest.model_fields[field].default
 
 
-def test_null_echo_and_stream_options_are_their_defaults():
+def test_null_echo_is_its_default_and_a_null_include_usage_asks_for_no_usage():
     assert completion(echo=None).echo is False
+    # As vLLM reads it: include_usage defaults to true, and null (unlike an absent field) is false.
     options = completion(stream=True, stream_options={"include_usage": None, "continuous_usage_stats": None})
     assert options.usage_in_stream() == (False, False)
 

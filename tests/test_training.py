@@ -66,6 +66,11 @@ def test_finetuning_with_adapters_moves_the_adapters_and_the_head_and_no_pretrai
     moved = {name for name, tensor in network.state_dict().items() if not torch.equal(tensor, before[name])}
     assert any(name.endswith(".lora_b") for name in moved) and any(name.startswith("mlp.") for name in moved)
     assert moved <= set(network.trained_state())  # every pretrained weight as the package has it
+    # Continued training keeps the standardisation its head learnt.
+    learnt = network.lexical_mean.clone()
+    others = [f"<|im_start|>user\nlist {n} colours, one per line<|im_end|>" for n in range(4)]
+    fit_network(network, others, np.arange(4.0), FinetuneConfig(list_size=4), standardise=False)
+    assert torch.equal(network.lexical_mean, learnt)
 
 
 def test_a_finetune_with_too_few_rows_for_one_list_is_refused_not_saved_untrained():

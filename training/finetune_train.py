@@ -72,15 +72,20 @@ def pinball_loss(predicted: torch.Tensor, target: torch.Tensor, quantile: float)
     return torch.maximum(quantile * diff, (quantile - 1.0) * diff).mean()
 
 
-def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray, config: FinetuneConfig) -> None:
+def fit_network(network: RankingNetwork, prompts: list[str], lengths: np.ndarray, config: FinetuneConfig,
+                standardise: bool = True) -> None:
+    """Train `network` on the prompts' lengths. `standardise`: first fit the lexical features'
+    mean and spread to these prompts; False keeps a trained network's own (continued training,
+    whose head learnt them)."""
     from tqdm import tqdm
 
     if len(prompts) < config.list_size:  # not one whole list: it would save the untrained network
         raise ValueError(f"the fine-tune trains on lists of {config.list_size} prompts, and {len(prompts)} "
                          "train rows make none (raise --max-train)")
     lexical = lexical_matrix(prompts)
-    network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
-    network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))
+    if standardise:
+        network.lexical_mean.copy_(torch.from_numpy(lexical.mean(0)))
+        network.lexical_std.copy_(torch.from_numpy(lexical.std(0) + 1e-3))
     trained_encoder = [parameter for parameter in network.encoder.parameters() if parameter.requires_grad]
     encoder_rate = config.adapter_learning_rate if network.adapted else config.encoder_learning_rate
     optimizer = torch.optim.AdamW([

@@ -142,7 +142,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt
-                                                and _encodes(self.cache_salt)):
+                                                and has_utf8_form(self.cache_salt)):
             raise ValueError(f"cache_salt must be a non-empty string (valid UTF-8) or None, got {self.cache_salt!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -193,8 +193,8 @@ class SamplingParams:
         return max(1.0, float(self.min_tokens), min(length, float(self.max_tokens)))
 
 
-def _encodes(text: str) -> bool:
-    """Whether `text` has a UTF-8 form (a lone surrogate has none), as hashing it needs."""
+def has_utf8_form(text: str) -> bool:
+    """Whether `text` can be encoded (a lone UTF-16 surrogate cannot), as hashing or sending it needs."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from scheduler.request import has_utf8_form
+
 KEY_SUFFIX = " (a key)"  # a path's ending when the surrogate is in a dict key, not a value
 
 
@@ -21,21 +23,13 @@ class LoneSurrogate(ValueError):
         self.param = param
 
 
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def lone_surrogate_at(value: Any, path: str) -> str | None:
     """The path of the first string in `value` (a key too) holding a lone surrogate, or None.
 
     Only strings, lists and dicts are walked: a prompt of token ids (millions of ints in a large
     body) is passed over in one scan, not an element at a time."""
     if isinstance(value, str):
-        return None if _is_unicode(value) else path
+        return None if has_utf8_form(value) else path
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list) and not all(type(item) is int for item in value):
@@ -43,7 +37,7 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
     else:
         return None
     for key, item in items:
-        if isinstance(key, str) and not _is_unicode(key):
+        if isinstance(key, str) and not has_utf8_form(key):
             return f"{path}{KEY_SUFFIX}"
         found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
         if found is not None:

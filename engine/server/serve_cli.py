@@ -129,7 +129,6 @@ def model_folder(args: argparse.Namespace) -> str:
     return args.model_tag or args.model or DEFAULT_MODEL
 
 
-
 def predictor_folder(spec: str | None) -> str | None:
     """The saved predictor folder `spec` names, or None for 'none'."""
     if spec is None or spec.lower() == "none":

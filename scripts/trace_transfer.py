@@ -68,9 +68,9 @@ def transfer(args: argparse.Namespace, splits: dict) -> dict[str, np.ndarray]:
     model = saved.load(args.finetune)
     before = {name: rank_lengths(model, splits[name]) for name in SPLITS}
     print(f"fine-tuned, as saved:          {taus(before, splits)}", flush=True)
+    # fit_network reads from the network whether it trains adapters or the whole encoder.
     config = FinetuneConfig(epochs=args.epochs, adapter_learning_rate=args.adapter_lr,
-                            encoder_learning_rate=args.adapter_lr, head_learning_rate=args.head_lr,
-                            lora_rank=model.spec.feature_spec.get("lora_rank"))
+                            encoder_learning_rate=args.adapter_lr, head_learning_rate=args.head_lr)
     train = splits["train"]
     # The saved standardisation stays: the head learnt it, and refitting it to the trace's prompts
     # alone moved the test tau from 0.292 to 0.259 before any training step.

@@ -36,7 +36,7 @@ KNOBS = (
          "a fixed sjf/srpt aging rate per second, instead of --aging-tokens-per-step per measured step",
          replaces="aging_tokens_per_step"),
     Knob("--srpt-max-preempt-share", "srpt_max_preempt_share", share_of_one, "SHARE",
-         "srpt never preempts a request past this share of its predicted length"),
+         "srpt never preempts a request past this share of its predicted (ranking) length"),
     Knob("--slo-ttft-interactive", "slo_ttft_interactive_s", non_negative_float, "S",
          "interactive tier's TTFT target in seconds (admission control, goodput policy)", read_by_admission=True),
     Knob("--slo-e2e-standard", "slo_e2e_standard_s", non_negative_float, "S",

@@ -49,7 +49,7 @@ class SchedulerConfig:
     # (README, simulator).
     aging_tokens_per_s: float | None = None
     aging_tokens_per_step: float = 0.25
-    # srpt: a running request past this share of its predicted length is never preempted for
+    # srpt: a running request past this share of its ranking length is never preempted for
     # a shorter waiting one (limited preemption; tier preemption still applies).
     srpt_max_preempt_share: float = 0.5
     # srpt: a waiting request must be this many times shorter than the running one to preempt it,

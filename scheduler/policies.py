@@ -25,7 +25,7 @@ within a tier.
   estimate and was preempted, and never above `max_tokens / rate`. It preempts a running request
   of its tier only when the waiting one ranks before it in that aged order, is
   `srpt_preempt_ratio` times shorter, and the running one has produced less than
-  `srpt_max_preempt_share` of its predicted length. Aging thus bounds preemption as it bounds
+  `srpt_max_preempt_share` of its ranking length. Aging thus bounds preemption as it bounds
   overtaking: nothing arriving more than the bound after a request preempts it.
 - goodput: within a tier, requests about to miss their SLO deadline (slack = deadline - now -
   predicted remaining cost, the steps still needed times the measured step time, between 0 and
@@ -234,7 +234,9 @@ class SRPTPolicy(SJFPolicy):
         # by every newer short arrival, losing its prefill each time, for as long as they came.
         if self.score(waiting, now) >= self.score(running, now):
             return False
-        if running.num_output_tokens >= self.config.srpt_max_preempt_share * running.predicted_total:
+        # The share of the length srpt ranks it by: the point estimate could put the cut-off past
+        # where refined_remaining already counts the request as outgrowing its estimate.
+        if running.num_output_tokens >= self.config.srpt_max_preempt_share * ranking_length(running):
             return False
         return refined_remaining(waiting) * self.config.srpt_preempt_ratio < refined_remaining(running)
 

@@ -187,6 +187,18 @@ def test_srpt_limited_preemption() -> None:
     assert not policy.should_preempt_for(short, running, 0.0)
 
 
+def test_srpt_preemption_share_is_of_the_ranking_length() -> None:
+    # Ranked by 40 tokens (point estimate 400): 30 generated is past half of what srpt orders it
+    # by, so it is no longer preempted, though it is under half of the point estimate.
+    policy = SRPTPolicy(SchedulerConfig(num_gpu_blocks=64, srpt_max_preempt_share=0.5, srpt_preempt_ratio=1.0,
+                                        aging_tokens_per_s=0.0))
+    running = req("run", predicted=400, predicted_rank_len=40)
+    running.output_token_ids = [1] * 19
+    assert policy.should_preempt_for(req("short", predicted=1, predicted_rank_len=1), running, 0.0)
+    running.output_token_ids = [1] * 30
+    assert not policy.should_preempt_for(req("short", predicted=1, predicted_rank_len=1), running, 0.0)
+
+
 def test_srpt_bound_is_the_remaining_length_a_request_waited_with() -> None:
     # Predicted 40 tokens, preempted after 100: it waits with its refined remaining length, so a
     # later arrival may overtake it for longer than 40 / rate (what its first wait promised).

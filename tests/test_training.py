@@ -449,6 +449,69 @@ def test_each_prompt_draws_with_a_seed_of_its_key_and_the_run_seed(tmp_path):
     assert all(a != b for a, b in zip(*seeds))  # and another one in a resample with another seed
 
 
+def test_a_trace_resumes_only_under_the_prompt_budget_it_was_drawn_with(tmp_path):
+    # Another budget permutes other candidates: resumed under it, a trace stopped being one
+    # random sample (the first rows from one order, the rest from another) and nothing said so.
+    from types import SimpleNamespace
+
+    from training import trace
+
+    class FinishingEngine:
+        def __init__(self):
+            self.live = []
+
+        def add_request(self, request_id, prompt, params):
+            self.live.append(request_id)
+
+        def step(self):
+            done, self.live = self.live, []
+            return [SimpleNamespace(request_id=r, finished=True, token_ids=(1, 2), finish_reason="stop") for r in done]
+
+    rows = [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p, "prompt_tokens": 3,
+             "split": "test", "in_train": False} for i, p in enumerate(["first prompt", "second prompt"])]
+    llm, log, table = SimpleNamespace(engine=FinishingEngine()), tmp_path / "trace.jsonl", tmp_path / "trace.parquet"
+    settings = {"max_tokens": 4, "temperature": 1.0, "window": 2, "seed": 0}
+    assert trace.record_trace(llm, rows[:1], log, max_prompt_tokens=300, **settings) == 1
+    with pytest.raises(ValueError, match="at most 300 tokens, this run draws from those of at most 200"):
+        trace.record_trace(llm, rows, log, max_prompt_tokens=200, **settings)
+    assert trace.record_trace(llm, rows, log, max_prompt_tokens=300, **settings) == 1
+    assert trace.record_trace(llm, rows, log, max_prompt_tokens=None, **settings) == 0  # a resample's: unchecked
+    # The budget rides through the table into a fresh clone's log.
+    trace.write_trace_table(log, table)
+    assert trace.load_trace(path=table)["max_prompt_tokens"] == [300, 300]
+    fresh = tmp_path / "fresh.jsonl"
+    trace.seed_log_from_table(fresh, table)
+    with pytest.raises(ValueError, match="at most 300 tokens"):
+        trace.check_resume_settings(trace.read_log(fresh), max_tokens=4, temperature=1.0, seed=0, max_prompt_tokens=200)
+    # The committed trace (no settings columns) was drawn under 384, and says so.
+    legacy, legacy_log = tmp_path / "legacy.parquet", tmp_path / "legacy.jsonl"
+    _legacy_trace_table(legacy)
+    trace.seed_log_from_table(legacy_log, legacy)
+    records = trace.read_log(legacy_log)
+    trace.check_resume_settings(records, max_tokens=256, temperature=1.0, seed=0, max_prompt_tokens=384)
+    with pytest.raises(ValueError, match="at most 384 tokens"):
+        trace.check_resume_settings(records, max_tokens=256, temperature=1.0, seed=0, max_prompt_tokens=512)
+
+
+def test_a_table_with_settings_columns_but_no_prompt_budget_reads_it_as_unknown(tmp_path):
+    # Tables written between sessions 20 and 32 hold max_tokens, temperature and seed only.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training import trace
+
+    row = {"key": "k0", "conversation_id": "c0", "turn_index": 0, "prompt": "p0", "prompt_tokens": 5,
+           "output_tokens": 7, "finish_reason": "stop", "split": "test", "in_train": False,
+           "max_tokens": 256, "temperature": 1.0, "seed": 2}
+    table = tmp_path / "trace.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), table)
+    log = tmp_path / "trace.jsonl"
+    assert trace.seed_log_from_table(log, table) == 1
+    record = trace.read_log(log)[0]
+    assert record["seed"] == 2 and "max_prompt_tokens" not in record
+    trace.check_resume_settings([record], max_tokens=256, temperature=1.0, seed=2, max_prompt_tokens=100)
+
+
 def test_sample_agreement_pairs_prompts_by_key(tmp_path):
     from training import trace
 

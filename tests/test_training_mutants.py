@@ -396,7 +396,8 @@ def test_the_committed_trace_is_the_first_candidates_of_its_settings():
     from training import trace
 
     table = trace.load_trace()
-    max_prompt_tokens = min(2048 - trace.LEGACY_TABLE_SETTINGS["max_tokens"], 384)  # the committed run's budget
+    max_prompt_tokens = trace.LEGACY_TABLE_SETTINGS["max_prompt_tokens"]  # the committed run's budget
+    assert max_prompt_tokens == min(2048 - trace.LEGACY_TABLE_SETTINGS["max_tokens"], 384)
     rows = trace.candidate_rows(max_prompt_tokens, seed=trace.LEGACY_TRACE_SEED)[: len(table)]
     assert {row["key"]: row["split"] for row in rows} == dict(zip(table["key"], table["split"]))
 

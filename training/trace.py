@@ -9,7 +9,7 @@ length, though a draw can flip on the last bits of a batch-dependent logit; engi
 (Rows logged before session 6 drew from per-request generator streams, which the stateless
 sampler replaced.) Each finished prompt is appended to a JSONL log at once, with its sampling
 settings: an interrupted run resumes by skipping the keys already logged, and refuses a log
-sampled with other settings. The log is then written as a parquet table, settings included, that
+sampled with other settings or drawn under another prompt budget. The log is then written as a parquet table, settings included, that
 `lengthwise train --labels trace` learns from; a table written before session 20 holds none, and
 its rows are taken to have the defaults every committed table used (LEGACY_TABLE_SETTINGS). The
 `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
@@ -39,11 +39,14 @@ DEFAULT_LOG = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt.jsonl"
 DEFAULT_RESAMPLE = dataset.REPO_ROOT / "data" / "traces" / "smollm2_sharegpt_test_resample.parquet"
 TRACE_COLUMNS = ("key", "conversation_id", "turn_index", "prompt", "prompt_tokens", "output_tokens",
                  "finish_reason", "split", "in_train")
-SETTING_COLUMNS = ("max_tokens", "temperature", "seed")  # null where a row's setting is unknown
+# Null where a row's setting is unknown. `max_prompt_tokens` is the prompt budget the candidates
+# were drawn under (the flag, or less where the context less --max-tokens is less): another budget
+# orders other candidates, so a resumed trace would no longer be one random sample.
+SETTING_COLUMNS = ("max_tokens", "temperature", "seed", "max_prompt_tokens")
 # What every table written before the settings were columns was sampled with: the defaults below.
 # Their seeds are unknown (rows before session 6 drew from generator streams), except that the
 # committed trace's later rows used --seed 0, which a resample must therefore not reuse.
-LEGACY_TABLE_SETTINGS = {"max_tokens": 256, "temperature": 1.0, "seed": None}
+LEGACY_TABLE_SETTINGS = {"max_tokens": 256, "temperature": 1.0, "seed": None, "max_prompt_tokens": 384}
 LEGACY_TRACE_SEED = 0
 
 
@@ -133,7 +136,8 @@ def seed_log_from_table(log_path: Path, table_path: Path) -> int:
 
 def table_record(row: dict) -> dict:
     """A table row as a log record: its settings, or the legacy ones for a table without them."""
-    settings = {name: row[name] for name in SETTING_COLUMNS} if "seed" in row else LEGACY_TABLE_SETTINGS
+    # A table of settings columns may predate one of them (max_prompt_tokens): that one is unknown.
+    settings = {name: row.get(name) for name in SETTING_COLUMNS} if "seed" in row else LEGACY_TABLE_SETTINGS
     return {**{name: row[name] for name in TRACE_COLUMNS},
             **{name: value for name, value in settings.items() if value is not None}}
 
@@ -153,14 +157,23 @@ def seed_of(key: str, seed: int) -> int:
     return (int(key, 16) + seed) % (2**31 - 1)
 
 
-def check_resume_settings(records: list[dict], max_tokens: int, temperature: float, seed: int) -> None:
+def check_resume_settings(records: list[dict], max_tokens: int, temperature: float, seed: int,
+                          max_prompt_tokens: int | None = None) -> None:
     """ValueError unless a log's records were sampled as this run would: one trace mixing caps or
-    temperatures would rank lengths of different distributions. Records carry their settings
-    since session 12; an older record (or one copied from a table) shows its cap only when it
-    stopped at it."""
-    wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    temperatures would rank lengths of different distributions, and one mixing prompt budgets
+    would sample prompts unevenly. Records carry their settings since session 12 (the prompt
+    budget since session 32); an older record (or one copied from a table) shows its cap only
+    when it stopped at it. A budget of None (a resample, whose prompts are the trace's) is not checked."""
+    wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+              "max_prompt_tokens": max_prompt_tokens}
     for record in records:
+        if max_prompt_tokens is not None and record.get("max_prompt_tokens") not in (None, max_prompt_tokens):
+            raise ValueError(f"the log holds prompts drawn from those of at most {record['max_prompt_tokens']} "
+                             f"tokens, this run draws from those of at most {max_prompt_tokens} (--max-prompt-tokens, "
+                             "within the context less --max-tokens): pass the log's budget, or another --log and --out")
         for name, value in wanted.items():
+            if name == "max_prompt_tokens":
+                continue
             if record.get(name) is not None and record[name] != value:
                 raise ValueError(f"the log holds prompts sampled with {name} {record[name]}, this run asks "
                                  f"{value}: pass the log's settings, or another --log and --out")
@@ -170,7 +183,7 @@ def check_resume_settings(records: list[dict], max_tokens: int, temperature: flo
 
 
 def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, temperature: float,
-                 window: int, seed: int) -> int:
+                 window: int, seed: int, max_prompt_tokens: int | None = None) -> int:
     """Generate for `rows` not yet in the log, appending one JSON line per prompt; returns the count.
 
     Prompts are fed to the engine so that `window` are in flight at once and each finished one is
@@ -182,7 +195,7 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
     from scheduler.request import SamplingParams
 
     logged = read_log(log_path)
-    check_resume_settings(logged, max_tokens, temperature, seed)
+    check_resume_settings(logged, max_tokens, temperature, seed, max_prompt_tokens)
     done = {record["key"] for record in logged}
     todo = [row for row in rows if row["key"] not in done]
     pending = iter(todo)
@@ -206,7 +219,8 @@ def record_trace(llm, rows: list[dict], log_path: Path, max_tokens: int, tempera
                 if output.finished:
                     row = in_flight.pop(output.request_id)
                     record = {**row, "output_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
-                              "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+                              "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                              "max_prompt_tokens": max_prompt_tokens}
                     log.write(json.dumps(record) + "\n")
                     log.flush()
                     bar.update(1)
@@ -226,7 +240,7 @@ def write_trace_table(log_path: Path, table_path: Path) -> int:
         if {record["key"] for record in records} <= held:
             return len(held)
     columns = {name: [record[name] for record in records] for name in TRACE_COLUMNS}
-    types = {"max_tokens": pa.int64(), "temperature": pa.float64(), "seed": pa.int64()}
+    types = {"max_tokens": pa.int64(), "temperature": pa.float64(), "seed": pa.int64(), "max_prompt_tokens": pa.int64()}
     columns.update({name: pa.array([record.get(name) for record in records], types[name]) for name in SETTING_COLUMNS})
     table = pa.table(columns)
     table_path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,11 +382,13 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model)
     seed_log_from_table(args.log, args.out)  # once the model has loaded: a failed load writes nothing
     if args.resample_split is not None:
+        max_prompt_tokens = None  # the trace's own prompts, whatever their budget was
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:
         max_prompt_tokens = min(llm.engine.config.max_model_len - args.max_tokens, args.max_prompt_tokens)
         rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
-    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed)
+    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed,
+                         max_prompt_tokens)
     total = write_trace_table(args.log, args.out)
     print(f"traced {added} new prompts; {total} in {args.out}")
     if args.resample_split is not None:

@@ -9,9 +9,10 @@ length, though a draw can flip on the last bits of a batch-dependent logit; engi
 (Rows logged before session 6 drew from per-request generator streams, which the stateless
 sampler replaced.) Each finished prompt is appended to a JSONL log at once, with its sampling
 settings: an interrupted run resumes by skipping the keys already logged, and refuses a log
-sampled with other settings or drawn under another prompt budget. The log is then written as a parquet table, settings included, that
-`lengthwise train --labels trace` learns from; a table written before session 20 holds none, and
-its rows are taken to have the defaults every committed table used (LEGACY_TABLE_SETTINGS). The
+sampled with other settings or drawn under another prompt budget. The log is then written as a
+parquet table, settings included, that `lengthwise train --labels trace` learns from; a table
+written before session 20 holds none, and its rows are taken to have the defaults every
+committed table used (LEGACY_TABLE_SETTINGS). The
 `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
 costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
 token, one less). The log is git-ignored and the table committed, so a run first copies into

@@ -231,11 +231,14 @@ class BlockManager:
             self.prefix_cache.drop_request(request.request_id)
         return list(zip(device_table, host_table))
 
+    def blocks_to_swap_in(self, request: Request, num_new_tokens: int = 0) -> int:
+        """Device blocks the host table takes back, grown to hold `num_new_tokens` more."""
+        held = len(self._host_tables.get(request.request_id, ()))
+        return max(held, self.blocks_for(request.num_computed_tokens + num_new_tokens))
+
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Whether the host table, grown to hold `num_new_tokens` more, fits on the device."""
-        held = len(self._host_tables.get(request.request_id, ()))
-        needed = max(held, self.blocks_for(request.num_computed_tokens + num_new_tokens))
-        return needed <= self.device.num_free
+        return self.blocks_to_swap_in(request, num_new_tokens) <= self.device.num_free
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's host blocks back to fresh device blocks; returns (host, device) copies."""

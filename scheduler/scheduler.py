@@ -216,6 +216,11 @@ class Scheduler(Preemption):
             num_new = self._num_new_tokens(request, plan.budget)
             if num_new == 0 or not self.block_manager.can_swap_in(request, num_new):
                 return
+            # The watermark too: swapped back into the last free blocks, it was the victim again
+            # at the next block boundary of anything running, its whole KV copied out and in for
+            # a token or so (vLLM's swap-in kept the same reserve).
+            if not self._leaves_reserve(self.block_manager.blocks_to_swap_in(request, num_new)):
+                return
             plan.swap_in.extend(self.block_manager.swap_in(request))
             self.block_manager.allocate_slots(request, num_new)  # fits: checked by can_swap_in
             self.swapped.pop(0)
@@ -240,11 +245,15 @@ class Scheduler(Preemption):
         del self.waiting[:admitted]
 
     def _above_watermark(self, request: Request, num_new: int, prefix: CachedPrefix) -> bool:
+        return self._leaves_reserve(self.block_manager.num_new_blocks_needed(request, num_new, prefix))
+
+    def _leaves_reserve(self, needed_blocks: int) -> bool:
+        """Whether taking `needed_blocks` leaves the watermark's reserve free for the running
+        requests' growth; an empty cache always takes a request (it fits: checked on add)."""
         if not self.running:
-            return True  # an empty cache always takes the request (it fits: checked on add)
-        needed = self.block_manager.num_new_blocks_needed(request, num_new, prefix)
+            return True
         reserve = self.config.kv_watermark * self.config.num_gpu_blocks
-        return self.block_manager.num_free_blocks - needed >= reserve
+        return self.block_manager.num_free_blocks - needed_blocks >= reserve
 
     def restart_failed_step(self, output: SchedulerOutput, now: float) -> None:
         """After the model step for `output` raised: the requests it touched start over by recompute.

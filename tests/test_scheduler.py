@@ -773,3 +773,37 @@ def test_a_swapped_out_request_counts_as_waiting_for_its_aging_bound() -> None:
     assert slow_mean is not None and not scheduler.has_unfinished_requests()
     slowest_rate = config.aging_tokens_per_step / slow_mean
     assert scheduler.policy.aging_bound_s(swapped) == pytest.approx(swapped.predicted_total / slowest_rate)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_swapped_request_comes_back_only_above_the_watermark_while_others_run(seed) -> None:
+    # Swapped back into the last free blocks, it was the victim again at the next block boundary
+    # of anything running: its whole KV copied out and in for a token or so.
+    import random
+
+    rng = random.Random(seed)
+    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                             max_model_len=64, preemption_mode="swap", num_cpu_blocks=64, kv_watermark=0.2)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(24, 4, 64)
+    workload = [(f"r{i}", rng.randint(3, 20), rng.randint(8, 40)) for i in range(10)]
+    for i, (request_id, prompt_len, max_tokens) in enumerate(workload):
+        scheduler.add_request(make_request(request_id, prompt_len, max_tokens, arrival=float(i)))
+    reserve = config.kv_watermark * config.num_gpu_blocks
+    outputs, swap_ins = {}, 0
+    for step in range(2_000):
+        if not scheduler.has_unfinished_requests():
+            break
+        running_before = {r.request_id for r in scheduler.running}
+        output = scheduler.schedule(float(step))
+        if output.swap_in and running_before - set(output.preempted_ids):  # others ran beside it
+            swap_ins += 1
+            assert scheduler.block_manager.num_free_blocks >= reserve, step
+        for request in scheduler.update_from_output(output, runner.execute(output), float(step)):
+            if request.is_finished:
+                outputs[request.request_id] = list(request.output_token_ids)
+        scheduler.block_manager.check_integrity()
+    assert swap_ins > 0  # the rule was exercised
+    assert outputs == {request_id: reference_output(make_request(request_id, p, m).prompt_token_ids, m)
+                       for request_id, p, m in workload}
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks

@@ -2,8 +2,9 @@
 vLLM's `prompt_logprobs` field (completions per choice, chat at the top level) and completions'
 `echo` with `logprobs`, each against the offline engine's prompt logprobs for the same ids (which
 tests/test_prompt_logprobs.py checks against HF); the n choices of one whole reply share one
-scoring; a streamed echo carries a whole reply's logprobs, and streamed prompt_logprobs above 0 are
-a 400 naming the field, as in vLLM (which takes 0 and sends none)."""
+scoring; a streamed echo carries a whole reply's logprobs (the prompt's alone for max_tokens 0),
+and streamed prompt_logprobs above 0 are a 400 naming the field, as in vLLM (which takes 0 and
+sends none)."""
 
 from __future__ import annotations
 
@@ -171,9 +172,32 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(served, client, offline)
                                                                abs=ATOL)
     plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
-    for body in ({"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "max_tokens": 0, "echo": True, "stream": True},
+    for body in ({"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "max_tokens": 0, "stream": True},
                  {"messages": CHAT, "max_tokens": 0}):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         error = error_of(post(served[0], path, {"model": MODEL, **body}), 400)
         assert error["param"] == "max_tokens"
+    engine_idle_and_intact(served[1])
+
+
+def test_max_tokens_0_with_echo_streams_the_prompt_alone(served, client, offline) -> None:
+    # As vLLM streams it: the prompt (with its logprobs when asked) in one chunk that finishes
+    # with "length", the token generated to score the prompt's last position never shown.
+    generate, tokenizer = offline
+    expected = generate(PROMPT_IDS)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=TOP,
+                                            stream=True, stream_options={"include_usage": True}))
+    *choices, usage = chunks
+    assert "".join(chunk.choices[0].text for chunk in choices) == tokenizer.decode(PROMPT_IDS)
+    assert [chunk.choices[0].finish_reason for chunk in choices][-1] == "length"
+    logprobs = [chunk.choices[0].logprobs for chunk in choices if chunk.choices[0].logprobs is not None]
+    assert len(logprobs) == 1
+    assert logprobs[0].tokens == [tokenizer.decode([token_id]) for token_id in PROMPT_IDS]
+    assert logprobs[0].token_logprobs[0] is None
+    assert logprobs[0].token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]],
+                                                           abs=ATOL)
+    assert usage.usage.completion_tokens == 0 and usage.usage.prompt_tokens == len(PROMPT_IDS)
+    plain = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in plain) == "Hello there"
+    assert all(chunk.choices[0].logprobs is None for chunk in plain)
     engine_idle_and_intact(served[1])

@@ -55,9 +55,8 @@ class OpenAIServing(PromptInput, EngineSubmission):
     async def completion(self, body: CompletionRequest, raw: Request):
         self._check_accepting()
         self._check_priority(body)
-        if body.scores_prompt_only() and (not body.echo or body.stream):
-            raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true "
-                                       "and no stream")
+        if body.scores_prompt_only() and not body.echo:
+            raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true")
         prompts = [await self._completion_prompt(body, prompt) for prompt in body.prompts()]
         head = self._head("cmpl", body)
         streams = await self._submit(head["id"], body, prompts, "prompt")
@@ -70,10 +69,11 @@ class OpenAIServing(PromptInput, EngineSubmission):
             index = content.index
             echoed, echo_due[index] = echo_due[index], False
             prompt_ids, echo = prompts[index // n][0], echoes[index // n]
-            if content.logprobs is None:
+            if echoed and content.prompt_logprobs is not None:  # the prompt's tokens lead, as in a whole reply
+                # (alone for max_tokens 0; an echo streams prompt logprobs only with logprobs asked)
+                logprobs = self.logprobs.echoed_completion(prompt_ids, content.prompt_logprobs, content.logprobs or ())
+            elif content.logprobs is None:
                 logprobs = None
-            elif echoed and content.prompt_logprobs is not None:  # the prompt's tokens lead, as in a whole reply
-                logprobs = self.logprobs.echoed_completion(prompt_ids, content.prompt_logprobs, content.logprobs)
             else:
                 logprobs = self.logprobs.completion(content.logprobs, text_offsets[index])
             text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
@@ -86,7 +86,8 @@ class OpenAIServing(PromptInput, EngineSubmission):
             events = stream_events(streams, chunk, (), include_usage,
                                    lambda usage: CompletionResponse(**head, choices=[], usage=usage),
                                    [len(prompts[i // n][0]) for i in range(len(streams))] if continuous else None,
-                                   choices_per_prompt=n)
+                                   choices_per_prompt=n,
+                                   shown=_prompt_alone if body.scores_prompt_only() else None)
             return self._streaming(streams, events)
         finals = await self._collect(streams, raw)
         if body.scores_prompt_only():

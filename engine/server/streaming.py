@@ -120,10 +120,12 @@ async def _interleave(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[i
 async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, openings: Sequence[BaseModel],
                         include_usage: bool, usage_chunk: Callable[[UsageInfo], BaseModel],
                         continuous_usage_of: Sequence[int] | None = None,
-                        choices_per_prompt: int = 1) -> AsyncIterator[str]:
+                        choices_per_prompt: int = 1,
+                        shown: Callable[[RequestOutput], RequestOutput] | None = None) -> AsyncIterator[str]:
     """The response's events. With `continuous_usage_of` (each choice's prompt tokens, for vLLM's
     continuous_usage_stats) every chunk carries the usage so far: its choice's prompt and tokens
-    (none yet in an opening). The usage chunk counts each prompt once (usage_of)."""
+    (none yet in an opening). The usage chunk counts each prompt once (usage_of). `shown` maps
+    each output to what the client sees of it (the prompt alone, for max_tokens 0)."""
     def with_usage(made: BaseModel, index: int, generated: int) -> BaseModel:
         if continuous_usage_of is not None:
             made.usage = UsageInfo.of(continuous_usage_of[index], generated)
@@ -147,6 +149,8 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                 made = chunk(ChunkContent(index, item.text[cursor.text:], "abort", logprobs=entries))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
                 continue
+            if shown is not None:
+                item = shown(item)
             delta, cursor.text = item.text[cursor.text:], max(cursor.text, len(item.text))
             # A token's logprobs go out with the step that made it, though its text may wait (an
             # unfinished character, or the start of a possible stop string); and, as vLLM sends

@@ -338,6 +338,31 @@ def test_the_simulate_report_gives_the_kv_budget_flags_and_cost_it_ran_with(tmp_
     assert report["goals"]["aging_bound_s"] == report["policies"]["sjf"]["aging_bound_s"] > 0
 
 
+def test_the_simulate_report_is_strict_json_and_leaves_unmeasured_goals_null(tmp_path):
+    # With aging off every sjf bound is infinite, which json.dumps wrote as Infinity (no JSON);
+    # without an oracle run the oracle-share goal read as missed; neither was measured.
+    from training.cli import main
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--policies", "fcfs,sjf", "--num-requests", "20", "--predictions", "noisy-oracle",
+                 "--no-plots", "--sweep-loads", "", "--aging-tokens-per-s", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    goals = report["goals"]
+    assert report["policies"]["sjf"]["aging_bound_s"] is None and goals["aging_bound_s"] is None
+    assert goals["meets_wait_within_aging_bound"] is None and "aging is off" in goals["aging_note"]
+    assert goals["meets_oracle_share_60pct"] is None and goals["meets_throughput_5pct"] is not None
+
+
+def test_json_ready_nulls_what_json_has_no_word_for() -> None:
+    from training.sim_metrics import json_ready
+
+    value = {"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": (2, "x"), "e": True}
+    assert json_ready(value) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, "x"], "e": True}
+
+
 # ---- lengthwise bench engine
 
 def test_each_system_counts_every_requests_own_max_tokens_in_a_mixed_batch(tiny_model_dir):

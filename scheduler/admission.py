@@ -12,10 +12,15 @@ alongside it divided by the throughput.
   rest of the step in flight and the other tiers' decodes that share each step, work that tier
   order cannot move and a refusal would not shorten, so where steps are slow it reads low (on the
   CPU a step of 32 seats takes about 0.2-0.7 s, and most interactive requests miss 500 ms).
-- standard: predicted end-to-end = (token work of interactive and standard requests in the system +
-  its own prompt) / throughput + its predicted output tokens * the mean step time, since one request
-  gains one token per step however fast the server is; rejected above `slo_e2e_standard_s`. This is
-  conservative: it assumes the work ahead is served before the request's own decode starts.
+- standard: predicted end-to-end = (token work ahead + its own prompt) / throughput + its
+  predicted output tokens * the mean step time, since one request gains one token per step however
+  fast the server is; rejected above `slo_e2e_standard_s`. Ahead are the running interactive and
+  standard requests and the queued ones the policy orders before it (under sjf, a short request
+  queues behind shorter ones only). When it can run beside all of them (a seat each, and the KV
+  cache holds each through its predicted end), only their prompts still to feed delay it: their
+  decodes share its steps, which the mean step time already prices. Otherwise its seat waits for
+  theirs to free, and their whole token work counts, as if served before its own decode starts
+  (conservative).
 
 The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
 step's rate when that is higher and a seat is free: at light load the served rate measures
@@ -58,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, Tier
@@ -247,15 +252,20 @@ class AdmissionController:
         return margin
 
     # ---- the decision ------------------------------------------------------------------------
-    def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request]) -> None:
+    def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request],
+              ranks_before: Callable[[Request], bool] | None = None) -> None:
         """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full.
 
-        The choices of one API request are judged as one unit, the same for each: their work
-        together, behind what is queued outside the group. Whether a request is too large to
-        refuse (see the module docstring) is read from one choice, so that asking for more
-        choices never makes admission easier."""
+        `waiting`: every queued request (waiting or swapped out), which the queue bound counts;
+        `ranks_before(other)`: whether the policy serves a queued request before this one (None:
+        every queued one is ahead), which the delay estimates count. The choices of one API
+        request are judged as one unit, the same for each: their work together, behind what is
+        queued outside the group. Whether a request is too large to refuse (see the module
+        docstring) is read from one choice, so that asking for more choices never makes
+        admission easier."""
         waiting = [r for r in waiting if not request.shares_group_with(r)]
         running = [r for r in running if not request.shares_group_with(r)]
+        queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
         # The work ahead drains at the served rate while every seat is taken; the request's own
         # prompt, once its turn comes, is fed at the capacity's.
@@ -268,16 +278,28 @@ class AdmissionController:
         if request.tier == Tier.INTERACTIVE:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
-            ahead = sum(tokens_to_prefill(r) for r in waiting + running if r.tier == Tier.INTERACTIVE)
+            ahead = sum(tokens_to_prefill(r) for r in queued_ahead + running if r.tier == Tier.INTERACTIVE)
             one_s = request.num_prompt_tokens / throughput  # the last choice's TTFT waits for n prefills
             self._check_slo(ahead / drain, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
                             request)
         elif request.tier == Tier.STANDARD:
-            ahead = token_work(r for r in waiting + running if r.tier <= Tier.STANDARD)
+            ahead = self._standard_work_ahead(request, [r for r in queued_ahead + running if r.tier <= Tier.STANDARD])
             decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # choices side by side
             prefill_s = request.num_prompt_tokens / throughput
             self._check_slo(ahead / drain, prefill_s + decode_s, n * prefill_s + decode_s,
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
+
+    def _standard_work_ahead(self, request: Request, ahead: list[Request]) -> float:
+        """Tokens served before a standard request's own (module docstring): the prompts still to
+        feed of those ahead when it runs beside them all, else their whole token work. Batch
+        requests are not ahead: a standard one preempts them for a seat or blocks."""
+        n = request.group_size
+        seats = len(ahead) + n <= self.config.max_num_seqs
+        kv_tokens = (sum(r.num_tokens + predicted_output_tokens(r) for r in ahead)
+                     + n * (request.num_prompt_tokens + predicted_output_tokens(request)))
+        if seats and kv_tokens <= self.config.num_gpu_blocks * self.config.block_size:
+            return sum(tokens_to_prefill(r) for r in ahead)
+        return token_work(ahead)
 
     def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],
                            throughput: float | None) -> None:

@@ -69,7 +69,9 @@ class Scheduler(Preemption):
         # is asked to do, and shedding is the answer to it.
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
-            self.admission.check(request, self.waiting + self.swapped, self.running)
+            key = self.policy.sort_key(request, now)
+            self.admission.check(request, self.waiting + self.swapped, self.running,
+                                 ranks_before=lambda other: self.policy.sort_key(other, now) < key)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

@@ -19,7 +19,7 @@ def req(request_id: str, prompt_len: int, predicted: float, tier: Tier = Tier.ST
 
 
 def controller(**kwargs) -> AdmissionController:
-    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True, **kwargs))
+    ctl = AdmissionController(SchedulerConfig(**{"num_gpu_blocks": 64, **kwargs}, enable_admission=True))
     ctl.record_step(now=1.0, num_tokens=100, step_time_s=0.1)  # 1000 tokens/s
     return ctl
 
@@ -595,3 +595,69 @@ def test_a_group_with_nothing_ahead_is_admitted_and_its_retry_waits_only_for_the
         ctl.check(choice(0, 90, ChoiceGroup("cmpl-b", 6)), ahead, [])
     # Past the 3 s ahead the group would still miss (its own 10.2 s): waiting longer helps no more.
     assert info.value.retry_after_s == pytest.approx(3.0)
+
+
+def decoding(request_id: str, prompt_len: int, remaining: float) -> Request:
+    """A running request with its prompt fed, `remaining` predicted tokens still to generate."""
+    running = req(request_id, prompt_len, remaining)
+    running.num_computed_tokens = prompt_len
+    return running
+
+
+def test_a_request_that_runs_beside_the_running_decodes_is_not_queued_behind_them() -> None:
+    # 14 decodes with 600 tokens left each (8,400 tokens: 8.4 s at 1000 tokens/s) and 18 seats free:
+    # the newcomer is seated at the next step and shares their steps, ~2.1 s, so it is admitted.
+    # Serialised behind their decodes its estimate was 10.5 s, a 429 for a request that met its SLO.
+    ctl = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0)  # 32k KV tokens hold them all
+    running = [decoding(f"r{i}", 100, 600) for i in range(14)]
+    ctl.check(req("short", 100, 20), [], running)
+    # What still delays it is what is fed before it: a running prompt's unfed chunks.
+    running[0].num_computed_tokens = 0
+    running[0].prompt_token_ids = [1] * 8000
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        ctl.check(req("short", 100, 20), [], running)  # 8 s of prefill ahead + 2.1 s
+    assert ctl.num_rejected == 1
+
+
+def test_with_no_seat_or_no_room_for_it_the_whole_work_ahead_counts() -> None:
+    running = [decoding(f"r{i}", 100, 600) for i in range(14)]
+    no_seat = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0, max_num_seqs=14,
+                         max_num_batched_tokens=512)
+    with pytest.raises(AdmissionRejected, match="10.50s"):  # it waits for a seat to free
+        no_seat.check(req("short", 100, 20), [], running)
+    no_room = controller(num_gpu_blocks=64, slo_e2e_standard_s=10.0)  # 1,024 KV tokens: 9,800 will not fit
+    with pytest.raises(AdmissionRejected, match="10.50s"):
+        no_room.check(req("short", 100, 20), [], running)
+
+
+def test_only_queued_work_the_policy_serves_first_delays_a_request() -> None:
+    # 16,000 tokens of long replies queued: 16 s ahead under fcfs, nothing under sjf for a 5-token
+    # reply, which it seats first.
+    ctl = controller(slo_e2e_standard_s=10.0)
+    queued = [req(f"w{i}", 10, 790) for i in range(20)]
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        ctl.check(req("short", 100, 5), queued, [])
+    ctl.check(req("short", 100, 5), queued, [], ranks_before=lambda other: False)
+    with pytest.raises(AdmissionRejected, match="end-to-end"):  # ahead of it, they count again
+        ctl.check(req("short", 100, 5), queued, [], ranks_before=lambda other: True)
+    # The queue bound still counts them all: they are queued, whoever goes first.
+    bounded = controller(slo_e2e_standard_s=1e9, max_queued_tokens=10_000)
+    with pytest.raises(AdmissionRejected, match="queue full"):
+        bounded.check(req("short", 100, 5), queued, [], ranks_before=lambda other: False)
+
+
+@pytest.mark.parametrize("policy, admitted", [("fcfs", False), ("sjf", True)])
+def test_the_scheduler_judges_a_request_by_the_work_its_policy_puts_ahead(policy, admitted) -> None:
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=128, enable_admission=True, policy=policy,
+                                          slo_e2e_standard_s=10.0, aging_tokens_per_s=0.0))
+    scheduler.admission.record_step(now=0.0, num_tokens=100, step_time_s=0.1)  # 1000 tokens/s
+    for i in range(20):
+        scheduler.add_request(req(f"w{i}", 10, 790), now=0.0)
+    short = req("short", 100, 5)
+    short.arrival_time = 1.0  # after them: first under fcfs only by its id
+    if admitted:
+        scheduler.add_request(short, now=1.0)
+        assert short in scheduler.waiting
+    else:
+        with pytest.raises(AdmissionRejected, match="end-to-end"):
+            scheduler.add_request(short, now=1.0)

@@ -7,11 +7,12 @@ throughput as an EWMA (the engine or the simulator reports each step with `recor
 estimates a new request's delay by Little's law in tokens: the work that will be served before or
 alongside it divided by the throughput.
 
-- interactive: predicted TTFT = (queued prompt tokens of interactive requests + its own prompt)
-  / throughput; rejected above `slo_ttft_interactive_s`. A fluid estimate: it leaves out the
-  rest of the step in flight and the other tiers' decodes that share each step, work that tier
-  order cannot move and a refusal would not shorten, so where steps are slow it reads low (on the
-  CPU a step of 32 seats takes about 0.2-0.7 s, and most interactive requests miss 500 ms).
+- interactive: predicted TTFT = (prompt tokens still to feed of the interactive requests ahead,
+  running or queued before it in the policy's order, + its own prompt) / throughput; rejected
+  above `slo_ttft_interactive_s`. A fluid estimate: it leaves out the rest of the step in flight
+  and the other tiers' decodes that share each step, work that tier order cannot move and a
+  refusal would not shorten, so where steps are slow it reads low (on the CPU a step of 32 seats
+  takes about 0.2-0.7 s, and most interactive requests miss 500 ms).
 - standard: predicted end-to-end = (token work ahead + its own prompt) / throughput + its
   predicted output tokens * the mean step time, since one request gains one token per step however
   fast the server is; rejected above `slo_e2e_standard_s`. Ahead are the running interactive and

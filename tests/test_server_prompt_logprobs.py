@@ -200,4 +200,12 @@ def test_max_tokens_0_with_echo_streams_the_prompt_alone(served, client, offline
     plain = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True, stream=True))
     assert "".join(chunk.choices[0].text for chunk in plain) == "Hello there"
     assert all(chunk.choices[0].logprobs is None for chunk in plain)
+    # The token generated to score the prompt is never shown, nor any stop it made (vLLM: null).
+    stop = {"stop_token_ids": [expected.token_ids[0]]}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, temperature=0,
+                                      extra_body=stop).choices[0]
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True,
+                                              temperature=0, stream=True, extra_body=stop))[-1].choices[0]
+    for choice in (whole, streamed):
+        assert (choice.finish_reason, choice.stop_reason) == ("length", None)
     engine_idle_and_intact(served[1])

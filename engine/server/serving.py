@@ -219,7 +219,7 @@ def _prompt_alone(final: RequestOutput) -> RequestOutput:
     """A finished output without its generated token: what a request for max_tokens 0 (a prompt
     scored alone) gets back, as vLLM answers it (finish_reason "length", no completion tokens)."""
     return replace(final, token_ids=(), new_token_ids=(), text="", new_text="", finish_reason="length",
-                   logprobs=None if final.logprobs is None else ())
+                   stop_reason=None, logprobs=None if final.logprobs is None else ())
 
 
 def _tier_name(body: CompletionRequest | ChatCompletionRequest) -> str:

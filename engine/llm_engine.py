@@ -116,9 +116,11 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads,
                                  dtype)
-        self.kv_cache = self._make_cache(dtype)
         self.tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        # The cache after the weights, as vLLM sizes it: checked against the memory they left, a cache
+        # that fit only before them passed the check and then ran the weights' load out of memory.
+        self.kv_cache = self._make_cache(dtype)
         self.runner = ModelRunner(model, self.kv_cache, backend, Sampler(config.seed), self.device)
         self.scheduler = Scheduler(config.scheduler_config(self.kv_cache.num_gpu_blocks, self.kv_cache.num_cpu_blocks))
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -82,3 +82,18 @@ def test_build_batch_lays_out_tokens_slots_and_sampled_rows():
     assert batch.sample_rows.tolist() == [2, 3]
     assert batch.sample_request_ids == ("a", "b")
     assert batch.sample_positions == (3, 6)  # where each sampled token goes: tokens before it
+
+
+def test_the_cache_is_sized_against_the_memory_the_weights_left(tiny_model_dir, monkeypatch):
+    # As vLLM sizes it: checked before the weights, a cache that fit only then passed the check
+    # and ran the weights' load out of memory (an allocator traceback, on a GPU).
+    import engine.kv_cache
+    import engine.llm_engine
+    from engine.llm_engine import LLMEngine
+
+    events = []
+    load_model = engine.llm_engine.load_model
+    monkeypatch.setattr(engine.llm_engine, "load_model", lambda *a, **k: events.append("weights") or load_model(*a, **k))
+    monkeypatch.setattr(engine.kv_cache, "available_host_bytes", lambda: events.append("memory read") or None)
+    LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=64, num_threads=1))
+    assert events == ["weights", "memory read"]

@@ -93,7 +93,8 @@ def test_the_cache_is_sized_against_the_memory_the_weights_left(tiny_model_dir, 
 
     events = []
     load_model = engine.llm_engine.load_model
-    monkeypatch.setattr(engine.llm_engine, "load_model", lambda *a, **k: events.append("weights") or load_model(*a, **k))
+    monkeypatch.setattr(engine.llm_engine, "load_model",
+                        lambda *a, **k: events.append("weights") or load_model(*a, **k))
     monkeypatch.setattr(engine.kv_cache, "available_host_bytes", lambda: events.append("memory read") or None)
     LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=64, num_threads=1))
     assert events == ["weights", "memory read"]

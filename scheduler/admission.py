@@ -296,11 +296,17 @@ class AdmissionController:
         requests are not ahead: a standard one preempts them for a seat or blocks."""
         n = request.group_size
         seats = len(ahead) + n <= self.config.max_num_seqs
-        kv_tokens = (sum(r.num_tokens + predicted_output_tokens(r) for r in ahead)
-                     + n * (request.num_prompt_tokens + predicted_output_tokens(request)))
-        if seats and kv_tokens <= self.config.num_gpu_blocks * self.config.block_size:
+        blocks = (sum(self._blocks_to_finish(r) for r in ahead) + n * self._blocks_to_finish(request))
+        # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
+        usable = self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark)
+        if seats and blocks <= usable:
             return sum(tokens_to_prefill(r) for r in ahead)
         return token_work(ahead)
+
+    def _blocks_to_finish(self, request: Request) -> int:
+        """KV blocks the request holds at its predicted end."""
+        tokens = request.num_tokens + predicted_output_tokens(request)
+        return math.ceil(tokens / self.config.block_size)
 
     def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],
                            throughput: float | None) -> None:

@@ -243,6 +243,7 @@ class SRPTPolicy(SJFPolicy):
 
 class GoodputPolicy(SJFPolicy):
     name = "goodput"
+    queue_order_holds = False
     reads_knobs = SJFPolicy.reads_knobs | {"goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s"}
 
     def __init__(self, config: SchedulerConfig) -> None:

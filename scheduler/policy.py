@@ -29,6 +29,11 @@ class SchedulingPolicy:
     # Whether waiting earns a request rank (anti-starvation aging), so that `aging_bound_s` bounds
     # how late an arrival may still overtake it: the simulator reports that bound for such policies.
     ages = False
+    # Whether two queued requests keep their order while they wait (sjf's and srpt's hold while
+    # the aging rate holds), so that admission may count as ahead of an arrival only the queued
+    # requests ordered before it. Not so for goodput, whose requests move into the urgent group
+    # as their deadlines near.
+    queue_order_holds = True
     # The SchedulerConfig knobs its order reads among those only some policies read (aging, srpt,
     # goodput, the SLOs): `serve` refuses such a knob when its policy would accept it and do nothing.
     reads_knobs: frozenset[str] = frozenset()

@@ -17,9 +17,11 @@ the token budget (`max_num_batched_tokens`); the preemption they use is in preem
    blocks hold); a prefill chunk ranked after a request admitted as urgent takes only what the
    free blocks hold instead.
 3. `_schedule_swapped`: swap-preempted requests come back before new work they rank ahead of,
-   when blocks allow (not in a step that preempted, so a block is never copied out and in at once).
+   when blocks allow, leaving the KV watermark's reserve free while others run (not in a step
+   that preempted, so a block is never copied out and in at once).
 4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a
-   prefill chunk (or the whole prefill without chunking), stopping at the first that does not fit.
+   prefill chunk (or the whole prefill without chunking) above the watermark, stopping at the
+   first that does not fit.
 
 Recompute preemption frees the blocks and sets `num_computed_tokens = 0`; the request keeps its
 arrival time and tokens, so the policy puts it back in its place, and on resumption it re-feeds
@@ -29,6 +31,8 @@ tokens and finishes requests.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from scheduler.admission import AdmissionController
 from scheduler.block_manager import NO_PREFIX, BlockManager, CachedPrefix
@@ -69,12 +73,19 @@ class Scheduler(Preemption):
         # is asked to do, and shedding is the answer to it.
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
-            key = self.policy.sort_key(request, now)
             self.admission.check(request, self.waiting + self.swapped, self.running,
-                                 ranks_before=lambda other: self.policy.sort_key(other, now) < key)
+                                 self._served_before(request, now))
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _served_before(self, request: Request, now: float) -> Callable[[Request], bool] | None:
+        """Whether the policy serves a queued request before `request`; None (every queued one
+        counts as ahead) where the order moves while they wait."""
+        if not self.policy.queue_order_holds:
+            return None
+        key = self.policy.sort_key(request, now)
+        return lambda other: self.policy.sort_key(other, now) < key
 
     def _validate(self, request: Request) -> None:
         # A finished request's id is free at once, though the next step still reports it finished:

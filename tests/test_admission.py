@@ -608,7 +608,7 @@ def test_a_request_that_runs_beside_the_running_decodes_is_not_queued_behind_the
     # 14 decodes with 600 tokens left each (8,400 tokens: 8.4 s at 1000 tokens/s) and 18 seats free:
     # the newcomer is seated at the next step and shares their steps, ~2.1 s, so it is admitted.
     # Serialised behind their decodes its estimate was 10.5 s, a 429 for a request that met its SLO.
-    ctl = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0)  # 32k KV tokens hold them all
+    ctl = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0)  # 2,048 blocks hold them all
     running = [decoding(f"r{i}", 100, 600) for i in range(14)]
     ctl.check(req("short", 100, 20), [], running)
     # What still delays it is what is fed before it: a running prompt's unfed chunks.
@@ -625,9 +625,52 @@ def test_with_no_seat_or_no_room_for_it_the_whole_work_ahead_counts() -> None:
                          max_num_batched_tokens=512)
     with pytest.raises(AdmissionRejected, match="10.50s"):  # it waits for a seat to free
         no_seat.check(req("short", 100, 20), [], running)
-    no_room = controller(num_gpu_blocks=64, slo_e2e_standard_s=10.0)  # 1,024 KV tokens: 9,800 will not fit
-    with pytest.raises(AdmissionRejected, match="10.50s"):
-        no_room.check(req("short", 100, 20), [], running)
+    # Choices need a seat each: 4 fit the 18 seats left, 5 do not.
+    seats = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0, max_num_seqs=18, max_num_batched_tokens=512)
+
+    def choices(n: int) -> Request:
+        choice = req("short", 100, 20)
+        choice.group = ChoiceGroup(f"cmpl-{n}", n)
+        return choice
+
+    seats.check(choices(4), [], running)
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        seats.check(choices(5), [], running)
+    # At their predicted ends the 14 hold 44 blocks each and it 8: 624 blocks, which must fit the
+    # cache less the watermark's 5% reserve (no request starts into it).
+    for blocks, fits in ((657, True), (640, False), (64, False)):
+        ctl = controller(num_gpu_blocks=blocks, slo_e2e_standard_s=10.0)
+        if fits:
+            ctl.check(req("short", 100, 20), [], running)
+        else:
+            with pytest.raises(AdmissionRejected, match="10.50s"):
+                ctl.check(req("short", 100, 20), [], running)
+
+
+def test_a_queued_interactive_request_the_policy_serves_later_does_not_delay_a_first_token() -> None:
+    ctl = controller(slo_ttft_interactive_s=0.5)
+    queued = [req(f"i{i}", 300, 50, Tier.INTERACTIVE) for i in range(2)]  # 0.6 s of prompts
+    with pytest.raises(AdmissionRejected, match="TTFT"):
+        ctl.check(req("i", 100, 5, Tier.INTERACTIVE), queued, [])
+    ctl.check(req("i", 100, 5, Tier.INTERACTIVE), queued, [], ranks_before=lambda other: False)
+
+
+def test_under_goodput_every_queued_request_counts_since_its_order_moves() -> None:
+    # A queued request nearing its deadline joins the urgent group and overtakes an arrival that
+    # ranked ahead of it at arrival: counted out then, its work would have been missed.
+    def scheduler_of(policy: str) -> Scheduler:
+        scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=128, enable_admission=True, policy=policy,
+                                              slo_e2e_standard_s=10.0, aging_tokens_per_s=0.0))
+        scheduler.admission.record_step(now=0.0, num_tokens=100, step_time_s=0.1)  # 1000 tokens/s
+        for i in range(20):
+            scheduler.add_request(req(f"w{i}", 10, 790), now=0.0)
+        return scheduler
+
+    short = req("short", 100, 5)
+    short.arrival_time = 1.0
+    scheduler_of("sjf").add_request(short, now=1.0)
+    with pytest.raises(AdmissionRejected, match="end-to-end"):
+        scheduler_of("goodput").add_request(req("short", 100, 5), now=1.0)
 
 
 def test_only_queued_work_the_policy_serves_first_delays_a_request() -> None:

@@ -933,6 +933,26 @@ def test_trace_refuses_a_log_that_is_no_trace_log_before_loading(capsys, tmp_pat
     assert log.read_text() == text
 
 
+@pytest.mark.parametrize("logged", [{"max_prompt_tokens": 300}, {"temperature": 0.5}])
+def test_trace_refuses_to_resume_a_log_sampled_otherwise_before_loading(capsys, tmp_path, tiny_model_dir, monkeypatch,
+                                                                        logged) -> None:
+    # Found after the model loaded, and after the committed table's rows were copied into the log.
+    from engine import llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before the settings were checked"))
+    log = tmp_path / "t.jsonl"
+    text = json.dumps({"key": "k", "output_tokens": 3, "finish_reason": "stop", "max_tokens": 256,
+                       "temperature": 1.0, "seed": 0, "max_prompt_tokens": 384, **logged}) + "\n"
+    log.write_text(text)
+    name = next(iter(logged))
+    message = "at most 300 tokens, this run draws from those of at most 384" if name == "max_prompt_tokens" else \
+        "sampled with temperature 0.5, this run asks 1.0"
+    assert message in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log", str(log),
+                 "--out", str(tmp_path / "t.parquet")], "trace")
+    assert log.read_text() == text
+
+
 def test_a_log_cut_off_in_its_first_record_still_resumes(tmp_path) -> None:
     from training.trace import read_log
 

@@ -121,12 +121,17 @@ def trim_partial_line(log_path: Path) -> None:
         log.write(b"\n")
 
 
+def table_rows_not_logged(log_path: Path, table_path: Path) -> list[dict]:
+    """The rows of an existing trace table whose key the log lacks."""
+    if not table_path.exists():
+        return []
+    logged = {record["key"] for record in read_log(log_path)}
+    return [row for row in load_trace(path=table_path).to_list() if row["key"] not in logged]
+
+
 def seed_log_from_table(log_path: Path, table_path: Path) -> int:
     """Append to the log every row of an existing trace table whose key it lacks; returns how many."""
-    if not table_path.exists():
-        return 0
-    logged = {record["key"] for record in read_log(log_path)}
-    missing = [row for row in load_trace(path=table_path).to_list() if row["key"] not in logged]
+    missing = table_rows_not_logged(log_path, table_path)
     if missing:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         trim_partial_line(log_path)
@@ -380,13 +385,17 @@ def run(args: argparse.Namespace) -> int:
         read_log(args.log)
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
+    # The trace's own prompts for a resample, whatever their budget was.
+    max_prompt_tokens = None if args.resample_split is not None else min(max_model_len - args.max_tokens,
+                                                                          args.max_prompt_tokens)
+    # What the run would resume, log and table, sampled as this run would: known before the model loads.
+    resumed = read_log(args.log) + [table_record(row) for row in table_rows_not_logged(args.log, args.out)]
+    check_resume_settings(resumed, args.max_tokens, args.temperature, args.seed, max_prompt_tokens)
     llm = LLM(model=args.model)
     seed_log_from_table(args.log, args.out)  # once the model has loaded: a failed load writes nothing
     if args.resample_split is not None:
-        max_prompt_tokens = None  # the trace's own prompts, whatever their budget was
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:
-        max_prompt_tokens = min(llm.engine.config.max_model_len - args.max_tokens, args.max_prompt_tokens)
         rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
     added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed,
                          max_prompt_tokens)

@@ -697,7 +697,7 @@ def test_the_scheduler_judges_a_request_by_the_work_its_policy_puts_ahead(policy
     for i in range(20):
         scheduler.add_request(req(f"w{i}", 10, 790), now=0.0)
     short = req("short", 100, 5)
-    short.arrival_time = 1.0  # after them: first under fcfs only by its id
+    short.arrival_time = 1.0  # after them (at one arrival time its id, "short" < "w0", would put it first)
     if admitted:
         scheduler.add_request(short, now=1.0)
         assert short in scheduler.waiting

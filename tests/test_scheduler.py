@@ -807,3 +807,28 @@ def test_a_swapped_request_comes_back_only_above_the_watermark_while_others_run(
     assert outputs == {request_id: reference_output(make_request(request_id, p, m).prompt_token_ids, m)
                        for request_id, p, m in workload}
     assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+
+
+def test_a_swapped_request_too_large_for_the_reserve_comes_back_once_the_cache_empties() -> None:
+    # 15 of 16 blocks at its end: beside anything running it can never leave the reserve free, so
+    # it comes back once the other is done, and finishes with the reference tokens.
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, preemption_mode="swap", num_cpu_blocks=32, kv_watermark=0.05)
+    scheduler = Scheduler(config)
+    workload = {"r1": (6, 30, 0.0), "r0": (40, 20, 1.0)}  # r0, the newer, is fcfs's victim
+    for request_id, (prompt_len, max_tokens, arrival) in workload.items():
+        scheduler.add_request(make_request(request_id, prompt_len, max_tokens, arrival=arrival))
+    runner = PagedTokenRunner(16, 4, 32)
+    outputs, swapped_while_r1_ran = {}, False
+    for step in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule(float(step))
+        swapped_while_r1_ran |= any(r.request_id == "r0" for r in scheduler.swapped) and "r1" not in outputs
+        for request in scheduler.update_from_output(output, runner.execute(output), float(step)):
+            if request.is_finished:
+                outputs[request.request_id] = list(request.output_token_ids)
+    assert swapped_while_r1_ran
+    assert outputs == {request_id: reference_output(make_request(request_id, p, m).prompt_token_ids, m)
+                       for request_id, (p, m, _) in workload.items()}
+    assert scheduler.block_manager.num_free_blocks == 16

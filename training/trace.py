@@ -11,9 +11,9 @@ sampler replaced.) Each finished prompt is appended to a JSONL log at once, with
 settings: an interrupted run resumes by skipping the keys already logged, and refuses a log
 sampled with other settings or drawn under another prompt budget. The log is then written as a
 parquet table, settings included, that `lengthwise train --labels trace` learns from; a table
-written before session 20 holds none, and its rows are taken to have the defaults every
-committed table used (LEGACY_TABLE_SETTINGS). The
-`output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
+written before session 20 holds none, and its rows are taken to have the committed trace's
+settings (LEGACY_TABLE_SETTINGS); one written in sessions 20-31 holds all but the prompt budget,
+which is then unknown. The `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
 costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
 token, one less). The log is git-ignored and the table committed, so a run first copies into
 the log any table row it lacks: a fresh clone extends the committed trace instead of starting
@@ -47,6 +47,9 @@ SETTING_COLUMNS = ("max_tokens", "temperature", "seed", "max_prompt_tokens")
 # What every table written before the settings were columns was sampled with: the defaults below.
 # Their seeds are unknown (rows before session 6 drew from generator streams), except that the
 # committed trace's later rows used --seed 0, which a resample must therefore not reuse.
+# The prompt budget is the committed trace's (tests/test_training_mutants.py checks its order); a table
+# of one's own drawn before the trace defaults were the committed trace's (436ed20, 2026-11-29) had
+# the context less --max-tokens, and would be refused a resume at its real budget.
 LEGACY_TABLE_SETTINGS = {"max_tokens": 256, "temperature": 1.0, "seed": None, "max_prompt_tokens": 384}
 LEGACY_TRACE_SEED = 0
 

@@ -11,6 +11,10 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
 - `_preempt`: the configured eviction (eviction.py) takes the victim's blocks: swapped to host
   memory, or freed for recompute (the tokens are kept either way).
 - `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.
+
+Only waiting requests make room for themselves: a swapped-out one, of any tier, comes back as
+blocks free beyond the watermark's reserve (scheduler.py, step part 3), holding back whatever
+ranks after it until then.
 """
 
 from __future__ import annotations

@@ -104,6 +104,17 @@ def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> N
     assert stop_status(request_with(params, [3, 3, EOS]), EOS, max_model_len=100) is RequestStatus.FINISHED_STOPPED
 
 
+def test_an_end_or_stop_token_sampled_last_finishes_as_a_stop() -> None:
+    # vLLM v0's order, which the README states (v1 checks the length first): the model did stop.
+    params = SamplingParams(max_tokens=3, stop_token_ids=(4,))
+    for token in (EOS, 4):
+        status = stop_status(request_with(params, [3, 3, token]), token, max_model_len=100)
+        assert status is RequestStatus.FINISHED_STOPPED
+    assert stop_status(request_with(params, [3, 3, 3]), 3, max_model_len=100) is RequestStatus.FINISHED_LENGTH
+    # At the end of the context too.
+    assert stop_status(request_with(params, [3, EOS]), EOS, max_model_len=4) is RequestStatus.FINISHED_STOPPED
+
+
 def test_the_processors_run_in_vllms_order() -> None:
     order = [type(p).__name__ for p in default_processors()]
     assert order == [AllowedTokenIds.__name__, "BadWords", MinTokens.__name__, LogitBias.__name__, "Penalties"]

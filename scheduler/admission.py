@@ -36,11 +36,12 @@ really slowed down is believed within minutes.
   tokens (`SchedulerConfig.queued_token_bound`): a batch flood must not queue without limit,
   while a request with an SLO is refused only when it would miss it.
 
-Admission sheds load, so only work ahead of a request can get it rejected, and only when that work
-is what makes it miss: a request is admitted when nothing is ahead of it, or when its own work
-alone misses its SLO, since refusing it would help no other request and no retry could ever
-succeed while the server has traffic. The queue bound, likewise, counts only queued work of the
-request's tier or a more urgent one (a full batch queue never refuses an interactive request).
+Admission sheds load, so for its SLO only work ahead of a request can get it rejected, and only
+when that work is what makes it miss: a request is admitted when nothing is ahead of it, or when
+its own work alone misses its SLO, since refusing it would help no other request and no retry
+could ever succeed while the server has traffic. The queue bound counts the queued work of the
+request's tier or a more urgent one in any order, since it bounds what is queued, with the
+request's own (a full batch queue never refuses an interactive request).
 Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer turns them into a 429
 with Retry-After: the time for enough of the work ahead to drain (at most all of it), between
 1 s and an hour.
@@ -214,7 +215,7 @@ class AdmissionController:
         seats are filled and steps get faster, so the seat term too read a median 0.8-0.9 under a
         load of 1.3 (a probe with placeholder step costs and 16k KV tokens). With all three terms,
         `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.40 at load
-        0.9, 0.81 at 1.0 and 1.32 at 1.3."""
+        0.9, 0.81 at 1.0 and 1.34 at 1.3."""
         self._prune(now)
         if not self._steps or not self._arrivals:
             return None

@@ -28,12 +28,15 @@ TEST_TABLE = DEFAULT_TABLE_DIR / "test.parquet"
 
 
 def recording_app(behaviour: dict[int, str] | None = None, hold_s: float = 0.0, preemptions_per_scrape: float = 3.0,
-                  served: tuple[dict, ...] = ({"id": "m", "max_model_len": 4096},)):
+                  served: tuple[dict, ...] = ({"id": "m", "max_model_len": 4096},),
+                  metrics_reply: tuple[int, str] | None = None):
     """A server that records each completion request (payload, headers) and answers with two
     token chunks `hold_s` apart, then, `hold_s` later, a usage count of max_tokens and [DONE].
     `behaviour` changes the answer to the Nth request (by arrival): "short" counts one token
     less, "refuse" is HTTP 429, "abort" ends with finish_reason abort, "truncate" leaves out
-    [DONE]. Each /metrics scrape reports `preemptions_per_scrape` more preemptions than the last."""
+    [DONE], "error" sends an error event after its first token and ends without [DONE]. Each
+    /metrics scrape reports `preemptions_per_scrape` more preemptions than the last, unless
+    `metrics_reply` gives the (status, body) to answer instead."""
     behaviour = behaviour or {}
     app = FastAPI()
     app.state.sent, app.state.in_flight, app.state.peak, app.state.scrapes = [], 0, 0, 0
@@ -45,6 +48,8 @@ def recording_app(behaviour: dict[int, str] | None = None, hold_s: float = 0.0, 
     @app.get("/metrics")
     async def metrics():
         app.state.scrapes += 1
+        if metrics_reply is not None:
+            return PlainTextResponse(metrics_reply[1], status_code=metrics_reply[0])
         return PlainTextResponse(
             '# TYPE lengthwise:server_info gauge\nlengthwise:server_info{policy="fcfs"} 1.0\n'
             "# TYPE lengthwise:num_preemptions counter\n"
@@ -64,6 +69,10 @@ def recording_app(behaviour: dict[int, str] | None = None, hold_s: float = 0.0, 
             app.state.in_flight += 1
             app.state.peak = max(app.state.peak, app.state.in_flight)
             yield 'data: {"choices": [{"text": "x", "finish_reason": null}]}\n\n'
+            if kind == "error":
+                app.state.in_flight -= 1
+                yield 'data: {"error": {"message": "the engine failed"}}\n\n'
+                return
             await asyncio.sleep(hold_s)
             yield f'data: {{"choices": [{{"text": "", "finish_reason": "{last}"}}]}}\n\n'
             await asyncio.sleep(hold_s)
@@ -83,6 +92,33 @@ def run_bench(base_url: str, tmp_path, *flags: str) -> tuple[int, dict]:
     code = main(["bench", "serve", "--base-url", base_url, "--no-mlflow", "--result-dir", str(tmp_path), *flags])
     (result,) = tmp_path.glob("*.json")
     return code, json.loads(result.read_text())
+
+
+@pytest.mark.parametrize("metrics", [(404, '{"detail": "Not Found"}'), (500, "Internal Server Error"),
+                                     (200, "<html>a proxy's page</html>")])
+def test_a_server_without_prometheus_metrics_still_gets_its_run_measured_and_written(tmp_path, metrics):
+    # A body that is no Prometheus text raised in the parser: before the load the command could not
+    # run against such a server, and after it (an engine failing its collector) the run was lost.
+    with running_server(recording_app(metrics_reply=metrics)) as (base_url, _):
+        code, result = run_bench(base_url, tmp_path, "--num-prompts", "2", "--request-rate", "inf")
+    assert code == 0 and result["completed"] == 2 and "server_preemptions" not in result
+
+
+def test_the_result_is_strict_json_with_an_unbounded_rate_as_vllm_writes_it(tmp_path):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    with running_server(recording_app()) as (base_url, _):
+        run_bench(base_url, tmp_path, "--num-prompts", "2", "--request-rate", "inf")
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text(), parse_constant=refuse)["config"]["request_rate"] == "inf"
+
+
+def test_a_stream_error_keeps_its_reason_when_no_done_follows(tmp_path):
+    with running_server(recording_app({0: "error"})) as (base_url, _):
+        code, result = run_bench(base_url, tmp_path, "--num-prompts", "1", "--request-rate", "inf")
+    assert code == 1 and result["failed"] == 1
+    assert result["requests"][0]["error"] == "stream error: the engine failed"
 
 
 def test_bench_serve_sends_each_turn_with_its_reply_length_tier_and_flags_and_counts_what_came_back(tmp_path):
@@ -357,7 +393,7 @@ def test_the_simulate_report_is_strict_json_and_leaves_unmeasured_goals_null(tmp
 
 
 def test_json_ready_nulls_what_json_has_no_word_for() -> None:
-    from training.sim_metrics import json_ready
+    from training.strict_json import json_ready
 
     value = {"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": (2, "x"), "e": True}
     assert json_ready(value) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, "x"], "e": True}

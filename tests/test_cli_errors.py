@@ -38,6 +38,7 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["bench", "engine", "--skip", "junk"], "--skip"), (["bench", "engine", "--block-size", "3"], "--block-size"),
     (["bench", "serve", "--goodput", "junk"], "--goodput"), (["bench", "serve", "--goodput", "ttft:abc"], "--goodput"),
     (["bench", "serve", "--goodput", "ttft:-5"], "--goodput"), (["bench", "serve", "--tier-mix", "junk"], "--tier-mix"),
+    (["bench", "serve", "--goodput"], "--goodput"),  # no SLO at all: it ran and reported no goodput
     (["bench", "serve", "--tier-mix", "standard:x"], "--tier-mix"),
     (["simulate", "--tier-mix", "junk"], "--tier-mix"), (["simulate", "--tier-mix", "0,0,0"], "--tier-mix"),
     (["simulate", "--block-size", "3"], "--block-size"), (["bench", "attention", "--block-size", "24"], "--block-size"),

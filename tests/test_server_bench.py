@@ -228,7 +228,7 @@ def test_each_ratio_reads_better_above_one_and_a_zero_baseline_gives_none(tmp_pa
 
 
 def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rate(tmp_path):
-    # An `inf` request rate goes to JSON as Infinity: it must read back equal, or every
+    # An `inf` request rate goes to JSON as vLLM's "inf": it must read back equal, or every
     # all-at-once pair would be flagged not comparable.
     from training.bench_serve_compare import compare, load_baseline
     from training.bench_serve_report import write_json
@@ -246,6 +246,23 @@ def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rat
     assert result["ratios"]["mean_e2e_s_baseline_over_this"] == pytest.approx(2.0)
     other_slo = compare(summary, {**config, "goodput": ["e2el:10000"]}, requests, baseline, tmp_path / "fcfs.json")
     assert not other_slo["comparable"] and other_slo["not_comparable_reasons"][0].startswith("goodput:")
+    # The same SLOs in another order or spelling are the same experiment.
+    reordered = compare(summary, {**config, "goodput": ["e2el:30000.0"]}, requests, baseline, tmp_path / "fcfs.json")
+    assert reordered["comparable"], reordered["not_comparable_reasons"]
+    # A baseline from before session 32 wrote the rate as Infinity (json.loads reads it as inf).
+    old = {**baseline, "config": {**baseline["config"], "request_rate": float("inf")}}
+    assert compare(summary, dict(config), requests, old, tmp_path / "fcfs.json")["comparable"]
+
+
+def test_goodput_given_twice_keeps_both_groups() -> None:
+    import argparse
+
+    from training.bench_serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--goodput", "ttft:2000", "--goodput", "e2el:30000", "tpot:100"])
+    assert parse_goodput(args.goodput) == {"ttft": 2.0, "e2el": 30.0, "tpot": 0.1}
 
 
 def test_the_bench_serve_command_writes_its_json_plot_and_mlflow_run(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -279,3 +296,16 @@ def test_the_bench_serve_command_writes_its_json_plot_and_mlflow_run(tiny_model_
     assert client.get_run(run_id).data.metrics["completed"] == 3.0
     assert {a.path for a in client.list_artifacts(run_id)} == {"fcfs-rateinf.json", "fcfs-rateinf.png"}
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks
+
+
+def test_the_printed_summary_names_short_replies_preemptions_and_the_offered_rate(capsys) -> None:
+    # They were in the JSON alone: a run with short replies under --ignore-eos printed "failed: 0".
+    from training.bench_serve_report import print_summary
+
+    print_summary({"completed": 2, "failed": 0, "short_outputs": 1, "server_preemptions": 4.0,
+                   "offered_request_rate_rps": 0.884, "no_response": 0}, "fcfs")
+    out = capsys.readouterr().out
+    for line in ("short_outputs: 1", "server_preemptions: 4", "offered_request_rate_rps: 0.884", "no_response: 0"):
+        assert line in out, line
+    print_summary({"completed": 2, "failed": 0}, "fcfs")
+    assert "short_outputs" not in capsys.readouterr().out  # only with --ignore-eos

@@ -61,11 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on the dataset's reply length (the same prompts are chosen with or without it)")
     parser.add_argument("--max-model-len", type=positive_int, default=2048, help="drop turns longer than this")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--goodput", nargs="*", type=checked_by(lambda item: report.parse_goodput([item]), "SLO"),
+    # "+" and "extend", so that the flag without values is an error and given twice keeps both groups
+    # (parse_goodput refuses a key given twice).
+    parser.add_argument("--goodput", nargs="+", action="extend",
+                        type=checked_by(lambda item: report.parse_goodput([item]), "SLO"),
                         default=None, metavar="KEY:MS",
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
-    parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S")
+    parser.add_argument("--request-timeout", type=positive_float, default=1800.0, metavar="S",
+                        help="longest wait for the server's next bytes (the first token's included), not a "
+                             "limit on the whole request")
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="the server's key (default: $LENGTHWISE_API_KEY, else $VLLM_API_KEY, else none)")
     parser.add_argument("--label", type=file_stem, default=None, help="run name (e.g. the server's policy)")
@@ -163,7 +168,7 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
                     if last_chunk is not None:
                         result.itl_s.append(now - last_chunk)
                     last_chunk = now
-            result.error = "stream ended without [DONE]"
+            result.error = result.error or "stream ended without [DONE]"  # an error event's reason first
     except Exception as exc:  # noqa: BLE001 - a broken stream fails this request, never the whole run
         result.error = f"{type(exc).__name__}: {exc}"
 
@@ -270,16 +275,21 @@ def server_state(base_url: str) -> tuple[dict[str, str], float | None]:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30.0).text
+        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30.0)
     except httpx.HTTPError:
         return {}, None
     info, preemptions = {}, None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "lengthwise:server_info":
-                info = dict(sample.labels)
-            elif sample.name == "lengthwise:num_preemptions_total":
-                preemptions = sample.value
+    if response.status_code != 200:  # a server without Prometheus metrics, or one failing after the load
+        return info, preemptions
+    try:
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.name == "lengthwise:server_info":
+                    info = dict(sample.labels)
+                elif sample.name == "lengthwise:num_preemptions_total":
+                    preemptions = sample.value
+    except ValueError:  # not Prometheus text: a run's results must not be lost to it after the load
+        return {}, None
     return info, preemptions
 
 

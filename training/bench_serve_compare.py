@@ -15,8 +15,11 @@ this run gives the issue's FCFS / sjf.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+from training.bench_serve_report import parse_goodput
 
 # The flags that choose the prompts, their arrival times, their caps and how they are sampled,
 # and the SLOs that goodput counts against.
@@ -51,8 +54,8 @@ def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[s
                requests: list[dict]) -> list[str]:
     """Why the two runs are not the same experiment; empty when they are."""
     base_config = baseline["config"]
-    reasons = [f"{key}: baseline {base_config.get(key)!r}, this run {config.get(key)!r}"
-               for key in WORKLOAD_KEYS if base_config.get(key) != config.get(key)]
+    reasons = [f"{key}: baseline {base_config.get(key)!r}, this run {config.get(key)!r}" for key in WORKLOAD_KEYS
+               if _as_compared(key, base_config.get(key)) != _as_compared(key, config.get(key))]
     reasons += [f"{key}: baseline {baseline.get(key)}, this run {summary.get(key)}"
                 for key in ("rejected_429", "failed") if baseline.get(key) != summary.get(key)]
     base_answered, this_answered = answered(baseline["requests"]), answered(requests)
@@ -60,6 +63,20 @@ def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[s
         reasons.append(f"answered requests differ: {len(base_answered - this_answered)} only in the baseline, "
                        f"{len(this_answered - base_answered)} only in this run")
     return reasons
+
+
+def _as_compared(key: str, value: Any) -> Any:
+    """A workload flag as two runs compare it: the SLOs as parsed, whatever their order or spelling
+    (ttft:2000 e2el:30000 is e2el:30000 ttft:2000.0), and an unbounded rate however its JSON wrote
+    it (vLLM's "inf", or the Infinity of runs before session 32)."""
+    if key == "goodput":
+        try:
+            return parse_goodput(value)
+        except ValueError:
+            return value
+    if key == "request_rate" and value in ("inf", math.inf):
+        return math.inf
+    return value
 
 
 def compare(summary: dict[str, Any], config: dict[str, Any], requests: list[dict],

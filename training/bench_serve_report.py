@@ -10,13 +10,14 @@ second that meet every SLO given with `--goodput` (ttft, tpot, e2el; millisecond
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from training import strict_json
 
 EXPERIMENT = "lengthwise-bench-serve"
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -116,9 +117,12 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
 
 def print_summary(summary: dict[str, Any], label: str) -> None:
     print(f"==== serving benchmark: {label} ====")
-    for key in ("completed", "failed", "rejected_429", "duration_s", "request_throughput_rps",
+    for key in ("completed", "failed", "rejected_429", "no_response", "short_outputs", "server_preemptions",
+                "duration_s", "offered_request_rate_rps", "request_throughput_rps",
                 "output_tokens_per_s", "goodput_rps", "mean_e2e_s", "p50_e2e_s", "p99_e2e_s",
                 "mean_ttft_s", "p99_ttft_s", "mean_tpot_s", "p99_tpot_s", "mean_itl_s", "p99_itl_s"):
+        if key not in summary:
+            continue  # short_outputs only with --ignore-eos, server_preemptions only from this server
         value = summary.get(key)
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
     for error in summary.get("errors", []):
@@ -127,8 +131,11 @@ def print_summary(summary: dict[str, Any], label: str) -> None:
 
 def write_json(path: Path, summary: dict[str, Any], config: dict[str, Any],
                results: list[RequestResult]) -> None:
+    # An unbounded rate as vLLM writes it, "inf": strict JSON has no Infinity.
+    if config.get("request_rate") == math.inf:
+        config = {**config, "request_rate": "inf"}
     payload = {**summary, "config": config, "requests": [asdict(r) for r in results]}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(strict_json.dumps(payload, indent=2) + "\n")
 
 
 def plot(path: Path, results: list[RequestResult], label: str) -> None:

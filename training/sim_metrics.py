@@ -33,18 +33,6 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def json_ready(value):
-    """`value` with every NaN or infinity (a tier whose requests were all refused, the bound of a
-    policy that does not age) as null, which strict JSON readers take; JSON has no word for them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(item) for item in value]
-    return value
-
-
 def longest_decile(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     """The ceil(10%) longest by true output length; ties (replies cut at a low cap) broken by
     request id, the same set for every policy, so it stays a tenth."""

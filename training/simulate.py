@@ -29,7 +29,8 @@ from scheduler.eviction import needs_host_pool
 from scheduler.policies import POLICIES, make_policy
 from scheduler.request import is_int
 from scheduler.simulation import SimRequest, StepCostModel, simulate
-from training.sim_metrics import aging_bounds, goal_checks, json_ready, mean, overtaken_beyond_bound, summarize
+from training import strict_json
+from training.sim_metrics import aging_bounds, goal_checks, mean, overtaken_beyond_bound, summarize
 from training.sim_plots import plot_latency_cdf, plot_latency_vs_rate
 from training.sim_workload import (NOISY_ORACLE, Turn, arrival_times, assign_tiers, build_workload,
                                    load_test_turns, noisy_oracle, predictor_predictions)
@@ -277,11 +278,10 @@ def run(args: argparse.Namespace) -> int:
         "tier_mix": dict(zip(("interactive", "standard", "batch"), args.tier_mix)),
         "sweep": sweep if len(sweep) > 1 else [],
     }
-    args.json.write_text(json.dumps(json_ready(report), indent=2, allow_nan=False) + "\n")
+    args.json.write_text(strict_json.dumps(report, indent=2) + "\n")
     if not args.no_plots:
         plot_latency_cdf(latencies, args.load, args.json.with_name(args.json.stem + "_cdf.png"))
         if len(sweep) > 1:
             plot_latency_vs_rate(sweep, args.json.with_name(args.json.stem + "_vs_rate.png"))
-    print(json.dumps(json_ready({"goals": report["goals"], "saturated_output_tokens_per_s": saturated}), indent=2,
-                     allow_nan=False))
+    print(strict_json.dumps({"goals": report["goals"], "saturated_output_tokens_per_s": saturated}, indent=2))
     return 0

@@ -417,6 +417,30 @@ def test_a_log_without_settings_shows_its_cap_through_rows_cut_at_it():
     check_resume_settings(rows[1:], max_tokens=512, temperature=1.0, seed=0)  # nothing says otherwise
 
 
+class RecordingEngine:
+    """An engine that finishes every request at its next step, with two tokens, noting each seed."""
+
+    def __init__(self):
+        self.seeds, self.live = {}, []
+
+    def add_request(self, request_id, prompt, params):
+        self.seeds[request_id] = params.seed
+        self.live.append(request_id)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        done, self.live = self.live, []
+        return [SimpleNamespace(request_id=r, finished=True, token_ids=(1, 2), finish_reason="stop") for r in done]
+
+
+def two_trace_rows() -> list[dict]:
+    from training import trace
+
+    return [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p, "prompt_tokens": 3,
+             "split": "test", "in_train": False} for i, p in enumerate(["first prompt", "second prompt"])]
+
+
 def test_each_prompt_draws_with_a_seed_of_its_key_and_the_run_seed(tmp_path):
     # A resample (--seed 1) must draw other samples than the committed trace (--seed 0): with the
     # run seed ignored, its two-sample agreement would be about 1 and the ceiling meaningless.
@@ -424,20 +448,7 @@ def test_each_prompt_draws_with_a_seed_of_its_key_and_the_run_seed(tmp_path):
 
     from training import trace
 
-    class RecordingEngine:
-        def __init__(self):
-            self.seeds, self.live = {}, []
-
-        def add_request(self, request_id, prompt, params):
-            self.seeds[request_id] = params.seed
-            self.live.append(request_id)
-
-        def step(self):
-            done, self.live = self.live, []
-            return [SimpleNamespace(request_id=r, finished=True, token_ids=(1, 2), finish_reason="stop") for r in done]
-
-    rows = [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p, "prompt_tokens": 3,
-             "split": "test", "in_train": False} for i, p in enumerate(["first prompt", "second prompt"])]
+    rows = two_trace_rows()
     seeds = []
     for run_seed in (0, 1):
         engine = RecordingEngine()
@@ -456,20 +467,8 @@ def test_a_trace_resumes_only_under_the_prompt_budget_it_was_drawn_with(tmp_path
 
     from training import trace
 
-    class FinishingEngine:
-        def __init__(self):
-            self.live = []
-
-        def add_request(self, request_id, prompt, params):
-            self.live.append(request_id)
-
-        def step(self):
-            done, self.live = self.live, []
-            return [SimpleNamespace(request_id=r, finished=True, token_ids=(1, 2), finish_reason="stop") for r in done]
-
-    rows = [{"key": trace.prompt_key(p), "conversation_id": f"c{i}", "turn_index": 0, "prompt": p, "prompt_tokens": 3,
-             "split": "test", "in_train": False} for i, p in enumerate(["first prompt", "second prompt"])]
-    llm, log, table = SimpleNamespace(engine=FinishingEngine()), tmp_path / "trace.jsonl", tmp_path / "trace.parquet"
+    rows = two_trace_rows()
+    llm, log, table = SimpleNamespace(engine=RecordingEngine()), tmp_path / "trace.jsonl", tmp_path / "trace.parquet"
     settings = {"max_tokens": 4, "temperature": 1.0, "window": 2, "seed": 0}
     assert trace.record_trace(llm, rows[:1], log, max_prompt_tokens=300, **settings) == 1
     with pytest.raises(ValueError, match="at most 300 tokens, this run draws from those of at most 200"):

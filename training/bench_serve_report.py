@@ -152,7 +152,8 @@ def plot(path: Path, results: list[RequestResult], label: str) -> None:
             ordered = np.sort(values)
             ax_cdf.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=name)
     ax_cdf.set(xlabel="latency (s)", ylabel="share of requests", title=f"latency CDF: {label}")
-    ax_cdf.legend()
+    if done:  # no request answered: an empty plot, without a legend of nothing
+        ax_cdf.legend()
     for tier in sorted({r.tier for r in done}):
         points = [(r.output_tokens, r.e2e_s) for r in done if r.tier == tier]
         ax_scatter.scatter(*zip(*points), s=8, label=tier)

@@ -1,7 +1,8 @@
 """The engine thread of `AsyncLLMEngine`: the one thread that touches the LLMEngine once started.
 
 Between steps it applies every queued command in order (add, abort, call, stop): an arrival group
-is scored by the predictor first when prediction runs inline. A step's outputs go to the event
+is scored by the predictor first when prediction runs inline, at most the predictor's batch of
+them between two steps. A step's outputs go to the event
 loop through `on_outputs`; an exception anywhere ends the thread through `on_failure`, and every
 command still queued, or queued later, is refused, so no caller waits forever.
 """
@@ -66,8 +67,15 @@ class EngineWorker:
             except queue.Empty:  # idle: stats that move with time alone still move
                 self.stats = self.engine.stats()
                 return True
-        while not self.commands.empty():
-            commands.append(self.commands.get_nowait())
+        # Inline, at most one predictor batch of arrivals between two steps: a burst scored whole
+        # froze every running stream (and the aborts behind it) for the whole batch's prediction.
+        # The rest stay queued, in order, for the next round.
+        limit = self.inline_predictor.max_batch if self.inline_predictor is not None else None
+        arrivals = sum(isinstance(c, Submission) for c in commands)
+        while not self.commands.empty() and (limit is None or arrivals < limit):
+            command = self.commands.get_nowait()
+            commands.append(command)
+            arrivals += isinstance(command, Submission)
         applied, stopped = 0, False
         try:
             if self.inline_predictor is not None:

@@ -327,6 +327,46 @@ def test_run_scores_at_most_max_batch_at_a_time_and_skips_cancelled():
     assert [s.prompt_text for s in forwarded] == ["a", "bb", "dddd", "eeeee"]
 
 
+def test_inline_the_engine_thread_steps_between_two_predictor_batches_of_a_burst():
+    # A burst scored in one call froze every running stream for its whole prediction (seconds for
+    # hundreds of prompts on this CPU); the batch bound held only on the predictor thread.
+    from engine.engine_commands import Abort
+    from engine.engine_worker import EngineWorker
+
+    events: list[str] = []
+
+    class Engine:
+        def add_request(self, request_id, *args, **kwargs):
+            events.append(f"add {request_id}")
+
+        def abort_request(self, request_id):
+            events.append(f"abort {request_id}")
+
+        def stats(self):
+            return None
+
+    class Predictor(Recording):
+        def predict(self, prompts):
+            events.append(f"predict {len(prompts)}")
+            return super().predict(prompts)
+
+    commands = queue.SimpleQueue()
+    subs = _submissions("a", "bb", "ccc", "dddd", "eeeee")
+    for command in (*subs[:3], Abort("r0"), *subs[3:]):
+        commands.put(command)
+    worker = EngineWorker(Engine(), commands, ArrivalPredictor(Predictor(), lambda *latency: None, max_batch=2),
+                          on_outputs=lambda outputs: None, on_failure=lambda message: None)
+    rounds = 0
+    while not commands.empty():
+        assert worker.run_commands(block=False)
+        events.append("step")
+        rounds += 1
+    assert events == ["predict 2", "add r0", "add r1", "step",
+                      "predict 2", "add r2", "abort r0", "add r3", "step",  # in the order queued
+                      "predict 1", "add r4", "step"]
+    assert rounds == 3
+
+
 def test_run_returns_at_the_first_stop_even_with_submissions_beside_it():
     arrivals, commands = queue.SimpleQueue(), queue.SimpleQueue()
     first, later = _submissions("a", "b")

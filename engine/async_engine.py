@@ -25,6 +25,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 # Re-exported: callers import the stream types from here.
@@ -41,12 +42,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A step (or an inline prediction) running this long means the engine thread is stuck, which
+# raises nothing: /health then fails, as for a dead engine. vLLM's v0 engine gave up after 60 s of
+# one iteration; a first GPU step that compiles Triton kernels takes a while, hence more.
+ENGINE_STALL_S = 180.0
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: Any, predictor: Predictor | None = None, *,
                  listener: EngineListener | None = None, max_predict_batch: int = 64,
-                 overlap_prediction: bool = False) -> None:
+                 overlap_prediction: bool = False, stall_s: float = ENGINE_STALL_S) -> None:
         self.engine = engine  # touched by the engine thread only, after start()
+        self.stall_s = stall_s
         self.listener: EngineListener = listener or NullListener()
         # Through the attribute, not the object: attach_listener may replace it before start().
         self.predictor = None if predictor is None else ArrivalPredictor(
@@ -143,10 +150,13 @@ class AsyncLLMEngine:
         if self.state is not EngineState.FAILED:
             self.state = EngineState.STOPPED
 
-    @staticmethod
-    def _join_threads(threads: list[threading.Thread]) -> None:
+    def _join_threads(self, threads: list[threading.Thread]) -> None:
+        """Wait for the threads to end; a stuck one is left behind (it is a daemon), so that a
+        shutdown still ends the process."""
         for thread in threads:
-            thread.join()
+            thread.join(timeout=self.stall_s)
+            if thread.is_alive():
+                logger.error("%s did not stop within %.0f s; leaving it behind", thread.name, self.stall_s)
 
     @property
     def stats(self) -> Any:
@@ -155,7 +165,15 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.state is EngineState.RUNNING
+        return self.state is EngineState.RUNNING and self.stalled_s is None
+
+    @property
+    def stalled_s(self) -> float | None:
+        """How long the step (or inline prediction) under way has run, once that is past
+        `stall_s`; None while the engine thread progresses."""
+        since = self._worker.busy_since
+        busy = None if since is None else time.monotonic() - since
+        return busy if busy is not None and busy >= self.stall_s else None
 
     def check_accepting(self) -> None:
         """Raise EngineDead or EngineShuttingDown unless new requests are taken."""
@@ -291,14 +309,23 @@ class AsyncLLMEngine:
 
     # ---- engine thread callbacks (called on it) ------------------------------------------------
     def _outputs_ready(self, outputs: Sequence[RequestOutput]) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        self._post(self._deliver, outputs)
 
     def _abort_applied(self, request_id: str) -> None:
         # Posted after every output of the steps before the abort: FIFO, as call_soon_threadsafe is.
-        self._loop.call_soon_threadsafe(self._uncount_abort, request_id)
+        self._post(self._uncount_abort, request_id)
 
     def _engine_failed(self, message: str) -> None:
         self.failure = message
         with self._state_lock:
             self.state = EngineState.FAILED
-        self._loop.call_soon_threadsafe(self._fail_all, message)
+        self._post(self._fail_all, message)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run `callback` on the event loop. Nobody listens once the loop has closed: a thread
+        left behind by a shutdown (a stuck step that returned late) then ends quietly."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any, Callable, Sequence
 
 from engine.arrival_predictor import ArrivalPredictor
@@ -37,13 +38,19 @@ class EngineWorker:
         self.stats: Any = engine.stats()  # replaced (never mutated) after each step
         self._live: set[str] = set()  # request ids inside the LLMEngine
         self._stop_taken = False  # a failure after it must not wait for another Stop
+        # When the step (or inline prediction) under way began, on time.monotonic; None between
+        # them. Read by other threads: a step that never returns raises nothing, and only this
+        # tells /health that nothing progresses.
+        self.busy_since: float | None = None
 
     def run(self) -> None:
         try:
             while self.run_commands(block=not self.engine.has_unfinished_requests()):
                 if not self.engine.has_unfinished_requests():
                     continue
+                self.busy_since = time.monotonic()
                 outputs = self.engine.step()
+                self.busy_since = None
                 for output in outputs:
                     if output.finished:
                         self._live.discard(output.request_id)
@@ -81,7 +88,9 @@ class EngineWorker:
             if self.inline_predictor is not None:
                 arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
                 if arrivals:
+                    self.busy_since = time.monotonic()
                     self.inline_predictor.predict_batch(arrivals)
+                    self.busy_since = None
             for command in commands:
                 if isinstance(command, Stop):
                     stopped = self._stop_taken = True

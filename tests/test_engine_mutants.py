@@ -392,6 +392,49 @@ def test_a_call_after_the_engine_thread_failed_is_answered_with_the_failure(tiny
     assert no_streams and state is EngineState.FAILED
 
 
+def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(tiny_model_dir, monkeypatch):
+    # A stuck step raises nothing: /health said 200 while nothing progressed, and shutdown joined
+    # the engine thread forever.
+    from types import SimpleNamespace
+
+    from engine.server.app import health
+
+    engine = tiny_engine(tiny_model_dir)
+    release, entered = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def stuck_step():
+        entered.set()
+        release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", stuck_step)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, stall_s=0.2)
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        stream = await async_engine.submit("stuck", ids, "Hello there", GREEDY6)
+        await asyncio.to_thread(entered.wait, 30)
+        healthy_at_once = async_engine.healthy
+        await asyncio.sleep(0.3)
+        stuck = (async_engine.healthy, async_engine.stalled_s)
+        state = SimpleNamespace(served=SimpleNamespace(engine=async_engine))
+        answer = await health(SimpleNamespace(app=SimpleNamespace(state=state)))
+        started = asyncio.get_running_loop().time()
+        await async_engine.shutdown(grace_s=0)  # the step still stuck: left behind after stall_s
+        shutdown_s = asyncio.get_running_loop().time() - started
+        release.set()
+        items = await asyncio.wait_for(collect(stream), 30)
+        return healthy_at_once, stuck, answer, shutdown_s, items
+
+    healthy_at_once, (healthy, stalled_s), answer, shutdown_s, items = asyncio.run(scenario())
+    assert healthy_at_once and not healthy and stalled_s >= 0.2
+    assert answer.status_code == 500 and b"stalled" in answer.body
+    assert shutdown_s < 25  # not the 30 s the step stays stuck for
+    assert items[-1].reason == "abort"
+
+
 @pytest.mark.parametrize("where", ["call", "add_request"])
 def test_a_system_exit_inside_a_command_answers_its_caller_and_fails_the_engine(tiny_model_dir, monkeypatch, where):
     # Only Exceptions were answered: a SystemExit left the command's future running, unanswered by

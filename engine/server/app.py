@@ -147,6 +147,8 @@ async def health(request: Request) -> Response:
         return Response(status_code=200)
     if engine.failure:
         return errors.engine_failed(engine.failure).response()
+    if (stalled := engine.stalled_s) is not None:
+        return errors.engine_failed(f"stalled, one step has run for {stalled:.0f} s").response()
     return errors.shutting_down().response()
 
 

@@ -57,7 +57,7 @@ class AsyncLLMEngine:
         self.listener: EngineListener = listener or NullListener()
         # Through the attribute, not the object: attach_listener may replace it before start().
         self.predictor = None if predictor is None else ArrivalPredictor(
-            predictor, lambda *latency: self.listener.on_prediction(*latency), max_predict_batch)
+            predictor, lambda *latency: self._tell(self.listener.on_prediction, *latency), max_predict_batch)
         # Without overlap (the CPU default) the engine thread scores each drained group of arrivals
         # between steps: LightGBM's and torch's thread pools fighting over the same cores would
         # slow both. With overlap (a GPU engine) a predictor thread scores them during steps.
@@ -215,13 +215,13 @@ class AsyncLLMEngine:
             if isinstance(exc, asyncio.CancelledError):
                 self._queue_abort(request_id)
             else:
-                self.listener.on_rejected(tier, exc)
+                self._tell(self.listener.on_rejected, tier, exc)
             raise
         finally:
             if self._pending.get(request_id) is submission:  # not a later request reusing the id
                 del self._pending[request_id]
         stream.prediction = submission.prediction
-        self.listener.on_admitted(tier, len(prompt_token_ids))
+        self._tell(self.listener.on_admitted, tier, len(prompt_token_ids))
         if submission.abandoned is not None:
             # Aborted (or drained) while the engine thread was adding it: admitted, so counted as
             # an aborted request, as the engine counts it; the Abort queued behind frees its
@@ -280,7 +280,7 @@ class AsyncLLMEngine:
         stream = self._streams.get(request_id)
         self._forget(request_id)
         if stream is not None and not stream.finished:
-            self.listener.on_aborted(request_id, stream.tier)
+            self._tell(self.listener.on_aborted, request_id, stream.tier)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -294,18 +294,28 @@ class AsyncLLMEngine:
             # outputs are the aborted request's, even if a new stream has taken the id.
             if stream is None or output.request_id in self._aborts_in_flight:
                 continue
-            self.listener.on_output(output, stream.tier)
+            self._tell(self.listener.on_output, output, stream.tier)
             stream.put(output)
             if output.finished:
                 self._forget(output.request_id)
-                self.listener.on_finished(output, stream.tier, stream.prediction)
+                self._tell(self.listener.on_finished, output, stream.tier, stream.prediction)
 
     def _fail_all(self, message: str) -> None:
         for request_id, stream in self._streams.items():
             stream.put(StreamEnd("error", message))
-            self.listener.on_aborted(request_id, stream.tier, reason="error")
+            self._tell(self.listener.on_aborted, request_id, stream.tier, reason="error")
         self._streams.clear()
         self._no_streams.set()
+
+    @staticmethod
+    def _tell(callback: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """A listener call (metrics: bookkeeping) whose failure is logged, never raised: raised in
+        the middle of a step's outputs, it left the streams after it without their outputs, a
+        finished one without its end, and the client waiting for good."""
+        try:
+            callback(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            logger.exception("the engine listener failed")
 
     # ---- engine thread callbacks (called on it) ------------------------------------------------
     def _outputs_ready(self, outputs: Sequence[RequestOutput]) -> None:

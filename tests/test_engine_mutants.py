@@ -435,6 +435,32 @@ def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(ti
     assert items[-1].reason == "abort"
 
 
+def test_a_failing_listener_loses_no_output(tiny_model_dir):
+    # The metrics listener ran before each output reached its stream: one that raised dropped the
+    # rest of the step's outputs, a finished one among them, and its client waited for good.
+    from engine.async_stream import NullListener
+
+    class Failing(NullListener):
+        def on_output(self, *args, **kwargs):
+            raise RuntimeError("a metrics bug")
+
+        on_finished = on_admitted = on_output
+
+    engine = tiny_engine(tiny_model_dir)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, listener=Failing())
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        streams = [await async_engine.submit(f"r{i}", ids, "Hello there", GREEDY6) for i in range(2)]
+        items = [await asyncio.wait_for(collect(stream), 30) for stream in streams]
+        await async_engine.shutdown(grace_s=0)
+        return items
+
+    for items in asyncio.run(scenario()):
+        assert items[-1].finished and len(items[-1].token_ids) == 6
+
+
 @pytest.mark.parametrize("where", ["call", "add_request"])
 def test_a_system_exit_inside_a_command_answers_its_caller_and_fails_the_engine(tiny_model_dir, monkeypatch, where):
     # Only Exceptions were answered: a SystemExit left the command's future running, unanswered by

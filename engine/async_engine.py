@@ -232,10 +232,20 @@ class AsyncLLMEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks at the next step boundary. Safe from any thread."""
+        """Stop a request and free its KV blocks at the next step boundary; its stream ends with
+        finish_reason "abort" (one not yet admitted: its submit raises RequestAborted). Safe from
+        any thread."""
+        stream, pending = self._streams.get(request_id), self._pending.get(request_id)
         self._abandon_and_abort(request_id, RequestAborted(request_id))
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._drop_aborted, request_id)
+        if self._loop is None or stream is None:
+            return
+        if pending is not None and not pending.was_admitted():
+            return  # its submit sees it abandoned, answers RequestAborted and counts it
+        # The stream registered now: a new request may take the id before a posted drop runs.
+        if self._on_loop():
+            self._drop_aborted(request_id, stream)
+        else:
+            self._post(self._drop_aborted, request_id, stream)
 
     def _abandon_and_abort(self, request_id: str, error: Exception) -> None:
         pending = self._pending.get(request_id)
@@ -276,10 +286,17 @@ class AsyncLLMEngine:
         self._commands.put(Call(fn, result))
         return result
 
-    def _drop_aborted(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        self._forget(request_id)
-        if stream is not None and not stream.finished:
+    def _drop_aborted(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """End and forget an aborted request's stream: `stream` when given (another request may
+        hold the id by now, and keeps its stream), else the one registered under the id."""
+        registered = self._streams.get(request_id)
+        stream = registered if stream is None else stream
+        if stream is None:
+            return
+        if registered is stream:
+            self._forget(request_id)
+        if not stream.finished:
+            stream.put(StreamEnd("abort", "the request was aborted"))  # a reader still waiting ends
             self._tell(self.listener.on_aborted, request_id, stream.tier)
 
     def _forget(self, request_id: str) -> None:

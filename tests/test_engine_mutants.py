@@ -435,6 +435,35 @@ def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(ti
     assert items[-1].reason == "abort"
 
 
+def test_an_abort_ends_the_stream_its_reader_holds_and_spares_a_new_request_under_its_id(tiny_model_dir):
+    # The aborted stream was forgotten, not ended: a reader of it waited for good. And the drop
+    # ran a tick later, on whatever stream held the id by then: a request resubmitted under the
+    # id in the same tick lost its stream, and its reader waited for good too.
+    engine = tiny_engine(tiny_model_dir)
+    long = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)  # to the end of the context
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        stream = await async_engine.submit("x", ids, "Hello there", long)
+        reader = asyncio.ensure_future(collect(stream))
+        await asyncio.sleep(0.05)
+        async_engine.abort("x")
+        aborted = await asyncio.wait_for(reader, 30)
+        again = await async_engine.submit("y", ids, "Hello there", long)
+        async_engine.abort("y")
+        reused = await async_engine.submit("y", ids, "Hello there", GREEDY6)  # the same tick
+        outputs = await asyncio.wait_for(collect(reused), 30)
+        first = await asyncio.wait_for(collect(again), 30)
+        await async_engine.shutdown(grace_s=0)
+        return aborted, first, outputs
+
+    aborted, first, outputs = asyncio.run(scenario())
+    assert aborted[-1].reason == "abort" and first[-1].reason == "abort"
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 6
+
+
 def test_a_failing_listener_loses_no_output(tiny_model_dir):
     # The metrics listener ran before each output reached its stream: one that raised dropped the
     # rest of the step's outputs, a finished one among them, and its client waited for good.

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 class ArrivalPredictor:
     def __init__(self, predictor: Predictor, on_prediction: Callable[[float, int], None],
                  max_batch: int = 64) -> None:
+        if max_batch < 1:  # none per batch would leave every arrival, and the commands behind it, queued
+            raise ValueError(f"max_predict_batch must be at least 1, got {max_batch}")
         self.predictor = predictor
         self.on_prediction = on_prediction  # (seconds, batch size) of each successful call
         self.max_batch = max_batch

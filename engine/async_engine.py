@@ -5,9 +5,10 @@
 - The engine thread (`EngineWorker`, engine/engine_worker.py) drains a command queue between
   steps (add, abort, call, stop), runs `LLMEngine.step()`, and hands each step's outputs to the
   loop with one `call_soon_threadsafe`.
-- Length prediction happens once per request, at admission, off the event loop, for every
-  arrival waiting at that moment in one batch (engine/arrival_predictor.py): on the engine thread
-  between steps (default), or with `overlap_prediction` on a predictor thread.
+- Length prediction happens once per request, at admission, off the event loop, for the arrivals
+  waiting at that moment in batches of at most `max_predict_batch` (engine/arrival_predictor.py):
+  on the engine thread, one batch between two steps (default), or with `overlap_prediction` on a
+  predictor thread.
 
 Only the engine thread touches the LLMEngine; only the loop touches the stream table. A request
 cancelled before the engine thread reaches it is skipped there, because its admission future is
@@ -15,7 +16,8 @@ cancelled and `set_running_or_notify_cancel` says so atomically. A request abort
 predictor thread still holds it is marked abandoned before the abort is queued (the abort may
 reach the engine thread first and find nothing), and the engine thread refuses it on arrival.
 An aborted id is free for a new request at once: until the engine thread reports the abort
-applied, outputs under that id come from a step that still held the old request, and are dropped.
+applied, outputs under that id come from a step that still held the old request, and are dropped;
+the aborted request's stream ends with finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -151,12 +153,15 @@ class AsyncLLMEngine:
             self.state = EngineState.STOPPED
 
     def _join_threads(self, threads: list[threading.Thread]) -> None:
-        """Wait for the threads to end; a stuck one is left behind (it is a daemon), so that a
-        shutdown still ends the process."""
+        """Wait for the threads to end. One is left behind (a daemon, so the process still ends)
+        once the engine has stalled (see `stalled_s`), or after `stall_s` in all."""
+        deadline = time.monotonic() + self.stall_s
         for thread in threads:
-            thread.join(timeout=self.stall_s)
-            if thread.is_alive():
-                logger.error("%s did not stop within %.0f s; leaving it behind", thread.name, self.stall_s)
+            while thread.is_alive():
+                thread.join(timeout=0.05)
+                if thread.is_alive() and (self.stalled_s is not None or time.monotonic() > deadline):
+                    logger.error("%s did not stop; leaving it behind", thread.name)
+                    break
 
     @property
     def stats(self) -> Any:
@@ -164,8 +169,12 @@ class AsyncLLMEngine:
         return self._worker.stats
 
     @property
+    def accepting(self) -> bool:
+        return self.state is EngineState.RUNNING
+
+    @property
     def healthy(self) -> bool:
-        return self.state is EngineState.RUNNING and self.stalled_s is None
+        return self.accepting and self.stalled_s is None
 
     @property
     def stalled_s(self) -> float | None:
@@ -227,7 +236,7 @@ class AsyncLLMEngine:
             # an aborted request, as the engine counts it; the Abort queued behind frees its
             # blocks, and the caller gets the answer it would have had a moment sooner, not a
             # stream that nothing will ever end.
-            self._drop_aborted(request_id)
+            self._drop_aborted(request_id, stream)
             raise submission.abandoned
         return stream
 
@@ -291,10 +300,9 @@ class AsyncLLMEngine:
         hold the id by now, and keeps its stream), else the one registered under the id."""
         registered = self._streams.get(request_id)
         stream = registered if stream is None else stream
-        if stream is None:
-            return
-        if registered is stream:
-            self._forget(request_id)
+        if stream is None or registered is not stream:
+            return  # ended already (finished, failed, aborted once before), or the id is another's
+        self._forget(request_id)
         if not stream.finished:
             stream.put(StreamEnd("abort", "the request was aborted"))  # a reader still waiting ends
             self._tell(self.listener.on_aborted, request_id, stream.tier)

@@ -2,7 +2,8 @@
 
 A `RequestStream` carries one request's outputs from the engine thread (through
 `call_soon_threadsafe`, so only the event loop touches it) to one HTTP handler; it ends after the
-finished output, or with a `StreamEnd` when the request was cut short (shutdown, engine failure).
+finished output, or with a `StreamEnd` when the request was cut short (shutdown, engine failure,
+an abort).
 Each RequestOutput is cumulative (all tokens and text so far), so the stream keeps only the newest
 unread one: a reader that falls behind gets the latest state in one piece, and a stalled client
 costs one output of memory instead of a queue that grows with every step.

@@ -49,8 +49,10 @@ class EngineWorker:
                 if not self.engine.has_unfinished_requests():
                     continue
                 self.busy_since = time.monotonic()
-                outputs = self.engine.step()
-                self.busy_since = None
+                try:
+                    outputs = self.engine.step()
+                finally:
+                    self.busy_since = None
                 for output in outputs:
                     if output.finished:
                         self._live.discard(output.request_id)
@@ -86,11 +88,15 @@ class EngineWorker:
         applied, stopped = 0, False
         try:
             if self.inline_predictor is not None:
-                arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()]
+                # Not one the client left, or that an abort marked while it queued: refused below.
+                arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()
+                            and c.abandoned is None]
                 if arrivals:
                     self.busy_since = time.monotonic()
-                    self.inline_predictor.predict_batch(arrivals)
-                    self.busy_since = None
+                    try:
+                        self.inline_predictor.predict_batch(arrivals)
+                    finally:
+                        self.busy_since = None
             for command in commands:
                 if isinstance(command, Stop):
                     stopped = self._stop_taken = True

@@ -119,13 +119,13 @@ def main(argv: list[str]) -> None:
 def check_same_workload(real: dict, bench_args: argparse.Namespace) -> None:
     """The measured runs must have been made with the bench arguments given: else the replay would
     print their figures beside another workload's (or miss an index of theirs)."""
-    from training.bench_serve_compare import WORKLOAD_KEYS
+    from training.bench_serve_compare import WORKLOAD_KEYS, as_compared
 
     replayed = [key for key in WORKLOAD_KEYS if key not in NOT_REPLAYED]
     for label, run in real.items():
         config = run.get("config", {})
-        differ = [f"--{k.replace('_', '-')} {config[k]} (given {getattr(bench_args, k)})"
-                  for k in replayed if k in config and config[k] != getattr(bench_args, k)]
+        differ = [f"--{k.replace('_', '-')} {config[k]} (given {getattr(bench_args, k)})" for k in replayed
+                  if k in config and as_compared(k, config[k]) != as_compared(k, getattr(bench_args, k))]
         if differ:
             raise ValueError(f"{label}.json was measured with {', '.join(differ)}: "
                              "pass its bench arguments after --")

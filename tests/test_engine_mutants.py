@@ -400,39 +400,49 @@ def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(ti
     from engine.server.app import health
 
     engine = tiny_engine(tiny_model_dir)
-    release, entered = threading.Event(), threading.Event()
+    passing, entered = threading.Event(), threading.Event()
     real_step = engine.step
 
-    def stuck_step():
-        entered.set()
-        release.wait(30)
+    def gated_step():
+        if not passing.is_set():
+            entered.set()
+            passing.wait(30)
         return real_step()
 
-    monkeypatch.setattr(engine, "step", stuck_step)
+    monkeypatch.setattr(engine, "step", gated_step)
 
     async def scenario():
         async_engine = AsyncLLMEngine(engine, stall_s=0.2)
         await async_engine.start()
+        idle = async_engine.healthy
         ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
         stream = await async_engine.submit("stuck", ids, "Hello there", GREEDY6)
         await asyncio.to_thread(entered.wait, 30)
-        healthy_at_once = async_engine.healthy
         await asyncio.sleep(0.3)
         stuck = (async_engine.healthy, async_engine.stalled_s)
         state = SimpleNamespace(served=SimpleNamespace(engine=async_engine))
         answer = await health(SimpleNamespace(app=SimpleNamespace(state=state)))
+        passing.set()  # it moves again: healthy once more
+        first = await asyncio.wait_for(collect(stream), 30)
+        recovered = async_engine.healthy
+        passing.clear()
+        entered.clear()
+        stream = await async_engine.submit("stuck again", ids, "Hello there", GREEDY6)
+        await asyncio.to_thread(entered.wait, 30)
+        await asyncio.sleep(0.3)
         started = asyncio.get_running_loop().time()
-        await async_engine.shutdown(grace_s=0)  # the step still stuck: left behind after stall_s
+        await async_engine.shutdown(grace_s=0)  # the step still stuck: left behind
         shutdown_s = asyncio.get_running_loop().time() - started
-        release.set()
-        items = await asyncio.wait_for(collect(stream), 30)
-        return healthy_at_once, stuck, answer, shutdown_s, items
+        passing.set()
+        second = await asyncio.wait_for(collect(stream), 30)
+        return idle, stuck, answer, first, recovered, shutdown_s, second
 
-    healthy_at_once, (healthy, stalled_s), answer, shutdown_s, items = asyncio.run(scenario())
-    assert healthy_at_once and not healthy and stalled_s >= 0.2
+    idle, (healthy, stalled_s), answer, first, recovered, shutdown_s, second = asyncio.run(scenario())
+    assert idle and not healthy and stalled_s >= 0.2
     assert answer.status_code == 500 and b"stalled" in answer.body
+    assert first[-1].finished and recovered
     assert shutdown_s < 25  # not the 30 s the step stays stuck for
-    assert items[-1].reason == "abort"
+    assert second[-1].reason == "abort"
 
 
 def test_an_abort_ends_the_stream_its_reader_holds_and_spares_a_new_request_under_its_id(tiny_model_dir):
@@ -462,6 +472,46 @@ def test_an_abort_ends_the_stream_its_reader_holds_and_spares_a_new_request_unde
     aborted, first, outputs = asyncio.run(scenario())
     assert aborted[-1].reason == "abort" and first[-1].reason == "abort"
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 6
+
+
+def test_an_abort_from_another_thread_ends_the_stream_and_counts_a_request_once(tiny_model_dir):
+    # From another thread the drop is posted: it ended nothing, and counted as aborted a request
+    # that had finished, or had been aborted already, by the time it ran.
+    from engine.async_stream import NullListener
+
+    class Counting(NullListener):
+        def __init__(self):
+            self.aborted: list[str] = []
+
+        def on_aborted(self, request_id, tier, reason="abort"):
+            self.aborted.append(request_id)
+
+    engine = tiny_engine(tiny_model_dir)
+    listener = Counting()
+    long = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, listener=listener)
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        running = await async_engine.submit("running", ids, "Hello there", long)
+        reader = asyncio.ensure_future(collect(running))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(async_engine.abort, "running")
+        await asyncio.to_thread(async_engine.abort, "running")  # twice: counted once
+        aborted = await asyncio.wait_for(reader, 30)
+        done = await async_engine.submit("done", ids, "Hello there", GREEDY6)
+        while "done" in async_engine._streams:  # finished (forgotten on delivery), its end not yet read
+            await asyncio.sleep(0.01)
+        # The race: an abort from another thread saw it running, and its posted drop runs now.
+        async_engine._drop_aborted("done", done)
+        finished = await asyncio.wait_for(collect(done), 30)
+        await async_engine.shutdown(grace_s=0)
+        return aborted, finished
+
+    aborted, finished = asyncio.run(scenario())
+    assert aborted[-1].reason == "abort" and finished[-1].finished
+    assert listener.aborted == ["running"]
 
 
 def test_a_failing_listener_loses_no_output(tiny_model_dir):

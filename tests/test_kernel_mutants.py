@@ -359,12 +359,18 @@ def test_inline_the_engine_thread_steps_between_two_predictor_batches_of_a_burst
     rounds = 0
     while not commands.empty():
         assert worker.run_commands(block=False)
+        assert worker.busy_since is None  # between two predictions: not stuck in one
         events.append("step")
         rounds += 1
     assert events == ["predict 2", "add r0", "add r1", "step",
                       "predict 2", "add r2", "abort r0", "add r3", "step",  # in the order queued
                       "predict 1", "add r4", "step"]
     assert rounds == 3
+
+
+def test_a_predictor_batch_of_none_is_refused():
+    with pytest.raises(ValueError, match="max_predict_batch must be at least 1"):
+        ArrivalPredictor(Recording(), lambda *latency: None, max_batch=0)
 
 
 def test_run_returns_at_the_first_stop_even_with_submissions_beside_it():

@@ -262,6 +262,7 @@ def test_replay_in_sim_runs_sjf_again_on_the_prediction_alone_and_compares_only_
 def test_replay_in_sim_refuses_a_measured_run_of_another_workload_before_loading(tmp_path, monkeypatch) -> None:
     # Replayed with other bench arguments, its figures sat beside another workload's (or a missing
     # index was a KeyError).
+    import argparse
     import json
 
     from training import bench_serve
@@ -274,6 +275,14 @@ def test_replay_in_sim_refuses_a_measured_run_of_another_workload_before_loading
         with pytest.raises(ValueError, match=r"fcfs\.json was measured with " + named.replace("(", r"\(")
                            .replace(")", r"\)")):
             replay.main(["--result-dir", str(tmp_path), "--", *bench_args, "--ignore-eos"])
+    # A run at an unbounded rate writes it as vLLM's "inf" (strict JSON): the same as --request-rate
+    # inf, which parses to a float.
+    check_args = argparse.Namespace(num_prompts=20, seed=0, request_rate=float("inf"))
+    replay.check_same_workload({"fcfs": {"config": {"num_prompts": 20, "seed": 0, "request_rate": "inf"}}},
+                               check_args)
+    with pytest.raises(ValueError, match="--request-rate inf"):
+        replay.check_same_workload({"fcfs": {"config": {"request_rate": "inf"}}},
+                                   argparse.Namespace(request_rate=1.0))
     # What it leaves unchecked is named among the comparison's workload keys, so a key added there
     # is checked here too.
     from training.bench_serve_compare import WORKLOAD_KEYS

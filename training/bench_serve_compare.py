@@ -55,7 +55,7 @@ def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[s
     """Why the two runs are not the same experiment; empty when they are."""
     base_config = baseline["config"]
     reasons = [f"{key}: baseline {base_config.get(key)!r}, this run {config.get(key)!r}" for key in WORKLOAD_KEYS
-               if _as_compared(key, base_config.get(key)) != _as_compared(key, config.get(key))]
+               if as_compared(key, base_config.get(key)) != as_compared(key, config.get(key))]
     reasons += [f"{key}: baseline {baseline.get(key)}, this run {summary.get(key)}"
                 for key in ("rejected_429", "failed") if baseline.get(key) != summary.get(key)]
     base_answered, this_answered = answered(baseline["requests"]), answered(requests)
@@ -65,7 +65,7 @@ def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[s
     return reasons
 
 
-def _as_compared(key: str, value: Any) -> Any:
+def as_compared(key: str, value: Any) -> Any:
     """A workload flag as two runs compare it: the SLOs as parsed, whatever their order or spelling
     (ttft:2000 e2el:30000 is e2el:30000 ttft:2000.0), and an unbounded rate however its JSON wrote
     it (vLLM's "inf", or the Infinity of runs before session 32)."""

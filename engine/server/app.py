@@ -143,12 +143,12 @@ async def models(request: Request) -> ModelList:
 
 async def health(request: Request) -> Response:
     engine = _served(request).engine
-    if engine.healthy:
-        return Response(status_code=200)
     if engine.failure:
         return errors.engine_failed(engine.failure).response()
-    if (stalled := engine.stalled_s) is not None:
+    if (stalled := engine.stalled_s) is not None:  # read once: it may change while this runs
         return errors.engine_failed(f"stalled, one step has run for {stalled:.0f} s").response()
+    if engine.accepting:
+        return Response(status_code=200)
     return errors.shutting_down().response()
 
 

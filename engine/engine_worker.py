@@ -1,10 +1,10 @@
 """The engine thread of `AsyncLLMEngine`: the one thread that touches the LLMEngine once started.
 
-Between steps it applies every queued command in order (add, abort, call, stop): an arrival group
+Between steps it applies the queued commands in order (add, abort, call, stop): an arrival group
 is scored by the predictor first when prediction runs inline, at most the predictor's batch of
-them between two steps. A step's outputs go to the event
-loop through `on_outputs`; an exception anywhere ends the thread through `on_failure`, and every
-command still queued, or queued later, is refused, so no caller waits forever.
+them between two steps. A step's outputs go to the event loop through `on_outputs`; an exception
+anywhere ends the thread through `on_failure`, and every command still queued, or queued later,
+is refused, so no caller waits forever.
 """
 
 from __future__ import annotations

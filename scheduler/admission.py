@@ -17,8 +17,9 @@ alongside it divided by the throughput.
   predicted output tokens * the mean step time, since one request gains one token per step however
   fast the server is; rejected above `slo_e2e_standard_s`. Ahead are the running interactive and
   standard requests and the queued ones the policy orders before it (under sjf, a short request
-  queues behind shorter ones only). When it can run beside all of them (a seat each, and the KV
-  cache holds each through its predicted end), only their prompts still to feed delay it: their
+  queues behind shorter ones only; under goodput, whose order moves, all of them). When it can
+  run beside all of them (a seat each, and their KV blocks at their predicted ends fit the cache
+  less the watermark's reserve), only their prompts still to feed delay it: their
   decodes share its steps, which the mean step time already prices. Otherwise its seat waits for
   theirs to free, and their whole token work counts, as if served before its own decode starts
   (conservative).

@@ -13,9 +13,9 @@ sampled with other settings or drawn under another prompt budget. The log is the
 parquet table, settings included, that `lengthwise train --labels trace` learns from; a table
 written before session 20 holds none, and its rows are taken to have the committed trace's
 settings (LEGACY_TABLE_SETTINGS); one written in sessions 20-31 holds all but the prompt budget,
-which is then unknown. The `output_tokens` counts every generated token, a `stop` row's end-of-sequence token included: it
-costs a decode step like any other (ShareGPT's labels count the reply without its end-of-turn
-token, one less). The log is git-ignored and the table committed, so a run first copies into
+which is then unknown. The `output_tokens` counts every generated token, a `stop` row's
+end-of-sequence token included: it costs a decode step like any other (ShareGPT's labels count
+the reply without its end-of-turn token, one less). The log is git-ignored and the table committed, so a run first copies into
 the log any table row it lacks: a fresh clone extends the committed trace instead of starting
 over (or overwriting it with fewer rows).
 """

@@ -15,9 +15,9 @@ written before session 20 holds none, and its rows are taken to have the committ
 settings (LEGACY_TABLE_SETTINGS); one written in sessions 20-31 holds all but the prompt budget,
 which is then unknown. The `output_tokens` counts every generated token, a `stop` row's
 end-of-sequence token included: it costs a decode step like any other (ShareGPT's labels count
-the reply without its end-of-turn token, one less). The log is git-ignored and the table committed, so a run first copies into
-the log any table row it lacks: a fresh clone extends the committed trace instead of starting
-over (or overwriting it with fewer rows).
+the reply without its end-of-turn token, one less). The log is git-ignored and the table
+committed, so a run first copies into the log any table row it lacks: a fresh clone extends the
+committed trace instead of starting over (or overwriting it with fewer rows).
 """
 
 from __future__ import annotations
@@ -172,17 +172,15 @@ def check_resume_settings(records: list[dict], max_tokens: int, temperature: flo
     temperatures would rank lengths of different distributions, and one mixing prompt budgets
     would sample prompts unevenly. Records carry their settings since session 12 (the prompt
     budget since session 32); an older record (or one copied from a table) shows its cap only
-    when it stopped at it. A budget of None (a resample, whose prompts are the trace's) is not checked."""
-    wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-              "max_prompt_tokens": max_prompt_tokens}
+    when it stopped at it. A budget of None (a resample, whose prompts are the trace's) is not
+    checked."""
+    wanted = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     for record in records:
         if max_prompt_tokens is not None and record.get("max_prompt_tokens") not in (None, max_prompt_tokens):
             raise ValueError(f"the log holds prompts drawn from those of at most {record['max_prompt_tokens']} "
                              f"tokens, this run draws from those of at most {max_prompt_tokens} (--max-prompt-tokens, "
                              "within the context less --max-tokens): pass the log's budget, or another --log and --out")
         for name, value in wanted.items():
-            if name == "max_prompt_tokens":
-                continue
             if record.get(name) is not None and record[name] != value:
                 raise ValueError(f"the log holds prompts sampled with {name} {record[name]}, this run asks "
                                  f"{value}: pass the log's settings, or another --log and --out")

@@ -292,7 +292,8 @@ class AsyncLLMEngine:
     def call_in_engine(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
         result: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(Call(fn, result))
+        if not self._worker.offer(Call(fn, result)):  # the engine thread has ended
+            result.set_exception(EngineDead(self.failure) if self.failure else EngineShuttingDown())
         return result
 
     def _drop_aborted(self, request_id: str, stream: RequestStream | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,10 @@ class EngineWorker:
         # them. Read by other threads: a step that never returns raises nothing, and only this
         # tells /health that nothing progresses.
         self.busy_since: float | None = None
+        # Set once the thread answers no more commands; offered commands are put under the lock, so
+        # one is either seen by the last refusal or refused at once, never left unanswered.
+        self._closing = threading.Lock()
+        self.closed = False
 
     def run(self) -> None:
         try:
@@ -63,9 +68,25 @@ class EngineWorker:
             logger.exception("engine loop failed")
             message = f"{type(exc).__name__}: {exc}"
             self._on_failure(message)
-            refuse_until_stopped(self.commands, EngineDead(message), block=not self._stop_taken)
+            self._close(EngineDead(message), block=not self._stop_taken)
             return
-        refuse_until_stopped(self.commands, EngineShuttingDown(), block=False)
+        self._close(EngineShuttingDown(), block=False)
+
+    def offer(self, command: Any) -> bool:
+        """Queue `command` unless the thread has ended (False then: nobody would answer it)."""
+        with self._closing:
+            if self.closed:
+                return False
+            self.commands.put(command)
+            return True
+
+    def _close(self, error: Exception, block: bool) -> None:
+        """Refuse what is queued (until a Stop, when `block`), then close: what was offered
+        before the close is refused here, what comes after is refused by `offer`."""
+        refuse_until_stopped(self.commands, error, block=block)
+        with self._closing:
+            self.closed = True
+        refuse_until_stopped(self.commands, error, block=False)
 
     def run_commands(self, block: bool) -> bool:
         """Apply every queued command; wait for one first when `block`. False once told to stop."""

@@ -514,6 +514,21 @@ def test_an_abort_from_another_thread_ends_the_stream_and_counts_a_request_once(
     assert listener.aborted == ["running"]
 
 
+def test_a_call_after_the_engine_thread_ended_is_refused_not_left_waiting(tiny_model_dir):
+    # Queued after the thread's last refusal, nobody answered it.
+    from engine.async_stream import EngineShuttingDown
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(tiny_engine(tiny_model_dir))
+        await async_engine.start()
+        await async_engine.shutdown(grace_s=0)
+        late = async_engine.call_in_engine(lambda engine: "ran")
+        with pytest.raises(EngineShuttingDown):
+            await asyncio.wait_for(asyncio.wrap_future(late), 30)
+
+    asyncio.run(scenario())
+
+
 def test_a_failing_listener_loses_no_output(tiny_model_dir):
     # The metrics listener ran before each output reached its stream: one that raised dropped the
     # rest of the step's outputs, a finished one among them, and its client waited for good.

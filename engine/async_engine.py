@@ -218,10 +218,13 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(submission.admitted)
         except BaseException as exc:
-            # Rejected, or the client left while waiting: forget the stream; the engine thread skips
-            # a cancelled submission, and the abort covers one it had already added.
-            self._forget(request_id)
-            if isinstance(exc, asyncio.CancelledError):
+            # Rejected, or the client left while waiting: forget the stream (its own: an abort may
+            # have freed the id for a new request already); the engine thread skips a cancelled
+            # submission, and the abort covers one it had already added (one already queued, for
+            # an abandoned submission, would find a new request under the id instead).
+            if self._streams.get(request_id) is stream:
+                self._forget(request_id)
+            if isinstance(exc, asyncio.CancelledError) and submission.abandoned is None:
                 self._queue_abort(request_id)
             else:
                 self._tell(self.listener.on_rejected, tier, exc)
@@ -243,18 +246,16 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next step boundary; its stream ends with
         finish_reason "abort" (one not yet admitted: its submit raises RequestAborted). Safe from
-        any thread."""
+        any thread: from another, it runs on the loop, where the stream table is read and changed
+        at once (read from the thread, it raced a submit of the same id)."""
+        if self._loop is not None and not self._on_loop():
+            self._post(self.abort, request_id)
+            return
         stream, pending = self._streams.get(request_id), self._pending.get(request_id)
         self._abandon_and_abort(request_id, RequestAborted(request_id))
-        if self._loop is None or stream is None:
-            return
-        if pending is not None and not pending.was_admitted():
-            return  # its submit sees it abandoned, answers RequestAborted and counts it
-        # The stream registered now: a new request may take the id before a posted drop runs.
-        if self._on_loop():
-            self._drop_aborted(request_id, stream)
-        else:
-            self._post(self._drop_aborted, request_id, stream)
+        if stream is None or (pending is not None and not pending.was_admitted()):
+            return  # none to end, or its submit sees it abandoned, answers RequestAborted and counts it
+        self._drop_aborted(request_id, stream)
 
     def _abandon_and_abort(self, request_id: str, error: Exception) -> None:
         pending = self._pending.get(request_id)
@@ -263,14 +264,10 @@ class AsyncLLMEngine:
         self._queue_abort(request_id)
 
     def _queue_abort(self, request_id: str) -> None:
-        """Queue an Abort, counted in flight first. From another thread the count is posted to the
-        loop before the Abort is queued, so it lands before the engine thread's word that the
-        Abort was applied."""
+        """Queue an Abort (on the loop, or before the engine started), counted in flight first, so
+        the count lands before the engine thread's word that the Abort was applied."""
         if self._loop is not None:
-            if self._on_loop():
-                self._count_abort(request_id)
-            else:
-                self._loop.call_soon_threadsafe(self._count_abort, request_id)
+            self._count_abort(request_id)
         self._commands.put(Abort(request_id))
 
     def _on_loop(self) -> bool:

@@ -124,22 +124,26 @@ def trim_partial_line(log_path: Path) -> None:
         log.write(b"\n")
 
 
-def table_rows_not_logged(log_path: Path, table_path: Path) -> list[dict]:
-    """The rows of an existing trace table whose key the log lacks."""
+def records_not_logged(logged: list[dict], table_path: Path) -> list[dict]:
+    """As log records, the rows of an existing trace table whose key the log's records lack."""
     if not table_path.exists():
         return []
-    logged = {record["key"] for record in read_log(log_path)}
-    return [row for row in load_trace(path=table_path).to_list() if row["key"] not in logged]
+    keys = {record["key"] for record in logged}
+    return [table_record(row) for row in load_trace(path=table_path).to_list() if row["key"] not in keys]
+
+
+def append_records(log_path: Path, records: list[dict]) -> None:
+    if records:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        trim_partial_line(log_path)
+        with log_path.open("a", encoding="utf-8") as log:
+            log.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def seed_log_from_table(log_path: Path, table_path: Path) -> int:
     """Append to the log every row of an existing trace table whose key it lacks; returns how many."""
-    missing = table_rows_not_logged(log_path, table_path)
-    if missing:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        trim_partial_line(log_path)
-        with log_path.open("a", encoding="utf-8") as log:
-            log.writelines(json.dumps(table_record(row)) + "\n" for row in missing)
+    missing = records_not_logged(read_log(log_path), table_path)
+    append_records(log_path, missing)
     return len(missing)
 
 
@@ -382,18 +386,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: the same file as --log")
     if args.out.is_file():  # resumed from once the model has loaded: a table of another kind fails now
         check_trace_table(args.out, "--out")
-    if args.log.is_file():  # likewise the log, which is appended to
-        read_log(args.log)
+    logged = read_log(args.log) if args.log.is_file() else []  # likewise the log, which is appended to
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
     # The trace's own prompts for a resample, whatever their budget was.
     max_prompt_tokens = None if args.resample_split is not None else min(max_model_len - args.max_tokens,
                                                                           args.max_prompt_tokens)
     # What the run would resume, log and table, sampled as this run would: known before the model loads.
-    resumed = read_log(args.log) + [table_record(row) for row in table_rows_not_logged(args.log, args.out)]
-    check_resume_settings(resumed, args.max_tokens, args.temperature, args.seed, max_prompt_tokens)
+    from_table = records_not_logged(logged, args.out)
+    check_resume_settings(logged + from_table, args.max_tokens, args.temperature, args.seed, max_prompt_tokens)
     llm = LLM(model=args.model)
-    seed_log_from_table(args.log, args.out)  # once the model has loaded: a failed load writes nothing
+    append_records(args.log, from_table)  # once the model has loaded: a failed load writes nothing
     if args.resample_split is not None:
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:

@@ -27,6 +27,9 @@ class ArrivalPredictor:
         self.predictor = predictor
         self.on_prediction = on_prediction  # (seconds, batch size) of each successful call
         self.max_batch = max_batch
+        # When the batch `run` scores began (time.monotonic), None between batches: a predictor
+        # thread stuck in a call holds every arrival back, which /health must see.
+        self.busy_since: float | None = None
 
     def predict_batch(self, batch: list[Submission]) -> None:
         """Set each submission's prediction; on a predictor failure leave them unset.
@@ -57,7 +60,11 @@ class ArrivalPredictor:
             stopping = None in batch
             batch = [s for s in batch if s is not None and not s.admitted.cancelled()]
             if batch:
-                self.predict_batch(batch)
+                self.busy_since = time.monotonic()
+                try:
+                    self.predict_batch(batch)
+                finally:
+                    self.busy_since = None
             for submission in batch:
                 commands.put(submission)
             if stopping:

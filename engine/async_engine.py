@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A step (or an inline prediction) running this long means the engine thread is stuck, which
+# A step (or a round of commands, or a prediction) running this long means a thread is stuck, which
 # raises nothing: /health then fails, as for a dead engine. vLLM's v0 engine gave up after 60 s of
 # one iteration; a first GPU step that compiles Triton kernels takes a while, hence more.
 ENGINE_STALL_S = 180.0
@@ -178,10 +178,13 @@ class AsyncLLMEngine:
 
     @property
     def stalled_s(self) -> float | None:
-        """How long the step (or inline prediction) under way has run, once that is past
-        `stall_s`; None while the engine thread progresses."""
-        since = self._worker.busy_since
-        busy = None if since is None else time.monotonic() - since
+        """How long the step or round of commands under way (or, with overlap, the predictor
+        thread's batch) has run, once that is past `stall_s`; None while both threads progress."""
+        busy_since = [self._worker.busy_since]
+        if self.overlap_prediction:
+            busy_since.append(self.predictor.busy_since)
+        started = [since for since in busy_since if since is not None]  # each read once: threads reset them
+        busy = time.monotonic() - min(started) if started else None
         return busy if busy is not None and busy >= self.stall_s else None
 
     def check_accepting(self) -> None:

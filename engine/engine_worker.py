@@ -39,8 +39,8 @@ class EngineWorker:
         self.stats: Any = engine.stats()  # replaced (never mutated) after each step
         self._live: set[str] = set()  # request ids inside the LLMEngine
         self._stop_taken = False  # a failure after it must not wait for another Stop
-        # When the step (or inline prediction) under way began, on time.monotonic; None between
-        # them. Read by other threads: a step that never returns raises nothing, and only this
+        # When the step, or the round of commands (inline prediction included), under way began,
+        # on time.monotonic; None between them. Read by other threads: a step that never returns raises nothing, and only this
         # tells /health that nothing progresses.
         self.busy_since: float | None = None
         # Set once the thread answers no more commands; offered commands are put under the lock, so
@@ -107,17 +107,16 @@ class EngineWorker:
             commands.append(command)
             arrivals += isinstance(command, Submission)
         applied, stopped = 0, False
+        # Applying them counts as busy too: an add, an abort or a call that never returns stalls
+        # the engine as a stuck step does.
+        self.busy_since = time.monotonic()
         try:
             if self.inline_predictor is not None:
                 # Not one the client left, or that an abort marked while it queued: refused below.
                 arrivals = [c for c in commands if isinstance(c, Submission) and not c.admitted.cancelled()
                             and c.abandoned is None]
                 if arrivals:
-                    self.busy_since = time.monotonic()
-                    try:
-                        self.inline_predictor.predict_batch(arrivals)
-                    finally:
-                        self.busy_since = None
+                    self.inline_predictor.predict_batch(arrivals)
             for command in commands:
                 if isinstance(command, Stop):
                     stopped = self._stop_taken = True
@@ -125,6 +124,7 @@ class EngineWorker:
                 applied += 1  # counted first: a command that raised is not tried again
                 self._apply(command)
         finally:
+            self.busy_since = None
             # What was not applied goes back on the queue, to be refused once the loop ends (after a
             # Stop, or when applying a command raised and the loop fails), so no caller waits
             # forever. A Stop that was obeyed is not put back; one not reached is.

@@ -445,6 +445,51 @@ def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(ti
     assert second[-1].reason == "abort"
 
 
+def test_a_command_or_an_overlapped_prediction_that_never_returns_reads_stalled(tiny_model_dir):
+    # Only a step counted as busy: an add, abort or call stuck between steps, or a predictor
+    # thread stuck in a batch (holding every arrival back), left /health at 200.
+    engine = tiny_engine(tiny_model_dir)
+    inside, gate = threading.Event(), threading.Event()
+
+    class GatedPredictor:
+        def predict(self, prompts):
+            inside.set()
+            gate.wait(30)
+            return [Prediction(point=5.0, p50=5.0, p90=9.0, score=0.0, rank_len=5.0)] * len(prompts)
+
+    async def stuck_then_freed(async_engine, make_stuck):
+        inside.clear()
+        gate.clear()
+        waiting = asyncio.ensure_future(make_stuck())
+        assert await asyncio.to_thread(inside.wait, 30)
+        await asyncio.sleep(0.3)
+        stuck = async_engine.stalled_s
+        gate.set()
+        done = await asyncio.wait_for(waiting, 30)
+        return stuck, done, async_engine.healthy
+
+    async def scenario():
+        calls = AsyncLLMEngine(engine, stall_s=0.2)
+        await calls.start()
+        call = await stuck_then_freed(
+            calls, lambda: asyncio.wrap_future(calls.call_in_engine(lambda _: inside.set() or gate.wait(30))))
+        await calls.shutdown(grace_s=0)
+        overlapped = AsyncLLMEngine(engine, GatedPredictor(), overlap_prediction=True, stall_s=0.2)
+        await overlapped.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+
+        async def served():
+            return await collect(await overlapped.submit("held", ids, "Hello there", GREEDY6))
+
+        prediction = await stuck_then_freed(overlapped, served)
+        await overlapped.shutdown(grace_s=0)
+        return call, prediction
+
+    (call_stuck, called, call_healthy), (predict_stuck, outputs, predict_healthy) = asyncio.run(scenario())
+    assert call_stuck >= 0.2 and called is True and call_healthy
+    assert predict_stuck >= 0.2 and outputs[-1].finished and predict_healthy
+
+
 def test_an_abort_ends_the_stream_its_reader_holds_and_spares_a_new_request_under_its_id(tiny_model_dir):
     # The aborted stream was forgotten, not ended: a reader of it waited for good. And the drop
     # ran a tick later, on whatever stream held the id by then: a request resubmitted under the

@@ -146,7 +146,7 @@ async def health(request: Request) -> Response:
     if engine.failure:
         return errors.engine_failed(engine.failure).response()
     if (stalled := engine.stalled_s) is not None:  # read once: it may change while this runs
-        return errors.engine_failed(f"stalled, one step has run for {stalled:.0f} s").response()
+        return errors.engine_failed(f"stalled, the engine has made no progress for {stalled:.0f} s").response()
     if engine.accepting:
         return Response(status_code=200)
     return errors.shutting_down().response()

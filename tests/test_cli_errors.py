@@ -35,6 +35,7 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "hi", "--top-p", "0"], "--top-p"), (["generate", "hi", "--top-p", "7"], "--top-p"),
     (["generate", "hi", "--stop", ""], "--stop"), (["train", "--max-eval", "1"], "--max-eval"),
+    (["train", "--max-train", "1"], "--max-train"),  # LightGBM's bagging of one row left none: a traceback
     (["bench", "engine", "--skip", "junk"], "--skip"), (["bench", "engine", "--block-size", "3"], "--block-size"),
     (["bench", "serve", "--goodput", "junk"], "--goodput"), (["bench", "serve", "--goodput", "ttft:abc"], "--goodput"),
     (["bench", "serve", "--goodput", "ttft:-5"], "--goodput"), (["bench", "serve", "--tier-mix", "junk"], "--tier-mix"),
@@ -379,6 +380,30 @@ def test_train_checks_its_store_before_training(capsys, taken, monkeypatch) -> N
         capsys, ["train", "--model", "length", "--store", str(taken[1])], "train")
     assert "--store /proc/nope: not writable" in one_line_error(
         capsys, ["train", "--model", "length", "--store", "/proc/nope"], "train")
+
+
+def test_train_refuses_a_store_whose_database_is_no_mlflow_store_before_training(capsys, tmp_path,
+                                                                                 monkeypatch) -> None:
+    # It trained in full, replaced --save, and then died in a database error's traceback. The
+    # default store (no --store) was not checked up front at all.
+    from training import tracking, train
+
+    monkeypatch.setattr(train, "run", lambda args: pytest.fail("trained before the store was checked"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "mlflow.db").write_text("not a database")
+    assert f"--store {broken}: its mlflow.db is not an MLflow store" in one_line_error(
+        capsys, ["train", "--model", "length", "--store", str(broken)], "train")
+    monkeypatch.setattr(tracking, "default_store", lambda: broken)
+    assert f"the MLflow store {broken}: its mlflow.db" in one_line_error(capsys, ["train", "--model", "length"],
+                                                                        "train")
+
+
+def test_eval_predictor_refuses_a_store_it_would_ignore(capsys, tmp_path) -> None:
+    # With a predictor folder --store was silently ignored: "the champion of X" evaluated PATH.
+    assert "--store names where 'champion' is looked up" in one_line_error(
+        capsys, ["eval-predictor", "--predictor", "data/predictors/lexical", "--store", str(tmp_path),
+                 "--no-latency"], "eval-predictor")
 
 
 def test_eval_predictor_reads_its_store_without_creating_it(capsys, tmp_path) -> None:

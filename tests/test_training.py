@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -269,6 +270,42 @@ def test_champion_is_chosen_among_runs_on_the_same_turn_table(tmp_path):
 def test_download_champion_without_registry_raises(tmp_path):
     with pytest.raises(LookupError):
         tracking.download_champion(store=tmp_path / "empty")
+
+
+def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(tmp_path):
+    # The experiment records its artifact folder as an absolute path: after the store was moved
+    # the download failed with an MlflowException traceback (eval-predictor turns only LookupError
+    # into its one-line answer), as it did for a file that is no database. And a database without
+    # MLflow's tables was given them, by a reader that claims to write nothing.
+    import shutil
+    import sqlite3
+
+    store = tmp_path / "mlruns"
+    with tracking.tracking_session(store):
+        folder = _saved_length_predictor(tmp_path / "run", 2.5)
+        tracking.log_run("run", {"model": "length"}, {tracking.SELECTION_METRIC: 0.3}, folder, [],
+                         tracking.comparison_tags("sharegpt", ""))
+        tracking.update_champion()
+    moved = tmp_path / "moved" / "mlruns"
+    shutil.move(store, moved)
+    assert predictor.load(tracking.download_champion(tmp_path / "download", store=moved)).params.intercept == 2.5
+    shutil.rmtree(moved / "artifacts")
+    with pytest.raises(LookupError, match="files are missing"):
+        tracking.download_champion(tmp_path / "again", store=moved)
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "mlflow.db").write_text("not a database")
+    with pytest.raises(LookupError, match="not an MLflow store"):
+        tracking.download_champion(store=garbage)
+    other = tmp_path / "other"
+    other.mkdir()
+    with sqlite3.connect(other / "mlflow.db") as connection:
+        connection.execute("CREATE TABLE notes (text TEXT)")
+    with pytest.raises(LookupError, match="not an MLflow store"):
+        tracking.download_champion(store=other)
+    with sqlite3.connect(other / "mlflow.db") as connection:
+        tables = [row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    assert tables == ["notes"]
 
 
 def test_eval_predictor_champion_falls_back_to_the_default_only_in_the_repositorys_own_store(
@@ -955,6 +992,41 @@ def test_pairwise_accuracy_matches_every_pair_counted_and_leaves_out_true_ties()
     small_true, small_score = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 0.0])
     assert metrics.pairwise_accuracy(small_true, small_score) == pytest.approx(1 / 3, abs=0.005)
     assert np.isnan(metrics.pairwise_accuracy(np.full(5, 7.0), np.arange(5.0)))  # no pair to order
+    assert np.isnan(metrics.pairwise_accuracy(np.array([]), np.array([])))  # was "high <= 0": an empty dedup set
+
+
+def test_training_and_evaluation_refuse_a_split_too_small_before_any_fit(monkeypatch, tmp_path):
+    # A table built with `data prepare --limit` can leave a split empty: training died in
+    # LightGBM's traceback (or the probe's IndexError), evaluation in "high <= 0".
+    from training import evaluate, labels as label_data, train
+
+    def split(rows):
+        return label_data.LabelledSplit([f"p{i}" for i in range(rows)], np.arange(1, rows + 1), np.zeros(rows, bool),
+                                        np.ones(rows, np.int64), np.zeros(rows, bool))
+
+    sizes = {"train": 50, "validation": 1, "test": 0}
+    monkeypatch.setattr(label_data, "load_split", lambda name, labels="sharegpt", held_out=None: split(sizes[name]))
+    with pytest.raises(ValueError, match="the sharegpt validation split holds 1 rows"):
+        train.load_data("sharegpt", "lexical", None, None)
+    with pytest.raises(ValueError, match="the sharegpt test split holds no rows"):
+        evaluate.evaluate(Path("data/predictors/lexical"), measure_latency=False)
+
+
+def test_a_prior_whose_heads_do_not_load_is_a_one_line_error(tmp_path):
+    # LightGBMError is no ValueError: a damaged --prior was a traceback naming neither it nor its kind.
+    import shutil
+
+    from predictor.saved import read_spec
+    from training.labels import trace_held_out_tag
+    from training.train_models import _load_prior
+
+    prior = tmp_path / "prior"
+    shutil.copytree("data/predictors/default", prior)
+    spec = json.loads((prior / "predictor.json").read_text())
+    (prior / "predictor.json").write_text(json.dumps({**spec, "held_out": trace_held_out_tag()}))
+    (prior / "point.lgb.txt").write_text("not a LightGBM model")
+    with pytest.raises(ValueError, match=f"--prior {prior}: its heads do not load"):
+        _load_prior(prior, read_spec(prior).feature_spec, "trace")
 
 
 def test_spearman_is_the_correlation_of_ranks_not_of_values():

@@ -65,12 +65,16 @@ def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def _check_store(args: argparse.Namespace) -> None:
     """`train` and `eval-predictor` name an MLflow store with --store; train would otherwise find a
-    file in its place, or an unwritable folder, only when it logs, after the training.
-    eval-predictor only reads it."""
-    if getattr(args, "store", None) is not None:
-        from training.tracking import check_store
+    file in its place, an unwritable folder or a database that is no store, only when it logs,
+    after the training (its default store too). eval-predictor only reads it."""
+    if not hasattr(args, "store"):
+        return
+    from training.tracking import check_store, default_store
 
-        check_store(args.store, for_writing=args._command == "train", flag="--store")
+    if args._command == "train":
+        check_store(args.store or default_store(), flag="--store" if args.store else "the MLflow store")
+    elif args.store is not None:
+        check_store(args.store, for_writing=False, flag="--store")
 
 
 def _resolve_arguments(args: argparse.Namespace) -> None:

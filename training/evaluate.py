@@ -81,6 +81,9 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
     (a fresh clone), the committed default, as `serve` resolves it. A store named with --store
     must hold a champion: a typo there should not quietly evaluate another model."""
     if spec != "champion":
+        if store is not None:  # a typo trap: "the champion of X" would quietly evaluate PATH
+            raise ValueError(f"--store names where 'champion' is looked up; it has no effect with "
+                             f"--predictor {spec}")
         return Path(spec)
     from training import tracking
 
@@ -123,6 +126,9 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
 
     model = predictor.load(predictor_path)  # first: a wrong path fails before the data loads
     test = label_data.subsample(label_data.load_split("test", labels), limit, seed=2)
+    if not len(test):
+        raise ValueError(f"the {labels} test split holds no rows (a turn table built with `data prepare --limit` "
+                         "can leave it empty)")
     predictions = predict_in_batches(model, test.prompts, batch_size=32, progress=True)
     whole = prediction_metrics(test.lengths, predictions, test.censored)
     keep = ~test.in_train

@@ -38,6 +38,8 @@ class PredictionMetrics:
 
 
 def pairwise_accuracy(true: np.ndarray, score: np.ndarray, seed: int = 0) -> float:
+    if len(true) < 2:  # no pair to order (and no index to draw from an empty set)
+        return float("nan")
     rng = np.random.default_rng(seed)
     first = rng.integers(0, len(true), PAIR_SAMPLE)
     second = rng.integers(0, len(true), PAIR_SAMPLE)

@@ -15,10 +15,12 @@ tracking URI is set inside `tracking_session`, never at import.
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import unquote, urlparse
 
 from engine.arg_types import check_output_location
 from predictor.features import FEATURE_SPEC_VERSION
@@ -54,6 +56,10 @@ def check_store(store: Path, for_writing: bool = True, flag: str = "MLflow store
         raise NotADirectoryError(f"{flag} {store} is a file, not a folder")
     if for_writing:
         check_output_location(store, flag, folder=True)
+        # Found after a whole training run, this was a database error's traceback, nothing logged.
+        database = store / "mlflow.db"
+        if database.exists() and not _has_registry(database):
+            raise ValueError(f"{flag} {store}: its mlflow.db is not an MLflow store")
 
 
 @contextmanager
@@ -151,17 +157,22 @@ def update_champion(data_hash: str | None = None) -> str | None:
 
 
 def download_champion(dst: Path | None = None, store: Path | None = None) -> Path:
-    """Local folder of the champion predictor (raises LookupError when there is none).
+    """Local folder of the champion predictor (raises LookupError when there is none, or when the
+    store cannot be read).
 
     Reads the store only: no session, no experiment created, nothing written to it, so a server
     can load the champion from a store it may not write."""
+    store = Path(store or default_store())
+    check_store(store, for_writing=False)
+    database = store / "mlflow.db"
+    if not database.exists():  # reading: a store that is not there is not created (nor mlflow imported)
+        raise LookupError(f"no MLflow store at {store}")
+    # MlflowClient makes its tables in a database that lacks them: that would write to the store.
+    if not _has_registry(database):
+        raise LookupError(f"{database} is not an MLflow store with a model registry")
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    store = Path(store or default_store())
-    check_store(store, for_writing=False)
-    if not (store / "mlflow.db").exists():  # reading: a store that is not there is not created
-        raise LookupError(f"no MLflow store at {store}")
     uri = tracking_uri(store)
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
@@ -169,4 +180,33 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
     except MlflowException as error:
         raise LookupError(f"no {CHAMPION_ALIAS!r} alias on model {MODEL_NAME!r}") from error
     kwargs = {"dst_path": str(dst)} if dst is not None else {}
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=uri, **kwargs))
+    source = _source_in_store(client, version, store)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=uri, **kwargs))
+    except MlflowException as error:  # its run's artifacts deleted
+        raise LookupError(f"the champion's files are missing ({source}): {error}") from error
+
+
+def _has_registry(database: Path) -> bool:
+    """Whether `database` is an SQLite file holding MLflow's registry tables (opened read-only)."""
+    try:
+        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+            found = connection.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
+                                       "'model_versions'").fetchone()
+    except sqlite3.Error:  # not a database at all
+        return False
+    return found is not None
+
+
+def _source_in_store(client, version, store: Path) -> str:
+    """The champion's artifact location, moved into `store` when the store itself was moved or
+    copied: the experiment records its artifact folder as an absolute path."""
+    source = version.source
+    if not source.startswith("file:") or Path(unquote(urlparse(source).path)).exists():
+        return source
+    run = client.get_run(version.run_id)
+    root = client.get_experiment(run.info.experiment_id).artifact_location.rstrip("/")
+    if not source.startswith(root + "/"):
+        return source
+    moved = (store / "artifacts").resolve().joinpath(*source[len(root) + 1:].split("/"))
+    return moved.as_uri() if moved.exists() else source

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the predictor kind (default embed_lgbm, the committed default's)")
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt",
                         help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
-    parser.add_argument("--max-train", type=positive_int, default=None, help="train rows (default per model)")
+    parser.add_argument("--max-train", type=ranked_rows, default=None, help="train rows (default per model)")
     parser.add_argument("--max-eval", type=ranked_rows, default=None, help="validation and test rows (default per model)")
     parser.add_argument("--store", type=Path, default=None, help="MLflow store folder (default mlruns/)")
     parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
@@ -73,10 +73,18 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
     held_out = label_data.trace_held_out() if hold_out_trace else None
     # Fixed seeds per split so every model sees the same subsamples (and the embedding cache hits).
     # The test split keeps every row: held-out conversations only matter to what the fit sees.
+    splits = {
+        "train": label_data.subsample(label_data.load_split("train", labels, held_out), train_limit, seed=0),
+        "validation": label_data.subsample(label_data.load_split("validation", labels, held_out), valid_limit,
+                                           seed=1),
+        "test": label_data.subsample(label_data.load_split("test", labels), test_limit, seed=2),
+    }
+    for name, split in splits.items():  # before any embedding or fit, not as LightGBM's traceback in one
+        if len(split) < 2:
+            raise ValueError(f"the {labels} {name} split holds {len(split)} rows; training needs at least 2 in "
+                             "each (a turn table built with `data prepare --limit` can leave one empty)")
     return TrainingData(
-        train=label_data.subsample(label_data.load_split("train", labels, held_out), train_limit, seed=0),
-        valid=label_data.subsample(label_data.load_split("validation", labels, held_out), valid_limit, seed=1),
-        test=label_data.subsample(label_data.load_split("test", labels), test_limit, seed=2),
+        train=splits["train"], valid=splits["validation"], test=splits["test"],
         labels=labels,
         data_hash=dataset.table_hash() if labels == "sharegpt" else label_data.trace_hash(),
         prior=prior,

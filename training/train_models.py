@@ -136,7 +136,10 @@ def _load_prior(folder: Path | None, feature_spec: dict, labels: str):
     if labels != "trace" or spec.held_out != trace_held_out_tag():
         raise ValueError(f"--prior {folder}: stack only trace-trained heads, on a prior trained without the "
                          "trace's conversations (lengthwise train --model embed_lgbm --hold-out-trace ...)")
-    return LgbmHeads.load(Path(folder)), spec
+    try:
+        return LgbmHeads.load(Path(folder)), spec
+    except Exception as exc:  # noqa: BLE001 - LightGBMError is no ValueError: a traceback naming neither
+        raise ValueError(f"--prior {folder}: its heads do not load ({type(exc).__name__}: {exc})") from exc
 
 
 def train_probe(data: TrainingData, config) -> TrainedModel:

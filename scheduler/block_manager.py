@@ -60,7 +60,7 @@ class BlockPool:
         return self._ref_counts[block]
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
+        if count < 0 or count > len(self._free):  # a negative count took the whole free list
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
         blocks = []
         for block in self._free:
@@ -231,23 +231,46 @@ class BlockManager:
             self.prefix_cache.drop_request(request.request_id)
         return list(zip(device_table, host_table))
 
-    def blocks_to_swap_in(self, request: Request, num_new_tokens: int = 0) -> int:
-        """Device blocks the host table takes back, grown to hold `num_new_tokens` more."""
+    def resident_prefix(self, request: Request) -> CachedPrefix:
+        """A swapped-out request's first full blocks whose KV the device still holds under their
+        keys (shared with another request, or cached on the free list): `swap_in` takes those
+        back instead of copying them into new blocks. Without it, a prompt shared with others
+        came back as private copies nothing could find, and needed its whole table free."""
+        if self.prefix_cache is None or request.request_id not in self._host_tables:
+            return NO_PREFIX
+        full = request.num_computed_tokens // self.block_size  # the host table holds these
+        blocks = tuple(self.prefix_cache.lookup(request)[:full])
+        return CachedPrefix(blocks, len(blocks) * self.block_size, self.prefix_cache.num_evictions)
+
+    def blocks_to_swap_in(self, request: Request, num_new_tokens: int = 0, resident: CachedPrefix = NO_PREFIX) -> int:
+        """Free device blocks the host table takes back, grown to hold `num_new_tokens` more,
+        its `resident` prefix (resident_prefix) taken back where it lies."""
         held = len(self._host_tables.get(request.request_id, ()))
-        return max(held, self.blocks_for(request.num_computed_tokens + num_new_tokens))
+        total = max(held, self.blocks_for(request.num_computed_tokens + num_new_tokens))
+        return total - len(resident.blocks) + sum(map(self.device.is_free, resident.blocks))
 
-    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
+    def can_swap_in(self, request: Request, num_new_tokens: int = 0, resident: CachedPrefix = NO_PREFIX) -> bool:
         """Whether the host table, grown to hold `num_new_tokens` more, fits on the device."""
-        return self.blocks_to_swap_in(request, num_new_tokens) <= self.device.num_free
+        return self.blocks_to_swap_in(request, num_new_tokens, resident) <= self.device.num_free
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's host blocks back to fresh device blocks; returns (host, device) copies."""
+    def swap_in(self, request: Request, resident: CachedPrefix = NO_PREFIX) -> list[tuple[int, int]]:
+        """Move the request's host blocks back to the device: its `resident` prefix (found by
+        resident_prefix, nothing allocated since) shared where it lies, the rest copied into fresh
+        blocks; returns the (host, device) copies."""
+        if request.request_id in self._device_tables:  # a second table would leak the first
+            raise RuntimeError(f"{request.request_id} holds device blocks already")
+        if resident.blocks and resident.evictions != self.prefix_cache.num_evictions:
+            raise RuntimeError("a resident block may have been evicted since it was found")
         host_table = self._host_tables.pop(request.request_id, [])
-        device_table = self._allocate(len(host_table))
+        for block in resident.blocks:  # first: off the free list before _allocate hands blocks out
+            self.device.share(block)
+        kept = len(resident.blocks)
+        fresh = self._allocate(len(host_table) - kept)
+        device_table = list(resident.blocks) + fresh
         self._device_tables[request.request_id] = device_table
         self.host.release(host_table)
         request.block_ids = list(device_table)
-        return list(zip(host_table, device_table))
+        return list(zip(host_table[kept:], fresh))
 
     def blocks_freed_by(self, requests: list[Request]) -> set[int]:
         """Device blocks that freeing all of `requests` returns to the free list: those no other

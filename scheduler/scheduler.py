@@ -18,7 +18,8 @@ the token budget (`max_num_batched_tokens`); the preemption they use is in preem
    free blocks hold instead.
 3. `_schedule_swapped`: swap-preempted requests come back before new work they rank ahead of,
    when blocks allow, leaving the KV watermark's reserve free while others run (not in a step
-   that preempted, so a block is never copied out and in at once).
+   that preempted, so a block is never copied out and in at once); with a prefix cache, onto
+   the blocks of their prefix still cached, the rest copied in.
 4. `_schedule_waiting`: waiting and recompute-preempted requests in policy order, each granted a
    prefill chunk (or the whole prefill without chunking) above the watermark, stopping at the
    first that does not fit.
@@ -227,17 +228,21 @@ class Scheduler(Preemption):
             if self.waiting and self.policy.sort_key(self.waiting[0], now) < self.policy.sort_key(request, now):
                 return  # a waiting request ranks first (a more urgent tier): it gets the blocks
             num_new = self._num_new_tokens(request, plan.budget)
-            if num_new == 0 or not self.block_manager.can_swap_in(request, num_new):
+            resident = self.block_manager.resident_prefix(request)
+            if num_new == 0 or not self.block_manager.can_swap_in(request, num_new, resident):
                 return
             # The watermark too: swapped back into the last free blocks, it was the victim again
             # at the next block boundary of anything running, its whole KV copied out and in for
             # a token or so (vLLM's swap-in kept the same reserve).
-            if not self._leaves_reserve(self.block_manager.blocks_to_swap_in(request, num_new)):
+            if not self._leaves_reserve(self.block_manager.blocks_to_swap_in(request, num_new, resident)):
                 return
-            plan.swap_in.extend(self.block_manager.swap_in(request))
-            self.block_manager.allocate_slots(request, num_new)  # fits: checked by can_swap_in
+            # In the plan before its blocks move: an interrupt from here on is undone by recompute
+            # (schedule), where one after the swap-in left it swapped out with device blocks.
             self.swapped.pop(0)
             self._start_running(request, num_new, plan)
+            plan.swap_in.extend(self.block_manager.swap_in(request, resident))
+            if self.block_manager.allocate_slots(request, num_new) is None:
+                raise RuntimeError(f"{request.request_id}: swapped in without room to grow")  # checked above
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
         limit = self._resume_limit(plan, now)

@@ -312,3 +312,76 @@ def test_a_swapped_out_table_is_evicted_tail_first_too() -> None:
     m.allocate_slots(request("x", [70] * 12), 12)  # the two never used blocks and old's tail
     assert m.cached_prefix(request("again", range(1, 10))).num_tokens == 4
     m.check_integrity()
+
+
+def test_a_swapped_out_request_takes_back_the_prefix_blocks_still_resident_instead_of_copying_them() -> None:
+    # Its prompt's blocks, shared with another request, came back as private copies nothing could
+    # find (their keys held by the originals), and it needed its whole table free to return.
+    m = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=8, prefix_cache=PrefixCache(4))
+    a = computed(m, request("a", range(1, 14)))  # blocks [1-4] [5-8] [9-12] [13]
+    b = computed(m, request("b", list(range(1, 13)) + [40, 41]))  # shares a's first three
+    assert m.device.num_free == 8 - 5
+    m.swap_out(b)
+    resident = m.resident_prefix(b)
+    assert resident.blocks == tuple(a.block_ids[:3])
+    assert m.blocks_to_swap_in(b, 1, resident) == 1  # its own last block only
+    copies = m.swap_in(b, resident)
+    assert [device for _, device in copies] == b.block_ids[3:] and len(copies) == 1
+    assert b.block_ids[:3] == a.block_ids[:3] and m.device.ref_count(a.block_ids[0]) == 2
+    m.free(a)  # the shared blocks stay b's, still findable
+    assert m.cached_prefix(request("c", range(1, 14))).num_tokens == 12
+    # Cached on the free list counts as resident too: taken back, off the free list.
+    m.free(b)
+    d = computed(m, request("d", list(range(1, 13)) + [60]))
+    m.swap_out(d)
+    m.free(computed(m, request("e", list(range(1, 9)) + [70, 71])))  # holds the first two for a while
+    resident = m.resident_prefix(d)
+    assert len(resident.blocks) == 3 and all(m.device.is_free(block) for block in resident.blocks)
+    assert m.blocks_to_swap_in(d, 0, resident) == 4
+    m.swap_in(d, resident)
+    m.check_integrity()
+    with pytest.raises(RuntimeError, match="holds device blocks already"):
+        m.swap_in(d)
+    m.free(d)
+    m.check_integrity()
+    assert m.num_free_blocks == 8 and m.host.num_free == 8
+
+
+def test_an_interrupt_while_a_request_swaps_in_restarts_it_without_a_leak(monkeypatch) -> None:
+    # Swapped in, then interrupted before it was in the plan: it stayed in the swapped queue holding
+    # device blocks and no host copy, never to run, its blocks never freed.
+    config = SchedulerConfig(num_gpu_blocks=10, block_size=8, max_num_seqs=6, max_num_batched_tokens=64,
+                             preemption_mode="swap", num_cpu_blocks=64, max_model_len=256,
+                             enable_prefix_caching=True, kv_watermark=0.0)
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
+    arrivals = workload(0)
+    pending = sorted(arrivals, key=lambda item: item[0])
+    outputs, interrupted = {}, []
+    real_swap_in = scheduler.block_manager.swap_in
+
+    def swap_in_then_interrupt(request, *args):
+        copies = real_swap_in(request, *args)
+        if not interrupted:  # Ctrl-C, once, right after the blocks moved
+            interrupted.append(request.request_id)
+            raise KeyboardInterrupt
+        return copies
+
+    monkeypatch.setattr(scheduler.block_manager, "swap_in", swap_in_then_interrupt)
+    for step in range(5000):
+        while pending and pending[0][0] <= step:
+            scheduler.add_request(pending.pop(0)[1])
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        try:
+            output = scheduler.schedule(now=float(step))
+        except KeyboardInterrupt:
+            scheduler.block_manager.check_integrity()
+            continue
+        for done in scheduler.update_from_output(output, runner.execute(output), now=float(step)):
+            if done.is_finished:
+                outputs[done.request_id] = list(done.output_token_ids)
+    assert interrupted
+    assert outputs == {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params.max_tokens)
+                       for _, r in arrivals}
+    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks

@@ -179,3 +179,12 @@ def test_tokens_that_fit_leave_the_reserved_blocks_to_others() -> None:
     assert manager.num_tokens_that_fit(a) == 3 + 2 * 4
     assert manager.num_tokens_that_fit(a, reserved_blocks=1) == 3 + 4
     assert manager.num_tokens_that_fit(a, reserved_blocks=3) == 3  # more reserved than free: its own slots
+
+
+def test_a_negative_block_count_is_refused_not_the_whole_free_list() -> None:
+    from scheduler.block_manager import BlockPool
+
+    pool = BlockPool(4)
+    with pytest.raises(RuntimeError, match="asked for -1 blocks"):
+        pool.allocate(-1)
+    assert pool.num_free == 4

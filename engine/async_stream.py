@@ -68,7 +68,7 @@ class StreamEnd:
     # reader can still send what was generated since its last read; "" otherwise.
     text: str = ""
     logprobs: tuple[TokenLogprobs, ...] | None = None  # likewise, the unread output's logprobs
-    num_tokens: int | None = None  # likewise, the unread output's generated tokens (None: none unread)
+    token_ids: tuple[int, ...] | None = None  # likewise, the unread output's generated tokens (None: none unread)
 
 
 class RequestStream:
@@ -91,7 +91,7 @@ class RequestStream:
             return  # the end is already waiting to be read; nothing may replace it
         if isinstance(item, StreamEnd) and self._unread is not None:
             item = replace(item, text=self._unread.text, logprobs=self._unread.logprobs,  # keep what was unread
-                           num_tokens=len(self._unread.token_ids))
+                           token_ids=self._unread.token_ids)
         self._unread = item
         self._ready.set()
 

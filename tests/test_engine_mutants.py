@@ -767,7 +767,7 @@ def test_an_end_that_replaces_an_unread_output_keeps_its_text_logprobs_and_token
         return [item async for item in stream]
 
     (end,) = asyncio.run(read())
-    assert end == StreamEnd("abort", "shut down", text="nine", logprobs=logprobs, num_tokens=1)
+    assert end == StreamEnd("abort", "shut down", text="nine", logprobs=logprobs, token_ids=(9,))
 
 
 class RecordingListener:

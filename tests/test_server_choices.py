@@ -74,6 +74,47 @@ def test_a_streamed_chat_interleaves_its_choices_by_index(client) -> None:
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def extra(model, key: str):
+    return (model.model_extra or {}).get(key)
+
+
+def test_return_token_ids_gives_the_prompt_and_each_choices_tokens_whole_and_streamed(client) -> None:
+    # vLLM's return_token_ids (>= 0.10.2) was dropped unread: no ids in the reply, and a client
+    # collecting tokens (RL rollouts) had to tokenize the text again.
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0, n=2)
+    whole = client.completions.create(extra_body=asked, **kwargs)
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **kwargs)
+    assert all(extra(choice, "prompt_token_ids") == PROMPT_IDS for choice in whole.choices)
+    tokens = [extra(choice, "token_ids") for choice in whole.choices]
+    assert [len(ids) for ids in tokens] == [6, 6] and tokens[0] == tokens[1]
+    assert not any(extra(choice, key) for choice in plain.choices for key in ("prompt_token_ids", "token_ids"))
+    streamed, prompt_ids = defaultdict(list), defaultdict(list)
+    for chunk in client.completions.create(stream=True, extra_body=asked, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += extra(choice, "token_ids")
+            prompt_ids[choice.index] += [extra(choice, "prompt_token_ids")] if extra(choice, "prompt_token_ids") else []
+    assert dict(streamed) == {0: tokens[0], 1: tokens[1]}
+    assert dict(prompt_ids) == {0: [PROMPT_IDS], 1: [PROMPT_IDS]}  # each choice's first chunk alone
+
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, n=2)
+    reply = client.chat.completions.create(extra_body=asked, **chat)
+    chat_prompt = extra(reply, "prompt_token_ids")
+    assert len(chat_prompt) == reply.usage.prompt_tokens
+    chat_tokens = [extra(choice, "token_ids") for choice in reply.choices]
+    assert [len(ids) for ids in chat_tokens] == [5, 5]
+    streamed, openings = defaultdict(list), defaultdict(list)
+    for chunk in client.chat.completions.create(stream=True, extra_body=asked, **chat):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                openings[choice.index].append(extra(chunk, "prompt_token_ids"))
+            else:
+                assert extra(chunk, "prompt_token_ids") is None
+            streamed[choice.index] += extra(choice, "token_ids") or []
+    assert dict(openings) == {0: [chat_prompt], 1: [chat_prompt]}
+    assert dict(streamed) == {0: chat_tokens[0], 1: chat_tokens[1]}
+
+
 def fill_every_seat_and_queue(async_engine, queued_prompt: list[int]) -> list[str]:
     """Eight long requests take the eight seats and a ninth waits with `queued_prompt`, all added
     on the engine thread. Each is predicted one token long, so the queue bound counts the ninth

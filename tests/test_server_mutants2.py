@@ -180,7 +180,7 @@ def test_an_abort_that_releases_waiting_text_but_no_new_token_sends_null_logprob
     abort's last chunk carries that text with no new entry, so it says null, as every chunk
     without a new token does, not an empty list."""
     held = output("a", num_tokens=2, logprobs=True)  # the second token's text waits
-    end = StreamEnd("abort", text="ab", logprobs=held.logprobs, num_tokens=2)  # it replaced an unread copy
+    end = StreamEnd("abort", text="ab", logprobs=held.logprobs, token_ids=held.token_ids)  # it replaced an unread copy
     first, last, done = one_choice_events(held, end)
     assert (first["text"], first["logprobs"]) == ("a", [0, 1])
     assert last == {"index": 0, "text": "b", "finish_reason": "abort", "logprobs": None}

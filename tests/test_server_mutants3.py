@@ -284,12 +284,14 @@ def test_a_chats_templated_text_gets_special_tokens_only_when_asked(monkeypatch)
 
 
 @pytest.mark.parametrize("field, value", [("return_tokens_as_token_ids", True), ("logprob_token_ids", [3]),
-                                          ("truncation_side", "middle")])
+                                          ("truncation_side", "middle"), ("logits_processors", ["my.Processor"]),
+                                          ("repetition_detection", {"max_pattern_size": 4, "min_count": 2}),
+                                          ("prompt_embeds", "AAAA")])
 def test_vllm_fields_this_server_does_not_honour_are_refused_by_name(field, value):
     assert refused_field(completion, **{field: value}) == field
     assert refused_field(chat, **{field: value}) == field
     assert refused_field(chat, documents=[{"title": "t", "text": "x"}]) == "documents"
-    completion(return_tokens_as_token_ids=False, logprob_token_ids=None)  # their neutral values pass
+    completion(return_tokens_as_token_ids=False, logprob_token_ids=None, logits_processors=[])  # neutral values pass
 
 
 def test_a_prompt_no_longer_than_the_truncation_keeps_its_own_text(tokenizer):

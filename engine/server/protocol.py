@@ -109,8 +109,11 @@ class BaseRequest(CompletionUnsupportedFields):
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the reply carries the prompt's token ids and each choice's (a stream: the prompt's in
+    # a choice's first chunk, each chunk's new ones), so a client never tokenizes the text again.
+    return_token_ids: bool = False
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
-                                           "include_stop_str_in_output", "skip_special_tokens",
+                                           "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                                            "repetition_penalty", "min_tokens",
                                            mode="before")(classmethod(null_is_the_default))

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -50,13 +50,29 @@ class _ResponseHead(BaseModel):
     system_fingerprint: None = None  # as vLLM: no fingerprint of the backend configuration
 
 
-class CompletionChoice(BaseModel):
+class _TokenIds(BaseModel):
+    """vLLM's `return_token_ids` fields, `prompt_token_ids` and `token_ids`: in a reply only when
+    set (when asked for; a stream sends a choice's prompt ids in its first chunk alone), so a
+    client that did not ask sees no new keys."""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset_token_ids(self, handler):
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class CompletionChoice(_TokenIds):
     index: int = 0
     text: str
     logprobs: dict[str, Any] | None = None  # engine/server/logprobs.py gives its shape
     finish_reason: str | None = None
     # vLLM's: the stop string or stop token id that ended a "stop" (none for end of sequence).
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's), as the model read it
+    token_ids: list[int] | None = None  # likewise: the choice's tokens (a stream chunk's new ones)
 
 
 class CompletionReplyChoice(CompletionChoice):
@@ -85,18 +101,20 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIds):
     index: int = 0
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's, as in completions
+    token_ids: list[int] | None = None  # with return_token_ids, as in completions
 
 
-class ChatCompletionResponse(_ResponseHead):
+class ChatCompletionResponse(_ResponseHead, _TokenIds):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_logprobs: Any = None  # vLLM's, as in completions
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the templated prompt's, once
 
 
 class ChatDelta(BaseModel):
@@ -104,17 +122,19 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIds):
     index: int = 0
     delta: ChatDelta
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's, as in completions
+    token_ids: list[int] | None = None  # with return_token_ids: the chunk's new tokens
 
 
-class ChatCompletionChunk(_ResponseHead):
+class ChatCompletionChunk(_ResponseHead, _TokenIds):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in each choice's opening chunk
 
 
 class ModelCard(BaseModel):

@@ -63,11 +63,12 @@ class OpenAIServing(PromptInput, EngineSubmission):
         n = body.n  # prompt i's choice j is stream i * n + j
         echoes = [text if body.echo else "" for _, text in prompts]
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
-        echo_due = [body.echo] * len(streams)  # each choice's first chunk carries the echo
+        first_chunk = [True] * len(streams)  # each choice's first chunk carries the echo and prompt ids
 
         def chunk(content: ChunkContent) -> CompletionResponse:
             index = content.index
-            echoed, echo_due[index] = echo_due[index], False
+            first, first_chunk[index] = first_chunk[index], False
+            echoed = first and body.echo
             prompt_ids, echo = prompts[index // n][0], echoes[index // n]
             if echoed and content.prompt_logprobs is not None:  # the prompt's tokens lead, as in a whole reply
                 # (alone for max_tokens 0; an echo streams prompt logprobs only with logprobs asked)
@@ -79,7 +80,8 @@ class OpenAIServing(PromptInput, EngineSubmission):
             text_offsets[index] = end_of_text_offset(logprobs, text_offsets[index])
             return CompletionResponse(**head, choices=[CompletionChoice(
                 index=index, text=echo + content.text if echoed else content.text, logprobs=logprobs,
-                finish_reason=content.finish_reason, stop_reason=content.stop_reason)])
+                finish_reason=content.finish_reason, stop_reason=content.stop_reason,
+                **_token_ids(body, prompt_ids if first else None, content.token_ids))])
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
@@ -103,7 +105,8 @@ class OpenAIServing(PromptInput, EngineSubmission):
                 stop_reason=final.stop_reason,
                 logprobs=self._completion_logprobs(final, firsts[index // n].prompt_logprobs,
                                                    prompts[index // n][0], body.echo),
-                prompt_logprobs=prompt_logprobs[index // n])
+                prompt_logprobs=prompt_logprobs[index // n],
+                **_token_ids(body, prompts[index // n][0], final.token_ids))
                 for index, final in enumerate(finals)])
 
         return await _json_reply(reply, finals)
@@ -124,13 +127,16 @@ class OpenAIServing(PromptInput, EngineSubmission):
             logprobs = None if content.logprobs is None else self.logprobs.chat(content.logprobs)
             return ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=content.index, delta=ChatDelta(content=content.text), logprobs=logprobs,
-                finish_reason=content.finish_reason, stop_reason=content.stop_reason)])
+                finish_reason=content.finish_reason, stop_reason=content.stop_reason,
+                **_token_ids(body, None, content.token_ids))])
 
         if body.stream:
             include_usage, continuous = body.usage_in_stream()
             # Each choice's role, then (as vLLM sends it) each choice's echo in a chunk of its own.
             deltas = [ChatDelta(role=role, content="")] + ([ChatDelta(content=echo)] if echo else [])
-            openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=index, delta=delta)])
+            # The prompt's ids, when asked for, in each choice's first chunk (its role's), as vLLM sends them.
+            openings = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=index, delta=delta)],
+                                            **_token_ids(body, prompt_ids if delta.role else None, None))
                         for delta in deltas for index in range(len(streams))]
             events = stream_events(streams, chunk, openings, include_usage,
                                    lambda usage: ChatCompletionChunk(**head, choices=[], usage=usage),
@@ -143,9 +149,11 @@ class OpenAIServing(PromptInput, EngineSubmission):
             return ChatCompletionResponse(**head, usage=usage_of(finals, len(finals)), choices=[ChatChoice(
                 index=index, message=ChatMessageOut(role=role, content=echo + final.text),
                 finish_reason=final.finish_reason, stop_reason=final.stop_reason,
-                logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs))
+                logprobs=None if final.logprobs is None else self.logprobs.chat(final.logprobs),
+                **_token_ids(body, None, final.token_ids))
                 for index, final in enumerate(finals)],
-                prompt_logprobs=self._prompt_logprobs(finals[0], body.prompt_logprobs))
+                prompt_logprobs=self._prompt_logprobs(finals[0], body.prompt_logprobs),
+                **_token_ids(body, prompt_ids, None))
 
         return await _json_reply(reply, finals)
 
@@ -213,6 +221,15 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
     if all(final.logprobs is None and final.prompt_logprobs is None for final in finals):
         return render()
     return await asyncio.to_thread(render)
+
+
+def _token_ids(body: CompletionRequest | ChatCompletionRequest, prompt_ids: Sequence[int] | None,
+               token_ids: Sequence[int] | None) -> dict[str, list[int]]:
+    """vLLM's return_token_ids fields, those given, when the request asked for them ({} else)."""
+    if not body.return_token_ids:
+        return {}
+    given = {"prompt_token_ids": prompt_ids, "token_ids": token_ids}
+    return {key: list(ids) for key, ids in given.items() if ids is not None}
 
 
 def _prompt_alone(final: RequestOutput) -> RequestOutput:

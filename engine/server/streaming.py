@@ -41,6 +41,7 @@ class ChunkContent:
     # The prompt's (None: not asked for, or not known yet; the engine reports them whole from the
     # first token on).
     prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+    token_ids: Sequence[int] = ()  # generated since the choice's last chunk
 
 
 ChunkMaker = Callable[[ChunkContent], BaseModel]
@@ -144,9 +145,11 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
                     break
                 # With any text generated since the last read.
                 entries = cursor.new_logprobs(item.logprobs)
-                if item.num_tokens is not None:  # its usage counts those tokens too
-                    cursor.tokens = item.num_tokens
-                made = chunk(ChunkContent(index, item.text[cursor.text:], "abort", logprobs=entries))
+                new_ids = ()
+                if item.token_ids is not None:  # its usage counts those tokens too
+                    new_ids, cursor.tokens = item.token_ids[cursor.tokens:], len(item.token_ids)
+                made = chunk(ChunkContent(index, item.text[cursor.text:], "abort", logprobs=entries,
+                                          token_ids=new_ids))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
                 continue
             if shown is not None:
@@ -157,10 +160,10 @@ async def stream_events(streams: Sequence[RequestStream], chunk: ChunkMaker, ope
             # them, so does a chunk, empty then, so that a client timing tokens by chunks (a
             # benchmark's inter-token latency) sees every step.
             entries = cursor.new_logprobs(item.logprobs)
-            new_tokens, cursor.tokens = len(item.token_ids) > cursor.tokens, len(item.token_ids)
-            if delta or item.finished or entries or new_tokens:
+            new_ids, cursor.tokens = item.token_ids[cursor.tokens:], len(item.token_ids)
+            if delta or item.finished or entries or new_ids:
                 made = chunk(ChunkContent(index, delta, item.finish_reason if item.finished else None,
-                                          item.stop_reason, entries, item.prompt_logprobs))
+                                          item.stop_reason, entries, item.prompt_logprobs, new_ids))
                 yield chunk_event(with_usage(made, index, cursor.tokens), include_usage)
             if item.finished:
                 finals[index] = item

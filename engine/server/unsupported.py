@@ -23,6 +23,9 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,), "structured_outputs": (None,),
     "length_penalty": (None, 1), "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None,),
+    # vLLM's: a request's own logits processors (its default server refuses them too), an n-gram
+    # repetition stop, and a prompt given as embeddings.
+    "logits_processors": (None, []), "repetition_detection": (None,), "prompt_embeds": (None,),
 }
 # Chat only. Without functions, "none" and "auto" call none, as tool_choice's do without tools.
 CHAT_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -48,6 +51,9 @@ class CompletionUnsupportedFields(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     # Refused whatever their value unless null, so their shape is not checked.
     logprob_token_ids: Any = None
+    logits_processors: Any = None
+    repetition_detection: Any = None
+    prompt_embeds: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None

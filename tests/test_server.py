@@ -297,6 +297,25 @@ def test_completion_stream_reports_usage_only_in_its_last_chunk(client):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 4)
 
 
+def test_a_request_id_of_the_clients_names_its_response_and_may_repeat(served, client):
+    # vLLM's body request_id was dropped: replies carried random ids, unmatched to the requests.
+    base_url = served[0]
+    asked = {"request_id": "trace-7"}
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=asked)
+    again = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=asked)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, stream=True, extra_body=asked))
+    assert reply.id == again.id == "cmpl-trace-7" and {chunk.id for chunk in chunks} == {"chatcmpl-trace-7"}
+    # Two at once: in the engine each has an id of its own (one id was refused while in use).
+    with client.completions.create(model=MODEL, prompt="Hi", max_tokens=900, stream=True,
+                                   extra_body={"ignore_eos": True, **asked}) as running:
+        next(iter(running))
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=asked).id == reply.id
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).id != reply.id
+    assert error_of(post(base_url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "request_id": "a\nb"}),
+                    400)["param"] == "request_id"
+
+
 def test_seeded_sampling_repeats_and_top_k_one_is_greedy(client):
     kwargs = dict(model=MODEL, prompt="Pick a word:", max_tokens=6, extra_body={"ignore_eos": True})
     first = client.completions.create(temperature=1.0, seed=7, **kwargs).choices[0].text

@@ -27,6 +27,7 @@ MAX_CHOICES = 16
 # Prompts in one completions batch, and sequences (prompts x n) in all: each is an engine request.
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
+MAX_REQUEST_ID_CHARS = 256
 
 # OpenAI's service_tier values (submission.SERVICE_TIERS maps them to the scheduler's tiers;
 # "scale", OpenAI's reserved capacity, is served as the standard tier, as "default" is).
@@ -112,6 +113,10 @@ class BaseRequest(CompletionUnsupportedFields):
     # vLLM's: the reply carries the prompt's token ids and each choice's (a stream: the prompt's in
     # a choice's first chunk, each chunk's new ones), so a client never tokenizes the text again.
     return_token_ids: bool = False
+    # vLLM's: the response's id carries it ("cmpl-" + request_id), so a client can match its
+    # requests to replies and to the server's logs (no control characters: they would forge log lines).
+    request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
+                                     pattern=r"^[^\x00-\x1f\x7f]+$")] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",

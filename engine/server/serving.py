@@ -12,6 +12,7 @@ step boundary.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
@@ -59,7 +60,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
             raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true")
         prompts = [await self._completion_prompt(body, prompt) for prompt in body.prompts()]
         head = self._head("cmpl", body)
-        streams = await self._submit(head["id"], body, prompts, "prompt")
+        streams = await self._submit(_engine_id(head["id"], body), body, prompts, "prompt")
         n = body.n  # prompt i's choice j is stream i * n + j
         echoes = [text if body.echo else "" for _, text in prompts]
         text_offsets = [0] * len(streams)  # where each choice's next stream chunk starts in its text
@@ -118,7 +119,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
         prompt_text, prompt_ids = await self.off_loop(self._render_chat, body, messages, body.tools or None)
         prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "messages")
         head = self._head("chatcmpl", body)
-        streams = await self._submit(head["id"], body, [(prompt_ids, prompt_text)], "messages")
+        streams = await self._submit(_engine_id(head["id"], body), body, [(prompt_ids, prompt_text)], "messages")
         final_message = body.messages[-1]
         role = body.reply_role(final_message.role)
         echo = final_message.text() if body.echo and final_message.role == role else ""  # as vLLM echoes
@@ -177,8 +178,10 @@ class OpenAIServing(PromptInput, EngineSubmission):
         """The fields every object of one response shares: a stream's chunks carry the same id and
         the same `created`, taken once, as OpenAI's do (a time read per chunk drifts across them).
         `model` is the name the client asked for (app.py has checked it names this model; it may
-        be an alias such as the model's path), as vLLM echoes it, else the served name."""
-        return {"id": new_id(id_prefix), "created": now_s(), "model": body.model or self.model_name,
+        be an alias such as the model's path), as vLLM echoes it, else the served name. The id
+        carries the request's own `request_id` when it gave one, as vLLM's does."""
+        response_id = new_id(id_prefix) if body.request_id is None else f"{id_prefix}-{body.request_id}"
+        return {"id": response_id, "created": now_s(), "model": body.model or self.model_name,
                 "service_tier": _tier_name(body)}
 
     # ---- results -----------------------------------------------------------------------------
@@ -221,6 +224,12 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
     if all(final.logprobs is None and final.prompt_logprobs is None for final in finals):
         return render()
     return await asyncio.to_thread(render)
+
+
+def _engine_id(response_id: str, body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The engine's id for a request: its response id, made unique when the client chose it (two
+    requests may send the same request_id; in the engine an id names one request at a time)."""
+    return response_id if body.request_id is None else f"{response_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _token_ids(body: CompletionRequest | ChatCompletionRequest, prompt_ids: Sequence[int] | None,

@@ -477,6 +477,18 @@ def test_admission_rejection_is_429_with_retry_after(served, client, tokenizer):
     assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=4).choices[0].finish_reason
 
 
+def test_a_json_body_sent_without_its_content_type_is_told_so(served):
+    # FastAPI reads no JSON without the header, and the 400 said "Input should be a valid dictionary".
+    base_url = served[0]
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    for headers in ({}, {"content-type": "text/plain"}):
+        response = httpx.post(base_url + "/v1/completions", content=body, timeout=60,
+                              headers={"Authorization": f"Bearer {API_KEY}", **headers})
+        assert "Content-Type: application/json" in error_of(response, 400)["message"]
+    # A JSON body that is no object is still named as such.
+    assert "Content-Type" not in error_of(post(base_url, "/v1/completions", "[1, 2]"), 400)["message"]
+
+
 def test_server_keeps_serving_after_bad_requests(served, client):
     for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": []}, {"prompt": [10**9]}, {}):
         assert post(served[0], "/v1/completions", {"model": MODEL, **body}).status_code == 400

@@ -139,12 +139,22 @@ def _is_field_or_index(part: str | int) -> bool:
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if tuple(first.get("loc", ())) == ("body",) and not _sent_as_json(request):
+        # FastAPI reads no JSON from a body sent without its content type (a guard against
+        # cross-site posts from browser pages), and pydantic's words for that named nothing.
+        return APIError(400, "send the body as JSON, with the header Content-Type: application/json",
+                        code="invalid_value").response()
     param = _validation_param(first)
     # A validator's own ValueError reads "Value error, <its message>": the message is enough.
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value").response()
+
+
+def _sent_as_json(request: Request) -> bool:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:

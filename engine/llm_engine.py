@@ -191,8 +191,8 @@ class LLMEngine:
             outside = sorted({t for t in ids if t >= vocab})
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary of {vocab}: {outside[:5]}")
-        if params.allowed_token_ids and params.min_tokens:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+        if params.allowed_token_ids and params.min_tokens:  # the end tokens are ruled out under ignore_eos too
+            stops = set(params.stop_token_ids) | {self.eos_token_id, *self.extra_eos_token_ids}
             if stops.issuperset(params.allowed_token_ids):
                 raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens rules out")
 
@@ -205,8 +205,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_ids(prompt)
-        if params.max_tokens is None:  # vLLM's: up to the end of the context
-            params = replace(params, max_tokens=self.config.max_model_len - len(token_ids))
+        if params.max_tokens is None:  # vLLM's: up to the end of the context (min_tokens within it)
+            room = self.config.max_model_len - len(token_ids)
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         self._check_sampler_token_ids(params)
@@ -216,6 +217,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=now if arrival_time is None else arrival_time, eos_token_id=self.eos_token_id,
+            extra_eos_token_ids=self.extra_eos_token_ids,
             tier=Tier(tier), priority=priority, true_len=true_len,
             predicted_len=None if prediction is None else prediction.point,
             predicted_p50=None if prediction is None else prediction.p50,

@@ -102,8 +102,9 @@ def _completing_tokens(request: Request) -> list[int]:
 
 
 class MinTokens:
-    """vLLM's min_tokens: until the output holds that many tokens, the end-of-sequence token
-    (unless ignore_eos) and the stop token ids are ruled out."""
+    """vLLM's min_tokens: until the output holds that many tokens, the end-of-sequence tokens and
+    the stop token ids are ruled out (the end tokens under ignore_eos too, as vLLM rules them out:
+    a fixed-length benchmark's reply holds none)."""
 
     def wants(self, request: Request) -> bool:
         return request.num_output_tokens < request.sampling_params.min_tokens
@@ -115,9 +116,8 @@ class MinTokens:
 
 
 def _stop_ids(request: Request) -> tuple[int, ...]:
-    params = request.sampling_params
-    eos = () if params.ignore_eos or request.eos_token_id is None else (request.eos_token_id,)
-    return eos + params.stop_token_ids
+    eos = () if request.eos_token_id is None else (request.eos_token_id,)
+    return eos + request.extra_eos_token_ids + request.sampling_params.stop_token_ids
 
 
 class LogitBias:

@@ -271,6 +271,10 @@ class Request:
     # once; and how many prompt tokens its first admission found cached (None before it).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # The model's other end tokens (its generation config's): they stop it as stop tokens do
+    # (the engine adds them to stop_token_ids, but not under ignore_eos), and min_tokens rules
+    # them out, with the end token, even under ignore_eos, as vLLM's does.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -230,14 +230,25 @@ def test_a_sampler_token_id_one_past_the_vocabulary_is_refused(llm, field, value
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_min_tokens_beyond_the_context_left_runs_to_its_end_offline(llm):
+    # max_tokens None is the rest of the context; a min_tokens over it failed the whole generate
+    # call, where vLLM's offline engine runs the request to the end of the context.
+    prompt = list(range(5, 5 + 100))
+    (output,) = llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=50, temperature=0.0))
+    assert output.finish_reason == "length" and len(output.token_ids) == 128 - 100
+
+
 def test_min_tokens_with_allowed_ids_is_refused_only_when_every_allowed_id_stops(llm):
     eos = llm.engine.eos_token_id
     with pytest.raises(ValueError, match="only stop tokens"):
         llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), stop_token_ids=[9],
                                                min_tokens=2))
-    # Some allowed id is no stop, or with ignore_eos the eos is none: min_tokens can be met.
+    # Under ignore_eos too: min_tokens rules the end token out then as well.
+    with pytest.raises(ValueError, match="only stop tokens"):
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(eos,), min_tokens=2, ignore_eos=True))
+    # Some allowed id is no stop: min_tokens can be met.
     for params in (SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), min_tokens=2),
-                   SamplingParams(max_tokens=3, allowed_token_ids=(eos,), min_tokens=2, ignore_eos=True)):
+                   SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), min_tokens=2, ignore_eos=True)):
         (output,) = llm.generate([5, 6, 7], params)
         assert output.finished and len(output.token_ids) >= 2  # min_tokens held
     assert not llm.engine.has_unfinished_requests()

@@ -95,9 +95,15 @@ def test_min_tokens_rules_out_the_stop_tokens_until_the_output_reaches_it() -> N
     for output, masked in (([], [EOS, 4]), ([3], [EOS, 4]), ([3, 3], [])):
         out = process_logits(logits, [request_with(params, output)])
         assert [t for t in range(6) if out[0, t] == -math.inf] == masked, output
+    # Under ignore_eos the end token is ruled out too (vLLM's rule; it was left free), and so are
+    # the model's other end tokens.
     no_eos = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(4,), ignore_eos=True)
     out = process_logits(logits, [request_with(no_eos)])
-    assert [t for t in range(6) if out[0, t] == -math.inf] == [4]
+    assert [t for t in range(6) if out[0, t] == -math.inf] == [EOS, 4]
+    other_ends = request_with(no_eos)
+    other_ends.extra_eos_token_ids = (1,)
+    out = process_logits(logits, [other_ends])
+    assert [t for t in range(6) if out[0, t] == -math.inf] == [1, EOS, 4]
     # And a stop token that slips through (every allowed token a stop) does not stop it early.
     early = request_with(params, [EOS])
     assert stop_status(early, EOS, max_model_len=100) is None

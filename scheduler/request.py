@@ -47,9 +47,9 @@ class Tier(enum.IntEnum):
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
 PRIORITY_LIMIT = 2**63
-# Temperatures below this sample greedily (as in vLLM): dividing float32 logits by a denormal or
-# zero temperature gives inf, softmax NaN, and the draw a meaningless token.
-GREEDY_BELOW_TEMPERATURE = 1e-5
+# vLLM's: a temperature above 0 and below this is raised to it and sampled (0 alone is greedy):
+# dividing float32 logits by a denormal temperature gives inf, softmax NaN, and a meaningless draw.
+MIN_SAMPLING_TEMPERATURE = 0.01
 # Most alternatives a request may ask logprobs for, per token (vLLM's default max_logprobs, and
 # OpenAI's bound on chat's top_logprobs).
 MAX_LOGPROBS = 20
@@ -126,6 +126,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
@@ -182,7 +184,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
+        return self.temperature == 0
 
     @property
     def penalized(self) -> bool:

@@ -101,13 +101,17 @@ def test_a_temperature_beyond_float32_keeps_the_masks_it_is_given():
 
 
 
-@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300])
-def test_a_vanishing_temperature_is_greedy(temperature):
-    # float32 logits divided by a denormal or zero temperature are inf and softmax NaN.
-    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0))
-    tokens = Sampler(seed=0).sample(
-        logits, [3, 3], [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=1)])
-    assert tokens == logits.argmax(dim=-1).tolist()
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300, 0.004])
+def test_a_vanishing_temperature_samples_at_vllms_floor(temperature):
+    # float32 logits divided by a denormal temperature are inf and softmax NaN. vLLM raises such a
+    # temperature to 0.01 and samples (0 alone is greedy); below 1e-5 it was greedy here, and
+    # sampled as given up to 0.01, so a seeded draw differed from vLLM's.
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.temperature == 0.01 and not params.greedy and SamplingParams(temperature=0.0).greedy
+    # Two tokens 0.02 apart: at 0.01 the second is drawn about one time in eight.
+    logits = torch.tensor([[10.0, 9.98, 0.0]]).repeat(400, 1)
+    tokens = Sampler(seed=0).sample(logits, list(range(400)), [params] * 400)
+    assert 0.06 < tokens.count(1) / 400 < 0.2 and all(t in (0, 1) for t in tokens)
 
 
 def test_inverse_cdf_never_picks_a_zero_probability_token():

@@ -261,11 +261,11 @@ class AdmissionController:
 
         `waiting`: every queued request (waiting or swapped out), which the queue bound counts;
         `ranks_before(other)`: whether the policy serves a queued request before this one (None:
-        every queued one is ahead), which the delay estimates count. The choices of one API
-        request are judged as one unit, the same for each: their work together, behind what is
-        queued outside the group. Whether a request is too large to refuse (see the module
-        docstring) is read from one choice, so that asking for more choices never makes
-        admission easier."""
+        every queued one is ahead), which the delay estimates count. The sequences of one API
+        request (its choices, and a batch's prompts) are judged as one unit, the same for each:
+        their work together, behind what is queued outside the group. Whether a request is too
+        large to refuse (see the module docstring) is read from one member, so that asking for
+        more choices never makes admission easier."""
         waiting = [r for r in waiting if not request.shares_group_with(r)]
         running = [r for r in running if not request.shares_group_with(r)]
         queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
@@ -277,19 +277,17 @@ class AdmissionController:
         throughput = self.capacity_tokens_per_s
         if throughput is None or drain is None:
             return  # nothing measured yet: no basis for a delay estimate
-        n = request.group_size
+        # The last member's first token waits for every member's prefill.
+        one_s, group_s = request.num_prompt_tokens / throughput, request.group_prompt_tokens / throughput
         if request.tier == Tier.INTERACTIVE:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
             ahead = sum(tokens_to_prefill(r) for r in queued_ahead + running if r.tier == Tier.INTERACTIVE)
-            one_s = request.num_prompt_tokens / throughput  # the last choice's TTFT waits for n prefills
-            self._check_slo(ahead / drain, one_s, n * one_s, self.config.slo_ttft_interactive_s, "TTFT",
-                            request)
+            self._check_slo(ahead / drain, one_s, group_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
             ahead = self._standard_work_ahead(request, [r for r in queued_ahead + running if r.tier <= Tier.STANDARD])
-            decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # choices side by side
-            prefill_s = request.num_prompt_tokens / throughput
-            self._check_slo(ahead / drain, prefill_s + decode_s, n * prefill_s + decode_s,
+            decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # members side by side
+            self._check_slo(ahead / drain, one_s + decode_s, group_s + decode_s,
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
     def _standard_work_ahead(self, request: Request, ahead: list[Request]) -> float:
@@ -318,7 +316,7 @@ class AdmissionController:
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
         limit = bound * share
-        own_work = one_work * request.group_size
+        own_work = request.group_prompt_tokens + predicted_output_tokens(request) * request.group_size
         # A request larger than the limit on its own would fit only an empty queue, which steady
         # traffic never leaves (every retry refused): it is refused only while the queue is full.
         if one_work > limit:  # it waits for the queue to drain below the limit, not to empty

@@ -227,15 +227,20 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 
 @dataclass(frozen=True)
 class ChoiceGroup:
-    """The choices of one API request (its `n`), each a request of its own: admission decides on
-    them as one unit, so no choice counts as work ahead of its siblings."""
+    """The sequences of one API request (its `n` choices of each of its prompts), each a request
+    of its own: admission decides on them as one unit, so none counts as work ahead of another."""
 
     group_id: str
     size: int
+    # The prompt tokens every member feeds, together (a batch's prompts differ); None: each member's
+    # own prompt `size` times, as the choices of one prompt feed it.
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.size) or self.size < 1:
             raise ValueError(f"a choice group has at least one member, got {self.size!r}")
+        if self.prompt_tokens is not None and (not is_int(self.prompt_tokens) or self.prompt_tokens < 1):
+            raise ValueError(f"a choice group feeds at least one prompt token, got {self.prompt_tokens!r}")
 
 
 @dataclass
@@ -290,12 +295,19 @@ class Request:
             raise ValueError(f"arrival_time must be a finite number, got {self.arrival_time!r}")
 
     def shares_group_with(self, other: Request) -> bool:
-        """Whether both are choices of one API request (a request shares its group with itself)."""
+        """Whether both are sequences of one API request (a request shares its group with itself)."""
         return self.group is not None and other.group == self.group
 
     @property
     def group_size(self) -> int:
         return 1 if self.group is None else self.group.size
+
+    @property
+    def group_prompt_tokens(self) -> int:
+        """The prompt tokens its API request's members feed together (its own alone, ungrouped)."""
+        if self.group is None or self.group.prompt_tokens is None:
+            return self.group_size * self.num_prompt_tokens
+        return self.group.prompt_tokens
 
     @property
     def requeued_wait_s(self) -> float:

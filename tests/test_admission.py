@@ -503,6 +503,25 @@ def test_the_slo_counts_every_choices_prefill_and_one_decode() -> None:
     ctl.check(choice(0, 90, ChoiceGroup("cmpl-3", 1)), [outside], [])  # one choice: 9.7 s
 
 
+def test_a_batchs_prompts_are_one_unit_counted_at_their_own_sizes() -> None:
+    # A completions batch's prompts were judged one by one: the first was work ahead of the
+    # second, and an idle server refused the batch on every try. As one group, the prompt
+    # tokens of all of them count, not the member's own times the group's size.
+    ctl = make_ctl(slo_ttft_interactive_s=1.0)  # 100 tokens/s
+    group = ChoiceGroup("cmpl-batch", 2, prompt_tokens=30 + 60)
+    short, long = interactive_choice(0, 30, group), interactive_choice(1, 60, group)
+    ctl.check(long, [short], [])  # the sibling is not ahead: 0.9 s of its own on an empty queue
+    ahead = [req("w", 20, 1, tier=Tier.INTERACTIVE)]  # 0.2 s of work ahead
+    for member in (short, long):  # each judged on the group's 0.9 s (0.6 s, or 1.2 s, by its own size)
+        with pytest.raises(AdmissionRejected, match="TTFT 1.10s"):
+            ctl.check(member, [ahead[0], short], [])
+    bound = controller(max_queued_tokens=700)
+    members = [Request(f"b-{i}", [1] * size, SamplingParams(max_tokens=1000), arrival_time=0.0, predicted_len=100,
+                       group=ChoiceGroup("b", 2, prompt_tokens=500)) for i, size in enumerate((100, 400))]
+    with pytest.raises(AdmissionRejected, match="100 queued tokens \\+ 700 exceed"):  # 500 prompt + 2 x 100
+        bound.check(members[0], [req("w", 50, 50), members[1]], [])
+
+
 def refused(ctl: AdmissionController, request: Request, waiting: list[Request]) -> bool:
     try:
         ctl.check(request, waiting, [])

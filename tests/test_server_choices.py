@@ -159,6 +159,14 @@ def test_a_choice_is_never_refused_for_its_siblings(served, client) -> None:
     reply = client.completions.create(model=MODEL, prompt=[5] * 250, max_tokens=100, n=2, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert [choice.finish_reason for choice in reply.choices] == ["length", "length"]
+    # Nor is a batch's prompt refused for the one before it (each was judged alone: an idle server
+    # refused this batch on every try), and a batch of prompts and choices is one unit too.
+    batch = client.completions.create(model=MODEL, prompt=[[5] * 250, [6] * 200], max_tokens=100, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [choice.finish_reason for choice in batch.choices] == ["length", "length"]
+    both = client.completions.create(model=MODEL, prompt=[[5] * 100, [6] * 100], max_tokens=100, n=2,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert [choice.finish_reason for choice in both.choices] == ["length"] * 4
     engine_idle_and_intact(served[1])
 
 
@@ -300,7 +308,9 @@ def test_each_choice_reaches_the_engine_under_its_id_seed_tier_and_group(tiny_mo
     batch = submitted_for(tokenizer, body, [[1, 2], [3, 4]])
     assert [s["id"] for s in batch] == ["cmpl-x-0-0", "cmpl-x-0-1", "cmpl-x-1-0", "cmpl-x-1-1"]
     assert [s["prompt"] for s in batch] == [[1, 2], [1, 2], [3, 4], [3, 4]]
-    assert [s["group"] for s in batch] == [ChoiceGroup("cmpl-x-0", 2)] * 2 + [ChoiceGroup("cmpl-x-1", 2)] * 2
+    # One unit for admission, every prompt's choices in it (each prompt's group before: the first
+    # prompt was work ahead of the second, and an idle server refused the batch).
+    assert [s["group"] for s in batch] == [ChoiceGroup("cmpl-x", 4, prompt_tokens=8)] * 4
     assert [s["params"].seed for s in batch] == [2**64 - 1, 0, 2**64 - 1, 0]
     assert [s["params"].prompt_logprobs for s in batch] == [1, None, 1, None]
     assert {(s["tier"], s["priority"]) for s in batch} == {(Tier.BATCH, 5)}
@@ -312,7 +322,7 @@ def test_each_choice_reaches_the_engine_under_its_id_seed_tier_and_group(tiny_mo
     choices = submitted_for(tokenizer, streamed, [[1, 2]])
     assert [(s["id"], s["params"].prompt_logprobs, s["tier"]) for s in choices] == [
         ("cmpl-x-0", 1, Tier.INTERACTIVE), ("cmpl-x-1", 1, Tier.INTERACTIVE)]
-    assert [s["group"] for s in choices] == [ChoiceGroup("cmpl-x", 2)] * 2
+    assert [s["group"] for s in choices] == [ChoiceGroup("cmpl-x", 2, prompt_tokens=4)] * 2
 
 
 class GatedEngine(RecordingEngine):

@@ -60,10 +60,15 @@ class EngineSubmission:
         bad_words = await self.off_loop(self._bad_words_token_ids, body.bad_words) if body.bad_words else ()
         params = [self._sampling_params(body, prompt_ids, prompt_param, bad_words) for prompt_ids, _ in prompts]
         tier = SERVICE_TIERS[body.service_tier]
+        # Every sequence of the request, each prompt's choices and a batch's prompts, is judged by
+        # admission as one unit: judged one by one, a batch's first prompt was work ahead of its
+        # second, and an idle server refused the batch on every try.
+        size = len(prompts) * body.n
+        group = None if size == 1 else ChoiceGroup(
+            request_id, size, prompt_tokens=body.n * sum(len(prompt_ids) for prompt_ids, _ in prompts))
         submissions = []
         for index, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params)):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            group = None if body.n == 1 else ChoiceGroup(prompt_id, body.n)
             for choice in range(body.n):
                 submissions.append(self._submit_one(
                     prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids, prompt_text,

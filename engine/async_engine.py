@@ -143,25 +143,28 @@ class AsyncLLMEngine:
         await self.drain(grace_s)
         # The predictor goes first: it flushes what it holds into the command queue before Stop.
         self._to_predict.put(None)
-        await asyncio.to_thread(self._join_threads, self._threads[1:])
+        if self.overlap_prediction:
+            await asyncio.to_thread(self._join_thread, self._threads[1], lambda: self.predictor.busy_since)
         self._commands.put(Stop())
-        await asyncio.to_thread(self._join_threads, self._threads[:1])
+        await asyncio.to_thread(self._join_thread, self._threads[0], lambda: self._worker.busy_since)
         for stream in list(self._streams.values()):
             stream.put(StreamEnd("abort", "the server shut down before the request finished"))
         self._streams.clear()
         if self.state is not EngineState.FAILED:
             self.state = EngineState.STOPPED
 
-    def _join_threads(self, threads: list[threading.Thread]) -> None:
-        """Wait for the threads to end. One is left behind (a daemon, so the process still ends)
-        once the engine has stalled (see `stalled_s`), or after `stall_s` in all."""
+    def _join_thread(self, thread: threading.Thread, busy_since: Callable[[], float | None]) -> None:
+        """Wait for the thread to end. It is left behind (a daemon, so the process still ends) once
+        it has stalled itself (`busy_since`, read each time: another thread's stall is no reason
+        to give up on this one), or after `stall_s` in all."""
         deadline = time.monotonic() + self.stall_s
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(timeout=0.05)
-                if thread.is_alive() and (self.stalled_s is not None or time.monotonic() > deadline):
-                    logger.error("%s did not stop; leaving it behind", thread.name)
-                    break
+        while thread.is_alive():
+            thread.join(timeout=0.05)
+            since = busy_since()
+            stalled = since is not None and time.monotonic() - since >= self.stall_s
+            if thread.is_alive() and (stalled or time.monotonic() > deadline):
+                logger.error("%s did not stop; leaving it behind", thread.name)
+                return
 
     @property
     def stats(self) -> Any:

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
-Rows with a temperature below 1e-5 take the argmax. The other rows are scaled by their
-temperature; min-p then drops the tokens less likely than min_p times the likeliest (as vLLM
+Rows with temperature 0 take the argmax (a smaller positive temperature is raised to 0.01, as
+vLLM raises it: SamplingParams). The other rows are scaled by their temperature; min-p then drops the tokens less likely than min_p times the likeliest (as vLLM
 orders them), and top-k and top-p are applied together on one descending order, ties by token id
 (top-p keeps the smallest prefix whose mass reaches p, and always the first token): among each
 row's 1,024 likeliest tokens (a partial sort), and over the whole row sorted only where the cut

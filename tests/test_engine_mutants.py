@@ -230,14 +230,6 @@ def test_a_sampler_token_id_one_past_the_vocabulary_is_refused(llm, field, value
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_min_tokens_beyond_the_context_left_runs_to_its_end_offline(llm):
-    # max_tokens None is the rest of the context; a min_tokens over it failed the whole generate
-    # call, where vLLM's offline engine runs the request to the end of the context.
-    prompt = list(range(5, 5 + 100))
-    (output,) = llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=50, temperature=0.0))
-    assert output.finish_reason == "length" and len(output.token_ids) == 128 - 100
-
-
 def test_min_tokens_with_allowed_ids_is_refused_only_when_every_allowed_id_stops(llm):
     eos = llm.engine.eos_token_id
     with pytest.raises(ValueError, match="only stop tokens"):
@@ -270,6 +262,8 @@ def test_add_request_takes_sampling_params_only(llm):
 # ---- the async engine's thread -------------------------------------------------------------
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import time  # noqa: E402
 import threading  # noqa: E402
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
@@ -499,6 +493,37 @@ def test_a_command_or_an_overlapped_prediction_that_never_returns_reads_stalled(
     (call_stuck, called, call_healthy), (predict_stuck, outputs, predict_healthy) = asyncio.run(scenario())
     assert call_stuck >= 0.2 and called is True and call_healthy
     assert predict_stuck >= 0.2 and outputs[-1].finished and predict_healthy
+
+
+def test_shutdown_leaves_behind_only_the_thread_that_stalled(tiny_model_dir):
+    # A stuck predictor thread made the whole engine read stalled, and shutdown then gave up on
+    # the engine thread too, left running mid-call.
+    engine = tiny_engine(tiny_model_dir)
+    inside, gate = threading.Event(), threading.Event()
+
+    class StuckPredictor:
+        def predict(self, prompts):
+            inside.set()
+            gate.wait(30)
+            return [Prediction(point=5.0, p50=5.0, p90=9.0, score=0.0, rank_len=5.0)] * len(prompts)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, StuckPredictor(), overlap_prediction=True, stall_s=0.3)
+        await async_engine.start()
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        held = asyncio.ensure_future(async_engine.submit("held", ids, "Hello there", GREEDY6))
+        assert await asyncio.to_thread(inside.wait, 30)
+        await asyncio.sleep(0.4)  # the predictor thread has stalled
+        async_engine.call_in_engine(lambda _: time.sleep(0.25))  # busy, not stalled
+        await asyncio.sleep(0.05)
+        await async_engine.shutdown(grace_s=0)
+        engine_thread_alive = async_engine._threads[0].is_alive()
+        gate.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(held, 30)
+        return engine_thread_alive
+
+    assert asyncio.run(scenario()) is False
 
 
 def test_an_abort_ends_the_stream_its_reader_holds_and_spares_a_new_request_under_its_id(tiny_model_dir):

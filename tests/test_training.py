@@ -306,6 +306,21 @@ def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(t
     with sqlite3.connect(other / "mlflow.db") as connection:
         tables = [row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     assert tables == ["notes"]
+    # An empty file is no store yet (MLflow initialises one there); a locked one is not called foreign.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "mlflow.db").write_bytes(b"")
+    with pytest.raises(LookupError, match="no MLflow store"):
+        tracking.download_champion(store=empty)
+    tracking.check_store(empty)
+    locker = sqlite3.connect(moved / "mlflow.db", timeout=0)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(OSError, match="locked"):
+            tracking.check_store(moved)
+    finally:
+        locker.rollback()
+        locker.close()
 
 
 def test_eval_predictor_champion_falls_back_to_the_default_only_in_the_repositorys_own_store(

@@ -58,7 +58,7 @@ def check_store(store: Path, for_writing: bool = True, flag: str = "MLflow store
         check_output_location(store, flag, folder=True)
         # Found after a whole training run, this was a database error's traceback, nothing logged.
         database = store / "mlflow.db"
-        if database.exists() and not _has_registry(database):
+        if _holds_data(database) and not _has_registry(database):
             raise ValueError(f"{flag} {store}: its mlflow.db is not an MLflow store")
 
 
@@ -165,7 +165,7 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
     store = Path(store or default_store())
     check_store(store, for_writing=False)
     database = store / "mlflow.db"
-    if not database.exists():  # reading: a store that is not there is not created (nor mlflow imported)
+    if not _holds_data(database):  # reading: a store that is not there is not created (nor mlflow imported)
         raise LookupError(f"no MLflow store at {store}")
     # MlflowClient makes its tables in a database that lacks them: that would write to the store.
     if not _has_registry(database):
@@ -180,21 +180,29 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
     except MlflowException as error:
         raise LookupError(f"no {CHAMPION_ALIAS!r} alias on model {MODEL_NAME!r}") from error
     kwargs = {"dst_path": str(dst)} if dst is not None else {}
-    source = _source_in_store(client, version, store)
     try:
+        source = _source_in_store(client, version, store)
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=uri, **kwargs))
-    except MlflowException as error:  # its run's artifacts deleted
-        raise LookupError(f"the champion's files are missing ({source}): {error}") from error
+    except MlflowException as error:  # its run, or the run's artifacts, deleted
+        raise LookupError(f"the champion's files are missing ({version.source}): {error}") from error
+
+
+def _holds_data(database: Path) -> bool:
+    """Whether there is a database file with anything in it (an empty one, MLflow initialises)."""
+    return database.is_file() and database.stat().st_size > 0
 
 
 def _has_registry(database: Path) -> bool:
-    """Whether `database` is an SQLite file holding MLflow's registry tables (opened read-only)."""
+    """Whether `database` is an SQLite file holding MLflow's registry tables (opened read-only);
+    OSError when it cannot be read (locked, or no permission), which says nothing of what it is."""
     try:
-        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)) as connection:
             found = connection.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
                                        "'model_versions'").fetchone()
-    except sqlite3.Error:  # not a database at all
-        return False
+    except sqlite3.DatabaseError as error:
+        if "not a database" in str(error):
+            return False
+        raise OSError(f"{database}: {error}") from error
     return found is not None
 
 

@@ -114,9 +114,10 @@ class BaseRequest(CompletionUnsupportedFields):
     # a choice's first chunk, each chunk's new ones), so a client never tokenizes the text again.
     return_token_ids: bool = False
     # vLLM's: the response's id carries it ("cmpl-" + request_id), so a client can match its
-    # requests to replies and to the server's logs (no control characters: they would forge log lines).
+    # requests to replies and to the server's logs (no control characters or line separators:
+    # they would forge log lines).
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
-                                     pattern=r"^[^\x00-\x1f\x7f]+$")] | None = None
+                                     pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]+$")] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -25,9 +25,10 @@ alongside it divided by the throughput.
   (conservative).
 
 The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
-step's rate when that is higher and a seat is free: at light load the served rate measures
-demand, not capacity (a lone decode feeds one token a step), and would refuse an idle server's
-first request, while with every seat taken it is what the work ahead drains at. The best
+step's rate when that is higher and a seat is free (or held by a lower tier, whose seat the
+request takes by preemption): at light load the served rate measures demand, not capacity (a
+lone decode feeds one token a step), and would refuse an idle server's first request, while with
+every seat taken by its tier or a more urgent one it is what the work ahead drains at. The best
 step's rate halves every `capacity_half_life_s` (600 s) unless a step matches it again, so a
 lone decode that outlasts any window does not make the server look slow, while a machine that
 really slowed down is believed within minutes.
@@ -270,9 +271,11 @@ class AdmissionController:
         running = [r for r in running if not request.shares_group_with(r)]
         queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
-        # The work ahead drains at the served rate while every seat is taken; the request's own
-        # prompt, once its turn comes, is fed at the capacity's.
-        drain = self._drain_rate(saturated=len(running) >= self.config.max_num_seqs)
+        # The work ahead drains at the served rate while every seat is taken by its tier or a more
+        # urgent one (a lower tier's seat it would take by preemption); its own prompt, once its
+        # turn comes, is fed at the capacity's.
+        seats_held = sum(1 for r in running if r.tier <= request.tier)
+        drain = self._drain_rate(saturated=seats_held >= self.config.max_num_seqs)
         self._check_queue_bound(request, one_work, waiting, drain)
         throughput = self.capacity_tokens_per_s
         if throughput is None or drain is None:

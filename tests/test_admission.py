@@ -187,6 +187,22 @@ def test_with_every_seat_taken_the_work_ahead_drains_at_the_served_rate() -> Non
         ctl.check(req("long-prompt", 1400, 1), ahead * 6, running)
 
 
+def test_seats_held_by_a_lower_tier_do_not_slow_the_work_ahead_of_a_more_urgent_request() -> None:
+    # Every seat taken by standard decodes read as saturated for an interactive request too, whose
+    # prompt ahead then drained at the decode-bound served rate: servable ones were refused. It
+    # takes a lower tier's seat by preemption, so its work ahead is fed at the capacity's rate.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, enable_admission=True, max_num_seqs=32,
+                                              slo_ttft_interactive_s=1.0))
+    ctl.record_step(now=0.0, num_tokens=512, step_time_s=0.25)  # 2,048 tokens/s at best
+    for k in range(1, 200):
+        ctl.record_step(now=0.25 * k, num_tokens=32, step_time_s=0.25)  # 128 tokens/s served
+    ahead = [req("i-ahead", 300, 1, Tier.INTERACTIVE)]  # 0.15 s at capacity, 2.3 s at the served rate
+    newcomer = req("i-new", 100, 1, Tier.INTERACTIVE)
+    ctl.check(newcomer, ahead, [req(f"s{i}", 10, 500) for i in range(32)])
+    with pytest.raises(AdmissionRejected, match="TTFT"):  # every seat its own tier's: it waits for them
+        ctl.check(newcomer, ahead, [req(f"i{i}", 10, 500, Tier.INTERACTIVE) for i in range(32)])
+
+
 def test_batch_is_never_rejected_for_latency_but_is_shed_first() -> None:
     ctl = controller(max_queued_tokens=10_000, batch_shed_share=0.5, slo_e2e_standard_s=1e9)  # the bound alone
     waiting = [req(f"w{i}", 2000, 1000) for i in range(2)]  # 6000 queued tokens

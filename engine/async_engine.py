@@ -172,6 +172,12 @@ class AsyncLLMEngine:
         return self._worker.stats
 
     @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet admitted by the engine thread (waiting for the predictor
+        or the thread's next round). The loop's to read."""
+        return len(self._pending)
+
+    @property
     def accepting(self) -> bool:
         return self.state is EngineState.RUNNING
 

@@ -714,7 +714,7 @@ def test_a_submission_cancelled_before_the_engine_thread_drains_it_is_not_scored
         ids = served.tokenizer.encode("Hello there", add_special_tokens=False)
         left = asyncio.ensure_future(async_engine.submit("left", ids, "the client left", GREEDY6))
         stays = asyncio.ensure_future(async_engine.submit("stays", ids, "the client stays", GREEDY6))
-        while len(async_engine._pending) < 2:
+        while async_engine.num_pending < 2:  # what /metrics exports as num_requests_pending
             await asyncio.sleep(0)
         left.cancel()
         await asyncio.sleep(0)
@@ -722,11 +722,12 @@ def test_a_submission_cancelled_before_the_engine_thread_drains_it_is_not_scored
         await asyncio.wrap_future(held)
         stream = await stays
         outputs = await asyncio.wait_for(collect(stream), 60)
+        pending_after = async_engine.num_pending
         await async_engine.shutdown()
-        return predictor.scored, outputs, stream.prediction
+        return predictor.scored, outputs, stream.prediction, pending_after
 
-    scored, outputs, prediction = asyncio.run(scenario())
-    assert scored == ["the client stays"] and outputs[-1].finished
+    scored, outputs, prediction, pending_after = asyncio.run(scenario())
+    assert scored == ["the client stays"] and outputs[-1].finished and pending_after == 0
     assert prediction == RecordingPredictor.PREDICTION  # the stream carries it to the metrics
 
 

@@ -596,6 +596,7 @@ def test_metrics_parse_with_vllm_like_names(served, client):
     samples = scrape(served[0])
     names = {name for name, _ in samples}
     for expected in ("lengthwise:num_requests_running", "lengthwise:num_requests_waiting",
+                     "lengthwise:num_requests_pending",
                      "lengthwise:kv_cache_usage_perc", "lengthwise:num_preemptions_total",
                      "lengthwise:prompt_tokens_total", "lengthwise:generation_tokens_total",
                      "lengthwise:time_to_first_token_seconds_bucket", "lengthwise:time_per_output_token_seconds_bucket",

@@ -173,3 +173,11 @@ def test_an_idle_engine_thread_renews_the_stats_the_gauges_read(monkeypatch):
     commands.put(Stop())
     thread.join(timeout=30)
     assert renewed >= 3 and not thread.is_alive()  # renewed with no command queued, and still stops
+
+
+def test_requests_not_yet_in_the_scheduler_are_exported_as_pending():
+    # Queued for the predictor or the engine thread, they waited unseen: num_requests_waiting reads
+    # the scheduler's queue only, while their queue time and TTFT count the wait.
+    metrics = ServerMetrics(MODEL, lambda: None, pending=lambda: 3)
+    assert total(samples_of(metrics), "lengthwise:num_requests_pending") == 3
+    assert total(samples_of(ServerMetrics(MODEL, lambda: None)), "lengthwise:num_requests_pending") == 0

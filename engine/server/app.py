@@ -76,7 +76,9 @@ class ServedApp:
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info))
+    # Read when /metrics is scraped, on the event loop, which owns the async engine's pending table.
+    metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info),
+                            pending=lambda: engine.num_pending)
     engine.attach_listener(metrics)
     # The engine's own policy says whether a nonzero priority means anything.
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=engine.policy)

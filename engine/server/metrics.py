@@ -69,10 +69,11 @@ class _EngineStateCollector(Collector):
     """Reads the engine's latest stats snapshot and the tau window when Prometheus scrapes."""
 
     def __init__(self, model_name: str, stats: Callable[[], Any],
-                 tau_pairs: deque[tuple[float, float]]) -> None:
+                 tau_pairs: deque[tuple[float, float]], pending: Callable[[], int | None]) -> None:
         self._model_name = model_name
         self._stats = stats
         self._tau_pairs = tau_pairs
+        self._pending = pending
 
     def _gauge(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
         if value is not None:
@@ -95,6 +96,11 @@ class _EngineStateCollector(Collector):
                                    _stat(stats, "num_waiting"))
             yield from self._gauge("num_requests_swapped", "Requests swapped out to the host pool.",
                                    _stat(stats, "num_swapped"))
+        # Not the scheduler's: queued for the predictor and the engine thread. Their queue time
+        # and TTFT count this wait, which num_requests_waiting alone leaves out.
+        yield from self._gauge("num_requests_pending", "Requests accepted and not yet queued in the scheduler "
+                               "(waiting for the length predictor or the engine thread).", self._pending())
+        if stats is not None:
             yield from self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
                                    _stat(stats, "kv_usage", "kv_cache_usage"))
             yield from self._gauge("stability_margin", "Offered load over capacity, in tokens, seats or KV "
@@ -113,7 +119,8 @@ class _EngineStateCollector(Collector):
 class ServerMetrics:
     """The app's metrics; implements the async engine's EngineListener."""
 
-    def __init__(self, model_name: str, stats: Callable[[], Any], info: dict[str, str] | None = None) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any], info: dict[str, str] | None = None,
+                 pending: Callable[[], int | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # How the server runs (policy, predictor, backend), so a benchmark can record it.
         Info(PREFIX + "server", "Server configuration.", registry=self.registry).info(
@@ -121,7 +128,7 @@ class ServerMetrics:
         self._model_name = model_name
         self._tau_pairs: deque[tuple[float, float]] = deque(maxlen=TAU_WINDOW)
         self._last_token_time: dict[str, float] = {}  # live requests that have their first token
-        self.registry.register(_EngineStateCollector(model_name, stats, self._tau_pairs))
+        self.registry.register(_EngineStateCollector(model_name, stats, self._tau_pairs, pending))
         labels = ["model_name"]
         tiered = ["model_name", "tier"]
         reg = self.registry

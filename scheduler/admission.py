@@ -122,6 +122,32 @@ def token_work(requests: Iterable[Request]) -> float:
     return sum(tokens_to_prefill(r) + predicted_output_tokens(r) for r in requests)
 
 
+class QueuedWork:
+    """The token work queued (waiting or swapped out) per tier, kept from one arrival to the
+    next: the queue bound, read for each arrival, walked the whole queue (a burst of 3,000 batch
+    requests took 6 s of the engine thread). The scheduler adds each admitted arrival and calls
+    `invalidate` whenever anything else changes its queues; the sums are then taken afresh."""
+
+    def __init__(self) -> None:
+        self._by_tier: dict[Tier, float] | None = None
+
+    def invalidate(self) -> None:
+        self._by_tier = None
+
+    def up_to(self, tier: Tier, queued: Iterable[Request]) -> float:
+        """The work queued in `tier` and the more urgent ones; `queued` is every queued request,
+        summed when nothing is kept."""
+        if self._by_tier is None:
+            self._by_tier = dict.fromkeys(Tier, 0.0)
+            for request in queued:
+                self._by_tier[request.tier] += token_work((request,))
+        return sum(work for each, work in self._by_tier.items() if each <= tier)
+
+    def added(self, request: Request) -> None:
+        if self._by_tier is not None:
+            self._by_tier[request.tier] += token_work((request,))
+
+
 class AdmissionController:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -257,29 +283,33 @@ class AdmissionController:
 
     # ---- the decision ------------------------------------------------------------------------
     def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request],
-              ranks_before: Callable[[Request], bool] | None = None) -> None:
+              ranks_before: Callable[[Request], bool] | None = None,
+              queued_work: QueuedWork | None = None) -> None:
         """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full.
 
         `waiting`: every queued request (waiting or swapped out), which the queue bound counts;
         `ranks_before(other)`: whether the policy serves a queued request before this one (None:
-        every queued one is ahead), which the delay estimates count. The sequences of one API
+        every queued one is ahead), which the delay estimates count; `queued_work`: the scheduler's
+        running sums of `waiting`'s work (None: summed here). The sequences of one API
         request (its choices, and a batch's prompts) are judged as one unit, the same for each:
         their work together, behind what is queued outside the group. Whether a request is too
         large to refuse (see the module docstring) is read from one member, so that asking for
         more choices never makes admission easier."""
-        waiting = [r for r in waiting if not request.shares_group_with(r)]
-        running = [r for r in running if not request.shares_group_with(r)]
-        queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
+        if request.group is not None:  # its siblings are not ahead of it
+            waiting = [r for r in waiting if not request.shares_group_with(r)]
+            running = [r for r in running if not request.shares_group_with(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
         # The work ahead drains at the served rate while every seat is taken by its tier or a more
         # urgent one (a lower tier's seat it would take by preemption); its own prompt, once its
         # turn comes, is fed at the capacity's.
         seats_held = sum(1 for r in running if r.tier <= request.tier)
         drain = self._drain_rate(saturated=seats_held >= self.config.max_num_seqs)
-        self._check_queue_bound(request, one_work, waiting, drain)
+        self._check_queue_bound(request, one_work, waiting, drain, queued_work)
         throughput = self.capacity_tokens_per_s
-        if throughput is None or drain is None:
-            return  # nothing measured yet: no basis for a delay estimate
+        if throughput is None or drain is None or request.tier == Tier.BATCH:
+            return  # nothing measured yet (no basis for a delay estimate), or no SLO to estimate for
+        # Ranked only here: the policy's order over a long queue is the costly part of a check.
+        queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
         # The last member's first token waits for every member's prefill.
         one_s, group_s = request.num_prompt_tokens / throughput, request.group_prompt_tokens / throughput
         if request.tier == Tier.INTERACTIVE:
@@ -312,12 +342,16 @@ class AdmissionController:
         return math.ceil(tokens / self.config.block_size)
 
     def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],
-                           throughput: float | None) -> None:
+                           throughput: float | None, queued_work: QueuedWork | None) -> None:
         if self.config.max_queued_tokens is None and request.tier != Tier.BATCH:
             return  # no bound set: the tiers with an SLO are bounded by it, batch by the default
         bound = self.config.queued_token_bound
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
-        queued = token_work(r for r in waiting if r.tier <= request.tier)  # what it would queue behind
+        # What it would queue behind (a group's siblings left out, which the sums hold).
+        if queued_work is not None and request.group is None:
+            queued = queued_work.up_to(request.tier, waiting)
+        else:
+            queued = token_work(r for r in waiting if r.tier <= request.tier)
         limit = bound * share
         own_work = request.group_prompt_tokens + predicted_output_tokens(request) * request.group_size
         # A request larger than the limit on its own would fit only an empty queue, which steady

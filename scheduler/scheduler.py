@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from scheduler.admission import AdmissionController
+from scheduler.admission import AdmissionController, QueuedWork
 from scheduler.block_manager import NO_PREFIX, BlockManager, CachedPrefix
 from scheduler.config import SchedulerConfig
 from scheduler.eviction import free_for_recompute, make_eviction
@@ -56,6 +56,7 @@ class Scheduler(Preemption):
         prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
         self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, prefix_cache)
         self.admission = AdmissionController(config)
+        self._queued_work = QueuedWork()  # kept between arrivals; invalidated by any other queue change
         self.waiting: list[Request] = []  # new and recompute-preempted requests
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -75,10 +76,11 @@ class Scheduler(Preemption):
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
             self.admission.check(request, self.waiting + self.swapped, self.running,
-                                 self._served_before(request, now))
+                                 self._served_before(request, now), self._queued_work)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
+        self._queued_work.added(request)
 
     def _served_before(self, request: Request, now: float) -> Callable[[Request], bool] | None:
         """Whether the policy serves a queued request before `request`; None (every queued one
@@ -118,6 +120,7 @@ class Scheduler(Preemption):
         return True
 
     def _remove_from_queues(self, request: Request) -> None:
+        self._queued_work.invalidate()
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
@@ -139,6 +142,7 @@ class Scheduler(Preemption):
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         self._num_steps += 1
+        self._queued_work.invalidate()  # a step moves requests between the queues
         finished_ids = tuple(self._finished_ids)
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         try:
@@ -298,6 +302,7 @@ class Scheduler(Preemption):
                 if request.requeued_at is None:  # else already queued again, since then
                     request.requeued_at = now  # queued again: its wait counts from here
             self.waiting.append(request)
+        self._queued_work.invalidate()
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput,

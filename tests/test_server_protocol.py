@@ -229,6 +229,9 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served, client):
     for top_logprobs in (0, None):  # chat's field at its neutral value
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "top_logprobs": top_logprobs}
         assert post(served[0], "/v1/completions", body).status_code == 200
+    # An empty stream_options asks for nothing: vLLM takes it without a stream, as typed clients send it.
+    assert post(served[0], "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                               "stream_options": {}}).status_code == 200
     for field, value in (("logprobs", 21), ("suffix", " end"), ("top_logprobs", 2),
                          ("stream_options", {"include_usage": True})):
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: value}

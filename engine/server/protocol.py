@@ -171,7 +171,8 @@ class BaseRequest(CompletionUnsupportedFields):
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if options is not None and not info.data.get("stream"):
+        # An empty object asks for nothing, and vLLM takes it without a stream (typed clients send it).
+        if options is not None and options.model_fields_set and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM answer
         return options
 

@@ -48,8 +48,11 @@ class ArrivalPredictor:
         for submission in batch:  # a predictor that answered fewer prompts leaves the rest unset
             submission.prediction = predictions.get(submission.prompt_text)
 
-    def run(self, arrivals: queue.SimpleQueue, commands: queue.SimpleQueue) -> None:
-        """Score what arrives, up to `max_batch` at a time, and pass it on, until a None arrives.
+    def run(self, arrivals: queue.SimpleQueue, offer: Callable[[Submission], bool],
+            refuse: Callable[[Submission], None]) -> None:
+        """Score what arrives, up to `max_batch` at a time, and `offer` it to the engine thread,
+        until a None arrives; a submission the engine thread no longer takes (it has ended, after
+        a shutdown gave up on this thread) is `refuse`d, so its caller is answered.
 
         Everything taken before the None is still scored and passed on, so a Stop queued after
         this returns finds no submission behind it."""
@@ -66,6 +69,7 @@ class ArrivalPredictor:
                 finally:
                     self.busy_since = None
             for submission in batch:
-                commands.put(submission)
+                if not offer(submission):
+                    refuse(submission)
             if stopping:
                 return

@@ -105,7 +105,7 @@ class AsyncLLMEngine:
         workers = [("lengthwise-engine", self._worker.run)]
         if self.overlap_prediction:
             workers.append(("lengthwise-predictor",
-                            lambda: self.predictor.run(self._to_predict, self._commands)))
+                            lambda: self.predictor.run(self._to_predict, self._worker.offer, self._refuse_late)))
         self._threads = [threading.Thread(target=fn, name=name, daemon=True) for name, fn in workers]
         for thread in self._threads:
             thread.start()
@@ -152,6 +152,16 @@ class AsyncLLMEngine:
         self._streams.clear()
         if self.state is not EngineState.FAILED:
             self.state = EngineState.STOPPED
+
+    def _refuse_late(self, submission: Submission) -> None:
+        """Answer a submission the predictor thread scored after the engine thread had ended (a
+        shutdown left the stuck predictor behind): refused, as a queued command then is."""
+        if submission.admitted.set_running_or_notify_cancel():
+            submission.admitted.set_exception(self._closed_error())
+
+    def _closed_error(self) -> Exception:
+        """What a command the ended engine thread will never apply is answered with."""
+        return EngineDead(self.failure) if self.failure else EngineShuttingDown()
 
     def _join_thread(self, thread: threading.Thread, busy_since: Callable[[], float | None]) -> None:
         """Wait for the thread to end. It is left behind (a daemon, so the process still ends) once
@@ -302,7 +312,7 @@ class AsyncLLMEngine:
         """Run fn(engine) on the engine thread between steps; safe from any thread."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         if not self._worker.offer(Call(fn, result)):  # the engine thread has ended
-            result.set_exception(EngineDead(self.failure) if self.failure else EngineShuttingDown())
+            result.set_exception(self._closed_error())
         return result
 
     def _drop_aborted(self, request_id: str, stream: RequestStream | None = None) -> None:

@@ -295,6 +295,7 @@ class AdmissionController:
         their work together, behind what is queued outside the group. Whether a request is too
         large to refuse (see the module docstring) is read from one member, so that asking for
         more choices never makes admission easier."""
+        waiting, running = list(waiting), list(running)
         if request.group is not None:  # its siblings are not ahead of it
             waiting = [r for r in waiting if not request.shares_group_with(r)]
             running = [r for r in running if not request.shares_group_with(r)]
@@ -371,8 +372,11 @@ class AdmissionController:
         `own_s`: the group's, in the estimate."""
         estimate = ahead_s + own_s
         if ahead_s > 0 and alone_s <= slo < estimate:  # the work ahead, not its own, makes it miss
+            # A group that misses on its own work waits in vain for the work ahead to drain.
+            hint = (f" (its {request.group_size} sequences alone take {own_s:.2f}s: send fewer per request)"
+                    if own_s > slo else "")
             self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
-                         f"SLO of {slo:.2f}s", min(estimate - slo, ahead_s))
+                         f"SLO of {slo:.2f}s{hint}", min(estimate - slo, ahead_s))
 
     def _reject(self, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1

@@ -397,6 +397,10 @@ def test_train_refuses_a_store_whose_database_is_no_mlflow_store_before_training
     monkeypatch.setattr(tracking, "default_store", lambda: broken)
     assert f"the MLflow store {broken}: its mlflow.db" in one_line_error(capsys, ["train", "--model", "length"],
                                                                         "train")
+    folder = tmp_path / "folder"
+    (folder / "mlflow.db").mkdir(parents=True)  # a folder in the database's place
+    assert "its mlflow.db is not an MLflow store" in one_line_error(
+        capsys, ["train", "--model", "length", "--store", str(folder)], "train")
 
 
 def test_eval_predictor_refuses_a_store_it_would_ignore(capsys, tmp_path) -> None:

@@ -313,3 +313,17 @@ def test_trace_transfer_checks_its_predictors_before_loading(capsys, monkeypatch
         script.main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exited.value.code == 2 and message in err
+
+
+def test_the_admission_burst_script_times_every_policy_and_tier(tmp_path, capsys) -> None:
+    import json
+
+    burst = load_script("admission_burst")
+    out = tmp_path / "burst.json"
+    assert burst.main(["--num-requests", "20", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {(run["policy"], run["tier"]) for run in runs} == {(p, t) for p in ("fcfs", "sjf") for t in ("batch", "standard")}
+    assert all(run["refused"] == 0 and run["admission_s"] > 0 for run in runs)
+    with pytest.raises(SystemExit) as exited:
+        burst.main(["--num-requests", "0"])
+    assert exited.value.code == 2 and "--num-requests must be at least 1" in capsys.readouterr().err

@@ -58,7 +58,9 @@ def check_store(store: Path, for_writing: bool = True, flag: str = "MLflow store
         check_output_location(store, flag, folder=True)
         # Found after a whole training run, this was a database error's traceback, nothing logged.
         database = store / "mlflow.db"
-        if _holds_data(database) and not _has_registry(database):
+        foreign = (database.exists() and not database.is_file()) or (_holds_data(database)
+                                                                     and not _has_registry(database))
+        if foreign:
             raise ValueError(f"{flag} {store}: its mlflow.db is not an MLflow store")
 
 
@@ -157,8 +159,8 @@ def update_champion(data_hash: str | None = None) -> str | None:
 
 
 def download_champion(dst: Path | None = None, store: Path | None = None) -> Path:
-    """Local folder of the champion predictor (raises LookupError when there is none, or when the
-    store cannot be read).
+    """Local folder of the champion predictor: LookupError when there is none (no store, no
+    registry, no alias, its files gone), OSError when the store's database cannot be read.
 
     Reads the store only: no session, no experiment created, nothing written to it, so a server
     can load the champion from a store it may not write."""
@@ -196,7 +198,7 @@ def _has_registry(database: Path) -> bool:
     """Whether `database` is an SQLite file holding MLflow's registry tables (opened read-only);
     OSError when it cannot be read (locked, or no permission), which says nothing of what it is."""
     try:
-        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)) as connection:
+        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as connection:
             found = connection.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
                                        "'model_versions'").fetchone()
     except sqlite3.DatabaseError as error:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
 from scheduler.config import SchedulerConfig
@@ -122,30 +123,46 @@ def token_work(requests: Iterable[Request]) -> float:
     return sum(tokens_to_prefill(r) + predicted_output_tokens(r) for r in requests)
 
 
+@dataclass
+class QueuedSums:
+    """Requests queued (waiting or swapped out) of some tiers: how many, their token work, and
+    their prompt tokens still to feed."""
+
+    count: int = 0
+    work: float = 0.0
+    prefill: float = 0.0
+
+    def add(self, request: Request) -> None:
+        self.count += 1
+        self.prefill += tokens_to_prefill(request)
+        self.work += tokens_to_prefill(request) + predicted_output_tokens(request)
+
+
 class QueuedWork:
-    """The token work queued (waiting or swapped out) per tier, kept from one arrival to the
-    next: the queue bound, read for each arrival, walked the whole queue (a burst of 3,000 batch
-    requests took 6 s of the engine thread). The scheduler adds each admitted arrival and calls
-    `invalidate` whenever anything else changes its queues; the sums are then taken afresh."""
+    """The queue's sums per tier, kept from one arrival to the next: each arrival's check walked
+    the whole queue (a burst of 3,000 arrivals took 6-11 s of the engine thread). The scheduler
+    adds each admitted arrival and calls `invalidate` whenever anything else changes its queues;
+    the sums are then taken afresh."""
 
     def __init__(self) -> None:
-        self._by_tier: dict[Tier, float] | None = None
+        self._by_tier: dict[Tier, QueuedSums] | None = None
 
     def invalidate(self) -> None:
         self._by_tier = None
 
-    def up_to(self, tier: Tier, queued: Iterable[Request]) -> float:
-        """The work queued in `tier` and the more urgent ones; `queued` is every queued request,
-        summed when nothing is kept."""
+    def up_to(self, tier: Tier, queued: Iterable[Request]) -> QueuedSums:
+        """The sums over `tier` and the more urgent ones; `queued` is every queued request, summed
+        when nothing is kept."""
         if self._by_tier is None:
-            self._by_tier = dict.fromkeys(Tier, 0.0)
+            self._by_tier = {each: QueuedSums() for each in Tier}
             for request in queued:
-                self._by_tier[request.tier] += token_work((request,))
-        return sum(work for each, work in self._by_tier.items() if each <= tier)
+                self._by_tier[request.tier].add(request)
+        kept = [sums for each, sums in self._by_tier.items() if each <= tier]
+        return QueuedSums(sum(s.count for s in kept), sum(s.work for s in kept), sum(s.prefill for s in kept))
 
     def added(self, request: Request) -> None:
         if self._by_tier is not None:
-            self._by_tier[request.tier] += token_work((request,))
+            self._by_tier[request.tier].add(request)
 
 
 class AdmissionController:
@@ -311,31 +328,52 @@ class AdmissionController:
             return  # nothing measured yet (no basis for a delay estimate), or no SLO to estimate for
         # Ranked only here: the policy's order over a long queue is the costly part of a check.
         queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
+        # Interactive requests wait for the interactive ones ahead; standard ones for those too.
+        queued_ahead = [r for r in queued_ahead if r.tier <= request.tier]
+        running = [r for r in running if r.tier <= request.tier]
+        sums = self._queued_sums(request, queued_ahead, waiting, queued_work)
         # The last member's first token waits for every member's prefill.
         one_s, group_s = request.num_prompt_tokens / throughput, request.group_prompt_tokens / throughput
         if request.tier == Tier.INTERACTIVE:
             # Running ones too: a long prompt given its first chunk still has its other chunks
             # served before anything waiting.
-            ahead = sum(tokens_to_prefill(r) for r in queued_ahead + running if r.tier == Tier.INTERACTIVE)
+            ahead = sums.prefill + sum(tokens_to_prefill(r) for r in running)
             self._check_slo(ahead / drain, one_s, group_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
-            ahead = self._standard_work_ahead(request, [r for r in queued_ahead + running if r.tier <= Tier.STANDARD])
+            ahead = self._standard_work_ahead(request, queued_ahead, sums, running)
             decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # members side by side
             self._check_slo(ahead / drain, one_s + decode_s, group_s + decode_s,
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
-    def _standard_work_ahead(self, request: Request, ahead: list[Request]) -> float:
+    @staticmethod
+    def _queued_sums(request: Request, queued_ahead: list[Request], waiting: list[Request],
+                     queued_work: QueuedWork | None) -> QueuedSums:
+        """The sums over `queued_ahead` (queued, of the request's tier or a more urgent one, served
+        before it): the scheduler's kept sums when every such queued request is ahead (a request
+        arriving last in FCFS order), else summed here."""
+        if queued_work is not None and request.group is None:
+            kept = queued_work.up_to(request.tier, waiting)
+            if kept.count == len(queued_ahead):
+                return kept
+        sums = QueuedSums()
+        for other in queued_ahead:
+            sums.add(other)
+        return sums
+
+    def _standard_work_ahead(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
+                             running: list[Request]) -> float:
         """Tokens served before a standard request's own (module docstring): the prompts still to
-        feed of those ahead when it runs beside them all, else their whole token work. Batch
-        requests are not ahead: a standard one preempts them for a seat or blocks."""
+        feed of those ahead (`queued_ahead`, whose sums are `queued`, and `running`) when it runs
+        beside them all, else their whole token work. Batch requests are not ahead: a standard
+        one preempts them for a seat or blocks."""
         n = request.group_size
-        seats = len(ahead) + n <= self.config.max_num_seqs
-        blocks = (sum(self._blocks_to_finish(r) for r in ahead) + n * self._blocks_to_finish(request))
-        # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
-        usable = self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark)
-        if seats and blocks <= usable:
-            return sum(tokens_to_prefill(r) for r in ahead)
-        return token_work(ahead)
+        if len(queued_ahead) + len(running) + n <= self.config.max_num_seqs:  # a seat each
+            ahead = queued_ahead + running  # a few: their blocks are summed only when seats allow
+            blocks = sum(self._blocks_to_finish(r) for r in ahead) + n * self._blocks_to_finish(request)
+            # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
+            if blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark):
+                return queued.prefill + sum(tokens_to_prefill(r) for r in running)
+        return queued.work + token_work(running)
 
     def _blocks_to_finish(self, request: Request) -> int:
         """KV blocks the request holds at its predicted end."""
@@ -350,7 +388,7 @@ class AdmissionController:
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         # What it would queue behind (a group's siblings left out, which the sums hold).
         if queued_work is not None and request.group is None:
-            queued = queued_work.up_to(request.tier, waiting)
+            queued = queued_work.up_to(request.tier, waiting).work
         else:
             queued = token_work(r for r in waiting if r.tier <= request.tier)
         limit = bound * share

@@ -746,7 +746,7 @@ def test_the_queued_work_kept_between_arrivals_equals_the_queue_summed_afresh() 
     # scheduler now keeps the sums, which every step, abort and failed step must leave true.
     import random
 
-    from scheduler.admission import token_work
+    from scheduler.admission import token_work, tokens_to_prefill
     from scheduler.testing import PagedTokenRunner
 
     config = SchedulerConfig(num_gpu_blocks=40, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
@@ -769,8 +769,9 @@ def test_the_queued_work_kept_between_arrivals_equals_the_queue_summed_afresh() 
                 refused += 1
             queued = scheduler.waiting + scheduler.swapped
             for tier in Tier:
-                assert scheduler._queued_work.up_to(tier, queued) == pytest.approx(
-                    token_work(r for r in queued if r.tier <= tier))
+                kept, mine = scheduler._queued_work.up_to(tier, queued), [r for r in queued if r.tier <= tier]
+                assert (kept.count, kept.work, kept.prefill) == (
+                    len(mine), pytest.approx(token_work(mine)), pytest.approx(sum(tokens_to_prefill(r) for r in mine)))
                 checked += 1
         output = scheduler.schedule(now=float(step))
         scheduler.update_from_output(output, runner.execute(output), now=float(step))

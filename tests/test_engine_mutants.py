@@ -449,17 +449,23 @@ def test_a_step_that_never_returns_reads_unhealthy_and_does_not_hold_shutdown(ti
     assert second[-1].reason == "abort"
 
 
+class GatedPredictor:
+    """Predicts only once `gate` opens, having set `inside`: a predictor stuck in a call."""
+
+    def __init__(self, inside: threading.Event, gate: threading.Event) -> None:
+        self.inside, self.gate = inside, gate
+
+    def predict(self, prompts):
+        self.inside.set()
+        self.gate.wait(30)
+        return [Prediction(point=5.0, p50=5.0, p90=9.0, score=0.0, rank_len=5.0)] * len(prompts)
+
+
 def test_a_command_or_an_overlapped_prediction_that_never_returns_reads_stalled(tiny_model_dir):
     # Only a step counted as busy: an add, abort or call stuck between steps, or a predictor
     # thread stuck in a batch (holding every arrival back), left /health at 200.
     engine = tiny_engine(tiny_model_dir)
     inside, gate = threading.Event(), threading.Event()
-
-    class GatedPredictor:
-        def predict(self, prompts):
-            inside.set()
-            gate.wait(30)
-            return [Prediction(point=5.0, p50=5.0, p90=9.0, score=0.0, rank_len=5.0)] * len(prompts)
 
     async def stuck_then_freed(async_engine, make_stuck):
         inside.clear()
@@ -478,7 +484,7 @@ def test_a_command_or_an_overlapped_prediction_that_never_returns_reads_stalled(
         call = await stuck_then_freed(
             calls, lambda: asyncio.wrap_future(calls.call_in_engine(lambda _: inside.set() or gate.wait(30))))
         await calls.shutdown(grace_s=0)
-        overlapped = AsyncLLMEngine(engine, GatedPredictor(), overlap_prediction=True, stall_s=0.2)
+        overlapped = AsyncLLMEngine(engine, GatedPredictor(inside, gate), overlap_prediction=True, stall_s=0.2)
         await overlapped.start()
         ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
 
@@ -500,14 +506,8 @@ def test_shutdown_leaves_behind_only_the_thread_that_stalled(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir)
     inside, gate = threading.Event(), threading.Event()
 
-    class StuckPredictor:
-        def predict(self, prompts):
-            inside.set()
-            gate.wait(30)
-            return [Prediction(point=5.0, p50=5.0, p90=9.0, score=0.0, rank_len=5.0)] * len(prompts)
-
     async def scenario():
-        async_engine = AsyncLLMEngine(engine, StuckPredictor(), overlap_prediction=True, stall_s=0.3)
+        async_engine = AsyncLLMEngine(engine, GatedPredictor(inside, gate), overlap_prediction=True, stall_s=0.3)
         await async_engine.start()
         ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
         held = asyncio.ensure_future(async_engine.submit("held", ids, "Hello there", GREEDY6))

@@ -314,6 +314,13 @@ def test_a_failing_predictor_leaves_the_batch_unpredicted(error):
     assert [s.prediction for s in batch] == [None, None] and latencies == []
 
 
+def _run_into(predictor: ArrivalPredictor, arrivals: queue.SimpleQueue, commands: queue.SimpleQueue) -> None:
+    """Run the predictor thread's loop, handing what it scores to `commands` (an engine thread
+    that takes everything)."""
+    predictor.run(arrivals, lambda submission: commands.put(submission) is None,
+                  lambda submission: pytest.fail(f"{submission.request_id} refused"))
+
+
 def test_run_scores_at_most_max_batch_at_a_time_and_skips_cancelled():
     arrivals, commands = queue.SimpleQueue(), queue.SimpleQueue()
     subs = _submissions("a", "bb", "ccc", "dddd", "eeeee")
@@ -321,7 +328,7 @@ def test_run_scores_at_most_max_batch_at_a_time_and_skips_cancelled():
     for item in (*subs, None, None):  # the second stop only ends a mutant that missed the first
         arrivals.put(item)
     recording = Recording()
-    ArrivalPredictor(recording, lambda *latency: None, max_batch=2).run(arrivals, commands)
+    _run_into(ArrivalPredictor(recording, lambda *latency: None, max_batch=2), arrivals, commands)
     assert recording.batches == [["a", "bb"], ["dddd"], ["eeeee"]]
     forwarded = [commands.get_nowait() for _ in range(commands.qsize())]
     assert [s.prompt_text for s in forwarded] == ["a", "bb", "dddd", "eeeee"]
@@ -378,9 +385,19 @@ def test_run_returns_at_the_first_stop_even_with_submissions_beside_it():
     first, later = _submissions("a", "b")
     for item in (first, None, later, None, None):  # the later ones would be a mutant's next rounds
         arrivals.put(item)
-    ArrivalPredictor(Recording(), lambda *latency: None, max_batch=2).run(arrivals, commands)
+    _run_into(ArrivalPredictor(Recording(), lambda *latency: None, max_batch=2), arrivals, commands)
     assert commands.get_nowait() is first and commands.empty()
     assert arrivals.get_nowait() is later
+
+
+def test_what_an_ended_engine_thread_no_longer_takes_is_refused():
+    # A predictor thread that a shutdown left behind put its batch on a queue nobody read.
+    arrivals, refused = queue.SimpleQueue(), []
+    first, second = _submissions("a", "b")
+    for item in (first, second, None):
+        arrivals.put(item)
+    ArrivalPredictor(Recording(), lambda *latency: None).run(arrivals, lambda submission: False, refused.append)
+    assert refused == [first, second]
 
 
 # ---------------------------------------------------------------- lengthwise generate

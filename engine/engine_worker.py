@@ -40,8 +40,8 @@ class EngineWorker:
         self._live: set[str] = set()  # request ids inside the LLMEngine
         self._stop_taken = False  # a failure after it must not wait for another Stop
         # When the step, or the round of commands (inline prediction included), under way began,
-        # on time.monotonic; None between them. Read by other threads: a step that never returns raises nothing, and only this
-        # tells /health that nothing progresses.
+        # on time.monotonic; None between them. Read by other threads: a step that never returns
+        # raises nothing, and only this tells /health that nothing progresses.
         self.busy_since: float | None = None
         # Set once the thread answers no more commands; offered commands are put under the lock, so
         # one is either seen by the last refusal or refused at once, never left unanswered.

@@ -1,13 +1,14 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
-Rows with temperature 0 take the argmax (a smaller positive temperature is raised to 0.01, as
-vLLM raises it: SamplingParams). The other rows are scaled by their temperature; min-p then drops the tokens less likely than min_p times the likeliest (as vLLM
-orders them), and top-k and top-p are applied together on one descending order, ties by token id
-(top-p keeps the smallest prefix whose mass reaches p, and always the first token): among each
-row's 1,024 likeliest tokens (a partial sort), and over the whole row sorted only where the cut
-may lie beyond them. A token is drawn by inverse CDF: one uniform number per row, located in the
-row's cumulative probabilities. (The exponential race, argmax of p / E with E ~ Exp(1), needs a
-random number per vocabulary entry: about 1 ms a row on a CPU, a fifth of a decode step.)
+Rows with temperature 0 take the argmax (a positive temperature below 0.01 is raised to 0.01, as
+vLLM raises it: SamplingParams). The other rows are scaled by their temperature; min-p then drops
+the tokens less likely than min_p times the likeliest (as vLLM orders them), and top-k and top-p
+are applied together on one descending order, ties by token id (top-p keeps the smallest prefix
+whose mass reaches p, and always the first token): among each row's 1,024 likeliest tokens (a
+partial sort), and over the whole row sorted only where the cut may lie beyond them. A token is
+drawn by inverse CDF: one uniform number per row, located in the row's cumulative probabilities.
+(The exponential race, argmax of p / E with E ~ Exp(1), needs a random number per vocabulary entry:
+about 1 ms a row on a CPU, a fifth of a decode step.)
 
 A request that brings a seed draws the token at position p from a generator seeded with a hash of
 (seed, p): a pure function of the request and the position, with no state kept between steps. So

@@ -109,7 +109,7 @@ class EngineWorker:
         applied, stopped = 0, False
         # Applying them counts as busy too: an add, an abort or a call that never returns stalls
         # the engine as a stuck step does.
-        self.busy_since = time.monotonic()
+        self.busy_since = started = time.monotonic()
         try:
             if self.inline_predictor is not None:
                 # Not one the client left, or that an abort marked while it queued: refused below.
@@ -125,6 +125,8 @@ class EngineWorker:
                 self._apply(command)
         finally:
             self.busy_since = None
+            if commands and not block:  # requests were running: no token moved while these applied
+                self.engine.charge_time_between_steps(time.monotonic() - started)
             # What was not applied goes back on the queue, to be refused once the loop ends (after a
             # Stop, or when applying a command raised and the loop fails), so no caller waits
             # forever. A Stop that was obeyed is not put back; one not reached is.

@@ -134,6 +134,7 @@ class LLMEngine:
             self.predictor = load_predictor(config.predictor)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self._num_steps, self._step_time_s, self._forward_time_s = 0, 0.0, 0.0
+        self._time_between_steps_s = 0.0  # charged to the next step's measured time (admission's rates)
         self.last_step: StepRecord | None = None
         log.info("engine ready: %s on %s, attention %s", config.model, self.device, self.runner.backend.name)
 
@@ -263,7 +264,10 @@ class LLMEngine:
         except BaseException:
             self.scheduler.restart_failed_step(output, self.now())  # no request stranded mid-step (Ctrl-C, OOM)
             raise
-        self.scheduler.record_step(done, output.num_batched_tokens, done - start)
+        # The rates admission estimates delays with are what the engine thread achieves, the
+        # commands and inline prediction applied between steps included.
+        self.scheduler.record_step(done, output.num_batched_tokens, done - start + self._time_between_steps_s)
+        self._time_between_steps_s = 0.0
         self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         outputs = [self.output_processor.report(request, done, runner_output.logprobs) for request in progressed]
         step_time = self.now() - start
@@ -275,6 +279,12 @@ class LLMEngine:
             sum(c.start_position + len(c.token_ids) for c in output.chunks), step_time,
             self.runner.last_times.forward_s)
         return outputs
+
+    def charge_time_between_steps(self, seconds: float) -> None:
+        """Engine-thread time spent between steps while requests were running (a round of
+        commands: admissions, aborts, inline length prediction), in which no token moved: the next
+        step's measured time, which admission's token rates come from, includes it."""
+        self._time_between_steps_s += seconds
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(self.now()), self._num_steps, self._step_time_s,

@@ -262,10 +262,12 @@ def test_add_request_takes_sampling_params_only(llm):
 # ---- the async engine's thread -------------------------------------------------------------
 
 import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
 import time  # noqa: E402
 import threading  # noqa: E402
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.engine_commands import Call  # noqa: E402
 from engine.async_stream import EngineShuttingDown, EngineState  # noqa: E402
 from test_server import tiny_engine  # noqa: E402
 
@@ -748,6 +750,23 @@ def test_the_stats_are_renewed_after_each_batch_of_commands(served):
     assert worker.stats.scheduler.num_waiting == waiting_before + 1
     served.abort_request("queued")
     assert not served.has_unfinished_requests()
+
+
+def test_a_round_of_commands_while_requests_run_is_charged_to_the_next_steps_time(tiny_model_dir):
+    # Only the step itself was timed: admission's token rates described an engine thread that
+    # never paused for admissions, aborts or inline prediction, and every delay read low.
+    engine = tiny_engine(tiny_model_dir)
+    async_engine = AsyncLLMEngine(engine)
+    worker = async_engine._worker
+    engine.add_request("running", [5, 6, 7], GREEDY6)
+    for block in (True, False):  # idle (it waited for the command), then with requests running
+        async_engine._commands.put(Call(lambda e: time.sleep(0.2), concurrent.futures.Future()))
+        assert worker.run_commands(block=block) is True
+    charged = engine._time_between_steps_s
+    engine.step()
+    assert 0.2 <= charged < 0.4  # the one round while a request ran
+    assert engine.scheduler.admission.mean_step_time_s >= 0.2 and engine._time_between_steps_s == 0.0
+    engine.abort_request("running")
 
 
 # ---- streams and commands, by hand ---------------------------------------------------------

@@ -352,6 +352,9 @@ def test_inline_the_engine_thread_steps_between_two_predictor_batches_of_a_burst
         def stats(self):
             return None
 
+        def charge_time_between_steps(self, seconds):
+            pass
+
     class Predictor(Recording):
         def predict(self, prompts):
             events.append(f"predict {len(prompts)}")

@@ -443,8 +443,9 @@ def test_engine_failure_ends_streams_with_an_error_and_health_says_so(tiny_model
     assert "device lost" in lines[-2] and '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert after.status_code == 500 and after.json()["error"]["code"] == "engine_error"
     assert health.status_code == 500
-    # The failed request is counted, and the metrics keep nothing of it.
+    # The failed request is counted, and the metrics keep nothing of it; nor a dead engine's state.
     assert 'finished_reason="error"' in failed and not app.state.served.metrics._last_token_time
+    assert "lengthwise:num_requests_running" not in failed and "lengthwise:kv_cache_usage_perc" not in failed
 
 
 def test_a_request_aborted_while_the_engine_adds_it_is_refused_not_left_streaming(tiny_model_dir, monkeypatch):

@@ -77,8 +77,10 @@ class ServedApp:
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
     # Read when /metrics is scraped, on the event loop, which owns the async engine's pending table.
-    metrics = ServerMetrics(settings.model_name, lambda: engine.stats, dict(settings.info),
-                            pending=lambda: engine.num_pending)
+    # A failed engine reports no state: its last snapshot (requests running, KV in use) would stand
+    # for as long as the process lives, while /health says it is dead.
+    metrics = ServerMetrics(settings.model_name, lambda: None if engine.failure else engine.stats,
+                            dict(settings.info), pending=lambda: engine.num_pending)
     engine.attach_listener(metrics)
     # The engine's own policy says whether a nonzero priority means anything.
     serving = OpenAIServing(engine, tokenizer, settings.model_name, settings.max_model_len, policy=engine.policy)

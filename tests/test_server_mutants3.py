@@ -223,6 +223,14 @@ def test_a_text_to_be_truncated_is_not_bounded_by_its_length():
     assert context_error(lambda: context._check_untruncated_text(completion(), text, "prompt")) == (
         "context_length_exceeded", "prompt")
     context._check_untruncated_text(completion(truncate_prompt_tokens=4), text, "prompt")
+    # A truncation longer than the context could never fit: refused before tokenizing, as vLLM
+    # refuses it (it skipped the length bound, and the text was tokenized for nothing).
+    too_long = completion(truncate_prompt_tokens=11)
+    assert context_error(lambda: context._check_untruncated_text(too_long, text, "prompt")) == (
+        "invalid_value", "truncate_prompt_tokens")
+    assert context_error(lambda: asyncio.run(context._truncated(too_long, [1] * 20, None, "prompt"))) == (
+        "invalid_value", "truncate_prompt_tokens")
+    context._check_untruncated_text(completion(truncate_prompt_tokens=10), text, "prompt")  # the whole context
 
 
 def test_a_chat_cut_to_the_context_is_refused_naming_messages(tokenizer):

@@ -51,6 +51,15 @@ class PromptInput:
         tokenized, unless it is to be truncated (then the body's size limit bounds the work)."""
         if body.truncate_prompt_tokens is None:
             check_text_length(text, param, self.max_model_len, self.max_token_chars)
+        self._check_truncation(body)
+
+    def _check_truncation(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """vLLM's answer to a truncation longer than the context: kept whole, such a prompt could
+        never fit, and the text was tokenized first for nothing."""
+        if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > self.max_model_len:
+            raise errors.invalid_field("truncate_prompt_tokens", f"truncate_prompt_tokens: "
+                                       f"{body.truncate_prompt_tokens} is more than max_model_len "
+                                       f"{self.max_model_len}; send a smaller truncation size, or -1")
 
     async def _truncated(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                          prompt_text: str | None, prompt_param: str) -> tuple[list[int], str]:
@@ -58,6 +67,7 @@ class PromptInput:
         tokens (-1: max_model_len), cut from the left as vLLM cuts by default, or its first N with
         truncation_side "right". Its text (for echo and the length predictor) is decoded from the
         ids when they were given as ids or cut; the context is checked before that decode."""
+        self._check_truncation(body)  # prompts given as ids come here untokenized
         keep = body.truncate_prompt_tokens
         if keep is not None:
             keep = self.max_model_len if keep == -1 else keep

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from engine.async_stream import (EngineDead, EngineListener, EngineShuttingDown, EngineState,  # noqa: F401
                                  NullListener, RequestAborted, RequestStream, StreamEnd)
 from engine.arrival_predictor import ArrivalPredictor
-from engine.engine_commands import Abort, Call, Stop, Submission
+from engine.engine_commands import Abort, Call, Stop, Submission, refuse
 from engine.engine_worker import EngineWorker
 from predictor.base import Predictor
 from scheduler.request import ChoiceGroup, SamplingParams, Tier
@@ -156,8 +156,7 @@ class AsyncLLMEngine:
     def _refuse_late(self, submission: Submission) -> None:
         """Answer a submission the predictor thread scored after the engine thread had ended (a
         shutdown left the stuck predictor behind): refused, as a queued command then is."""
-        if submission.admitted.set_running_or_notify_cancel():
-            submission.admitted.set_exception(self._closed_error())
+        refuse(submission, self._closed_error())
 
     def _closed_error(self) -> Exception:
         """What a command the ended engine thread will never apply is answered with."""
@@ -170,8 +169,7 @@ class AsyncLLMEngine:
         deadline = time.monotonic() + self.stall_s
         while thread.is_alive():
             thread.join(timeout=0.05)
-            since = busy_since()
-            stalled = since is not None and time.monotonic() - since >= self.stall_s
+            stalled = self._stalled_for(busy_since()) is not None
             if thread.is_alive() and (stalled or time.monotonic() > deadline):
                 logger.error("%s did not stop; leaving it behind", thread.name)
                 return
@@ -203,7 +201,12 @@ class AsyncLLMEngine:
         if self.overlap_prediction:
             busy_since.append(self.predictor.busy_since)
         started = [since for since in busy_since if since is not None]  # each read once: threads reset them
-        busy = time.monotonic() - min(started) if started else None
+        return self._stalled_for(min(started, default=None))
+
+    def _stalled_for(self, since: float | None) -> float | None:
+        """How long work begun at `since` (time.monotonic) has run, once past `stall_s`; None
+        before that, or with nothing under way."""
+        busy = None if since is None else time.monotonic() - since
         return busy if busy is not None and busy >= self.stall_s else None
 
     def check_accepting(self) -> None:

@@ -52,6 +52,13 @@ class Stop:
     pass
 
 
+def refuse(command: Any, error: Exception) -> None:
+    """Answer a command that will never be applied with `error` (unless its caller has left)."""
+    future = command.admitted if isinstance(command, Submission) else getattr(command, "result", None)
+    if future is not None and future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
 def refuse_until_stopped(commands: queue.SimpleQueue, error: Exception, block: bool = True) -> None:
     """Answer every command taken from `commands` with `error` until a Stop (or, without `block`,
     until the queue is empty), so that no caller waits forever on a loop that has ended."""
@@ -59,6 +66,4 @@ def refuse_until_stopped(commands: queue.SimpleQueue, error: Exception, block: b
         command = commands.get()
         if isinstance(command, Stop):
             return
-        future = command.admitted if isinstance(command, Submission) else getattr(command, "result", None)
-        if future is not None and future.set_running_or_notify_cancel():
-            future.set_exception(error)
+        refuse(command, error)

@@ -132,10 +132,18 @@ class QueuedSums:
     work: float = 0.0
     prefill: float = 0.0
 
+    @classmethod
+    def of(cls, requests: Iterable[Request]) -> QueuedSums:
+        sums = cls()
+        for request in requests:
+            sums.add(request)
+        return sums
+
     def add(self, request: Request) -> None:
+        prefill = tokens_to_prefill(request)
         self.count += 1
-        self.prefill += tokens_to_prefill(request)
-        self.work += tokens_to_prefill(request) + predicted_output_tokens(request)
+        self.prefill += prefill
+        self.work += prefill + predicted_output_tokens(request)
 
 
 class QueuedWork:
@@ -154,9 +162,8 @@ class QueuedWork:
         """The sums over `tier` and the more urgent ones; `queued` is every queued request, summed
         when nothing is kept."""
         if self._by_tier is None:
-            self._by_tier = {each: QueuedSums() for each in Tier}
-            for request in queued:
-                self._by_tier[request.tier].add(request)
+            queued = list(queued)
+            self._by_tier = {each: QueuedSums.of(r for r in queued if r.tier == each) for each in Tier}
         kept = [sums for each, sums in self._by_tier.items() if each <= tier]
         return QueuedSums(sum(s.count for s in kept), sum(s.work for s in kept), sum(s.prefill for s in kept))
 
@@ -322,7 +329,8 @@ class AdmissionController:
         # turn comes, is fed at the capacity's.
         seats_held = sum(1 for r in running if r.tier <= request.tier)
         drain = self._drain_rate(saturated=seats_held >= self.config.max_num_seqs)
-        self._check_queue_bound(request, one_work, waiting, drain, queued_work)
+        queued = self._queued_through_tier(request, waiting, queued_work)
+        self._check_queue_bound(request, one_work, queued.work, drain)
         throughput = self.capacity_tokens_per_s
         if throughput is None or drain is None or request.tier == Tier.BATCH:
             return  # nothing measured yet (no basis for a delay estimate), or no SLO to estimate for
@@ -331,7 +339,8 @@ class AdmissionController:
         # Interactive requests wait for the interactive ones ahead; standard ones for those too.
         queued_ahead = [r for r in queued_ahead if r.tier <= request.tier]
         running = [r for r in running if r.tier <= request.tier]
-        sums = self._queued_sums(request, queued_ahead, waiting, queued_work)
+        # Every such queued request ahead (a request arriving last in FCFS order): the sums above.
+        sums = queued if queued.count == len(queued_ahead) else QueuedSums.of(queued_ahead)
         # The last member's first token waits for every member's prefill.
         one_s, group_s = request.num_prompt_tokens / throughput, request.group_prompt_tokens / throughput
         if request.tier == Tier.INTERACTIVE:
@@ -346,19 +355,13 @@ class AdmissionController:
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
     @staticmethod
-    def _queued_sums(request: Request, queued_ahead: list[Request], waiting: list[Request],
-                     queued_work: QueuedWork | None) -> QueuedSums:
-        """The sums over `queued_ahead` (queued, of the request's tier or a more urgent one, served
-        before it): the scheduler's kept sums when every such queued request is ahead (a request
-        arriving last in FCFS order), else summed here."""
+    def _queued_through_tier(request: Request, waiting: list[Request],
+                             queued_work: QueuedWork | None) -> QueuedSums:
+        """The sums over the queued requests of the request's tier or a more urgent one (`waiting`,
+        its group's other members left out): the scheduler's kept sums, or summed here."""
         if queued_work is not None and request.group is None:
-            kept = queued_work.up_to(request.tier, waiting)
-            if kept.count == len(queued_ahead):
-                return kept
-        sums = QueuedSums()
-        for other in queued_ahead:
-            sums.add(other)
-        return sums
+            return queued_work.up_to(request.tier, waiting)
+        return QueuedSums.of(r for r in waiting if r.tier <= request.tier)
 
     def _standard_work_ahead(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
                              running: list[Request]) -> float:
@@ -380,17 +383,14 @@ class AdmissionController:
         tokens = request.num_tokens + predicted_output_tokens(request)
         return math.ceil(tokens / self.config.block_size)
 
-    def _check_queue_bound(self, request: Request, one_work: float, waiting: list[Request],
-                           throughput: float | None, queued_work: QueuedWork | None) -> None:
+    def _check_queue_bound(self, request: Request, one_work: float, queued: float,
+                           throughput: float | None) -> None:
+        """`queued`: the token work queued in the request's tier and the more urgent ones, what
+        it would queue behind."""
         if self.config.max_queued_tokens is None and request.tier != Tier.BATCH:
             return  # no bound set: the tiers with an SLO are bounded by it, batch by the default
         bound = self.config.queued_token_bound
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
-        # What it would queue behind (a group's siblings left out, which the sums hold).
-        if queued_work is not None and request.group is None:
-            queued = queued_work.up_to(request.tier, waiting).work
-        else:
-            queued = token_work(r for r in waiting if r.tier <= request.tier)
         limit = bound * share
         own_work = request.group_prompt_tokens + predicted_output_tokens(request) * request.group_size
         # A request larger than the limit on its own would fit only an empty queue, which steady

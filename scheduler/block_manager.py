@@ -195,7 +195,7 @@ class BlockManager:
         return request.block_ids
 
     def _start_on(self, request: Request, cached: int) -> None:
-        self.prefix_cache.record_lookup(request, cached)
+        self.prefix_cache.record_lookup(request, cached, again=request.num_cached_tokens is not None)
         request.num_computed_tokens = cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = min(cached, request.num_prompt_tokens)

@@ -57,8 +57,13 @@ class PrefixCache:
         self._key_of: dict[int, BlockKey] = {}
         self._registered: dict[str, int] = {}  # request id -> blocks of its table looked at
         self._uncommitted: list[int] = []  # registered in the step not yet run
-        self.num_query_tokens = 0  # prompt and output tokens of requests looked up on admission
+        self.num_query_tokens = 0  # prompt tokens of requests looked up on admission
         self.num_hit_tokens = 0  # of those, served from the cache
+        # A request looked up again (resumed after preemption by recompute, or after a failed
+        # step) is counted apart, as vLLM counts a preempted one: finding its own blocks again
+        # would inflate the hit rate that the two above report.
+        self.num_requery_tokens = 0
+        self.num_requery_hit_tokens = 0
         self.num_evictions = 0  # registered blocks allocated for other tokens, ever
 
     def _key(self, request: Request, index: int) -> BlockKey:
@@ -83,9 +88,13 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        self.num_query_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit_tokens
+    def record_lookup(self, request: Request, num_hit_tokens: int, again: bool) -> None:
+        if again:
+            self.num_requery_tokens += request.num_tokens
+            self.num_requery_hit_tokens += num_hit_tokens
+        else:
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def register(self, request: Request, table: list[int], num_tokens: int) -> None:
         """Register the blocks of the request's table that its first `num_tokens` fill, if not

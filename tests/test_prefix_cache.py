@@ -385,3 +385,23 @@ def test_an_interrupt_while_a_request_swaps_in_restarts_it_without_a_leak(monkey
     assert outputs == {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params.max_tokens)
                        for _, r in arrivals}
     assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+
+
+def test_a_request_resumed_after_preemption_by_recompute_is_counted_apart_from_first_lookups() -> None:
+    # B gives its only seat to I and comes back onto its own blocks, cached on the free list
+    # meanwhile: the hit rate /metrics reports counts first lookups only, as vLLM's does.
+    from scheduler.request import Tier
+
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
+                             max_model_len=64, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    b = Request("B", list(range(1, 10)), params, 0.0, tier=Tier.BATCH)
+    i = Request("I", list(range(50, 55)), SamplingParams(max_tokens=2, ignore_eos=True), 0.0,
+                tier=Tier.INTERACTIVE)
+    outputs, scheduler = run(config, [(0, b), (3, i)])
+    assert outputs == {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params.max_tokens)
+                       for r in (b, i)}
+    assert b.num_preemptions == 1
+    stats, cache = scheduler.stats(), scheduler.block_manager.prefix_cache
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9 + 5, 0)
+    assert cache.num_requery_hit_tokens >= 8 and cache.num_requery_tokens == 9 + 3

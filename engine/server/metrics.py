@@ -108,7 +108,8 @@ class _EngineStateCollector(Collector):
                                    _stat(stats, "stability_margin"))
             yield from self._counter("num_preemptions", "Cumulative preemptions.", _stat(stats, "num_preemptions"))
             yield from self._counter("prefix_cache_queries", "Tokens looked up in the prefix cache on admission "
-                                     "(with --enable-prefix-caching).", _stat(stats, "prefix_cache_queries"))
+                                     "(with --enable-prefix-caching); a request resumed by recompute "
+                                     "is not counted again, as in vLLM.", _stat(stats, "prefix_cache_queries"))
             yield from self._counter("prefix_cache_hits", "Of those, tokens found cached.",
                                      _stat(stats, "prefix_cache_hits"))
         yield from self._gauge("predictor_kendall_tau", "Kendall's tau of the predicted ranking length against "

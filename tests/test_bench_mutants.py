@@ -174,6 +174,8 @@ def test_bench_serve_sends_on_its_gamma_schedule_and_all_at_once_without_a_cap(t
     assert np.all(starts >= expected - 1e-6)  # no request leaves before its time
     assert result["offered_request_rate_rps"] == pytest.approx((n - 1) / expected[-1])
     assert code == 0 and result["completed"] == n and app.state.peak > 1  # no cap: requests overlap
+    # Neither asked for: not sent, as vLLM's client leaves them out (a strict endpoint refuses them).
+    assert all({"ignore_eos", "service_tier"}.isdisjoint(entry["payload"]) for entry in app.state.sent)
     # The first token's time, one gap to the second token, and the end at the last token: not at
     # the usage chunk and [DONE] a pause later (that would add the whole pause, against the
     # microseconds between two clock reads at one chunk; no bound on how long a gap takes).

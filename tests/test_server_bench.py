@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -80,7 +81,12 @@ def test_a_broken_stream_fails_its_request_not_the_run():
     from fastapi.responses import StreamingResponse
     import httpx
 
+    # A line ends at "\n" only: U+2028, U+2029 and U+0085 may stand raw inside JSON, as vLLM
+    # sends them, and a chunk split across reads is one line.
+    separators = '{"choices": [{"text": "a\u2028b\u2029c\x85d"}]}'
     streams = {"malformed": ["data: {not json\n\n"], "no text": ["data: [DONE]\n\n"],
+               "separators": ["data: " + separators[:20], separators[20:] + "\r\n\r\n",
+                              'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]'],
                "no usage": ['data: {"choices": [{"text": "hi"}]}\n\n', "data: [DONE]\n\n"],
                "error field": ['data: {"error": "boom"}\n\n', "data: [DONE]\n\n"],
                # Not a failure: a reply that is only its end-of-sequence token (empty text), as
@@ -103,6 +109,8 @@ def test_a_broken_stream_fails_its_request_not_the_run():
 
     with running_server(app) as (base_url, _):  # a real socket, as a server streams
         results = asyncio.run(send_all(base_url))
+    separated = results.pop("separators")
+    assert separated.success and separated.output_tokens == 1, separated.error
     eos_only = results.pop("eos only")
     assert eos_only.success and eos_only.ttft_s is not None and eos_only.output_tokens == 1, eos_only.error
     assert not any(r.success for r in results.values())
@@ -309,3 +317,35 @@ def test_the_printed_summary_names_short_replies_preemptions_and_the_offered_rat
         assert line in out, line
     print_summary({"completed": 2, "failed": 0}, "fcfs")
     assert "short_outputs" not in capsys.readouterr().out  # only with --ignore-eos
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"requests": [1]}, "requests are not a list"), ({"config": []}, "config is not an object"),
+    ({"mean_e2e_s": "1.0"}, "mean_e2e_s is '1.0', not a number"),
+    ({"requests": [{"index": 0, "success": 1}]}, "requests are not a list"),
+    ({"requests": [{"index": 0, "success": True, "output_tokens": "4"}]}, "requests are not a list")])
+def test_a_baseline_the_comparison_could_not_read_is_refused_before_the_load(tmp_path, change, reason):
+    # Found only by the comparison, after the whole load, it lost the run's JSON to a traceback.
+    from training.bench_serve_compare import load_baseline
+
+    path = tmp_path / "fcfs.json"
+    path.write_text(json.dumps({**_run(0, [0, 1], mean_e2e=3.0, tokens_per_s=8.0), **change}))
+    with pytest.raises(ValueError, match=reason):
+        load_baseline(path)
+
+
+def test_replies_of_another_length_and_the_default_tier_mix_spelled_out(tmp_path):
+    from training.bench_serve_compare import compare
+
+    fcfs = _run(0, [0, 1, 2], mean_e2e=30.0, tokens_per_s=80.0, tier_mix=None)
+    for request in fcfs["requests"]:
+        request["output_tokens"] = 10
+    short = [{**request, "output_tokens": 7 if request["index"] < 2 else 10} for request in fcfs["requests"]]
+    reasons = compare(fcfs, fcfs["config"], short, fcfs, tmp_path / "f.json")["not_comparable_reasons"]
+    assert reasons == ["output tokens differ on 2 requests answered in both"]
+    # Unset is standard:1, the same workload; a mix in another order draws other tiers.
+    spelled = {**fcfs["config"], "tier_mix": "standard:1.0"}
+    assert compare(fcfs, spelled, fcfs["requests"], fcfs, tmp_path / "f.json")["comparable"]
+    mixed = {**fcfs, "config": {**fcfs["config"], "tier_mix": "interactive:1,batch:1"}}
+    swapped = {**fcfs["config"], "tier_mix": "batch:1,interactive:1"}
+    assert not compare(fcfs, swapped, fcfs["requests"], mixed, tmp_path / "f.json")["comparable"]

@@ -21,6 +21,7 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,7 @@ from engine.config import REPO_ROOT
 from training import bench_serve_compare
 from training import bench_serve_report as report
 from training import tracking
-
-TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
+from training.bench_serve_report import TIER_TO_SERVICE_TIER, parse_tier_mix
 
 
 @dataclass(frozen=True)
@@ -79,25 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and whether the two runs are comparable")
     parser.add_argument("--result-dir", default=str(REPO_ROOT / "out" / "bench_serve"))
     parser.add_argument("--no-mlflow", action="store_true")
-
-
-def parse_tier_mix(text: str | None) -> dict[str, float]:
-    if not text:
-        return {"standard": 1.0}
-    mix = {}
-    for part in text.split(","):
-        tier, _, share = part.partition(":")
-        try:
-            value = float(share)
-        except ValueError:
-            value = math.nan
-        if tier not in TIER_TO_SERVICE_TIER or math.isnan(value):
-            raise ValueError(f"a tier mix is TIER:SHARE,... with TIER one of {', '.join(TIER_TO_SERVICE_TIER)} "
-                             f"and SHARE a number, got {part!r}")
-        mix[tier] = value
-    if not all(math.isfinite(v) and v >= 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise ValueError(f"tier shares must be >= 0 with a positive sum, got {text!r}")
-    return mix
 
 
 def sample_workload(args: argparse.Namespace) -> list[WorkItem]:
@@ -153,7 +134,7 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body[:300]}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: "):]
@@ -171,6 +152,19 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
             result.error = result.error or "stream ended without [DONE]"  # an error event's reason first
     except Exception as exc:  # noqa: BLE001 - a broken stream fails this request, never the whole run
         result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, ended by "\n" (or "\r\n") only, as server-sent events end them.
+    httpx's aiter_lines also splits at U+2028, U+2029 and U+0085, which a server may leave raw
+    inside its JSON (vLLM, SGLang and OpenAI do): a token holding one failed its request."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
 
 
 def _completed(result: report.RequestResult) -> bool:
@@ -226,9 +220,15 @@ async def run_load(args: argparse.Namespace, items: list[WorkItem], model: str,
 
 
 def _payload(args: argparse.Namespace, item: WorkItem, model: str) -> dict:
-    return {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "service_tier": TIER_TO_SERVICE_TIER[item.tier]}
+    payload = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "stream": True,
+               "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    # Only what was asked for, as vLLM's client sends them: an OpenAI endpoint that validates
+    # strictly refuses ignore_eos, even false.
+    if args.ignore_eos:
+        payload["ignore_eos"] = True
+    if args.tier_mix is not None:
+        payload["service_tier"] = TIER_TO_SERVICE_TIER[item.tier]
+    return payload
 
 
 def server_model(args: argparse.Namespace) -> str:
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     config.update(model=model, label=label, baseline=str(args.baseline) if args.baseline else None)
     config.update({f"server_{key}": value for key, value in info.items()})
     if baseline is not None:
-        requests = [{"index": r.index, "success": r.success} for r in results]
+        requests = [{"index": r.index, "success": r.success, "output_tokens": r.output_tokens} for r in results]
         summary["comparison"] = bench_serve_compare.compare(summary, config, requests, baseline, args.baseline)
         bench_serve_compare.print_comparison(summary["comparison"])
     json_path, plot_path = out / f"{label}.json", out / f"{label}.png"

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from training.bench_serve_report import parse_goodput
+from training.bench_serve_report import parse_goodput, parse_tier_mix
 
 # The flags that choose the prompts, their arrival times, their caps and how they are sampled,
 # and the SLOs that goodput counts against.
@@ -37,7 +37,30 @@ def load_baseline(path: Path) -> dict[str, Any]:
         raise ValueError(f"--baseline {path}: not a readable bench serve JSON ({exc})") from None
     if not isinstance(payload, dict) or not {"config", "requests"} <= payload.keys():
         raise ValueError(f"--baseline {path}: not a bench serve result (no config or requests)")
+    problem = _malformed(payload)
+    if problem:  # found now, not in the comparison after a load of many minutes
+        raise ValueError(f"--baseline {path}: not a bench serve result ({problem})")
     return payload
+
+
+def _malformed(payload: dict[str, Any]) -> str | None:
+    """What in a result the comparison could not read, or None."""
+    if not isinstance(payload["config"], dict):
+        return "its config is not an object"
+    requests = payload["requests"]
+    if not isinstance(requests, list) or not all(
+            isinstance(r, dict) and _is_int(r.get("index")) and isinstance(r.get("success"), bool)
+            and (r.get("output_tokens") is None or _is_int(r["output_tokens"])) for r in requests):
+        return "its requests are not a list of {index, success, output_tokens}"
+    for key in LATENCY_KEYS + THROUGHPUT_KEYS:
+        value = payload.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key} is {value!r}, not a number"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def answered(requests: list[dict]) -> set[int]:
@@ -62,13 +85,24 @@ def mismatches(baseline: dict[str, Any], summary: dict[str, Any], config: dict[s
     if base_answered != this_answered:
         reasons.append(f"answered requests differ: {len(base_answered - this_answered)} only in the baseline, "
                        f"{len(this_answered - base_answered)} only in this run")
+    differ = _output_tokens_differ(baseline["requests"], requests, base_answered & this_answered)
+    if differ:  # a full answer in one run and a short one in the other: not the same work
+        reasons.append(f"output tokens differ on {differ} requests answered in both")
     return reasons
+
+
+def _output_tokens_differ(baseline: list[dict], this: list[dict], both: set[int]) -> int:
+    """Requests answered in both runs whose replies have another length (a baseline written
+    before its requests recorded their lengths has none to compare)."""
+    base_tokens = {r["index"]: r.get("output_tokens") for r in baseline}
+    return sum(1 for r in this if r["index"] in both and None not in (base_tokens[r["index"]], r.get("output_tokens"))
+               and base_tokens[r["index"]] != r["output_tokens"])
 
 
 def as_compared(key: str, value: Any) -> Any:
     """A workload flag as two runs compare it: the SLOs as parsed, whatever their order or spelling
     (ttft:2000 e2el:30000 is e2el:30000 ttft:2000.0), and an unbounded rate however its JSON wrote
-    it (vLLM's "inf", or the Infinity of runs before session 32)."""
+    it (vLLM's "inf", or the Infinity of runs before session 32), and a tier mix as parsed."""
     if key == "goodput":
         try:
             return parse_goodput(value)
@@ -76,6 +110,11 @@ def as_compared(key: str, value: Any) -> Any:
             return value
     if key == "request_rate" and value in ("inf", math.inf):
         return math.inf
+    if key == "tier_mix":  # unset is standard:1; the order stays (it decides each request's tier)
+        try:
+            return list(parse_tier_mix(value).items())
+        except ValueError:
+            return value
     return value
 
 

@@ -21,6 +21,7 @@ from training import strict_json
 
 EXPERIMENT = "lengthwise-bench-serve"
 SLO_KEYS = ("ttft", "tpot", "e2el")
+TIER_TO_SERVICE_TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
 
 
 @dataclass
@@ -43,6 +44,25 @@ class RequestResult:
         if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def parse_tier_mix(text: str | None) -> dict[str, float]:
+    if not text:
+        return {"standard": 1.0}
+    mix = {}
+    for part in text.split(","):
+        tier, _, share = part.partition(":")
+        try:
+            value = float(share)
+        except ValueError:
+            value = math.nan
+        if tier not in TIER_TO_SERVICE_TIER or math.isnan(value):
+            raise ValueError(f"a tier mix is TIER:SHARE,... with TIER one of {', '.join(TIER_TO_SERVICE_TIER)} "
+                             f"and SHARE a number, got {part!r}")
+        mix[tier] = value
+    if not all(math.isfinite(v) and v >= 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"tier shares must be >= 0 with a positive sum, got {text!r}")
+    return mix
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

@@ -206,7 +206,7 @@ def simulate(config: SchedulerConfig, workload: Sequence[SimRequest], cost: Step
         steps += 1
         if steps % 64 == 0 and (value := scheduler.admission.stability_margin(now)) is not None:
             margins.append((now, value))
-        if steps >= max_steps:
+        if steps >= max_steps and (next_arrival < len(pending) or scheduler.has_unfinished_requests()):
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
     served = [r for r in records if not r.rejected]
     start = min((r.arrival_time for r in records), default=0.0)

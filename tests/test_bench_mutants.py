@@ -278,6 +278,8 @@ def test_run_load_offers_load_times_saturated_over_the_mean_reply_on_the_asked_a
     rate = load * saturated / np.mean([r.output_tokens for r in base])  # requests/s
     assert main["load"] == load and main["arrival_rate_per_s"] == pytest.approx(rate)
     times = arrival_times(len(base), rate, args.arrival, args.arrival_cv, args.seed)
+    assert main["offered_load"] == pytest.approx(load * len(times) / times[-1] / rate)  # what the draw offered
+    assert main["offered_load"] != pytest.approx(load, abs=1e-3)
     result = simulate(replace(config, policy="fcfs"), [replace(r, arrival_time=t) for r, t in zip(base, times)], cost)
     expected = sim_metrics.summarize(result, config.slo_ttft_interactive_s, config.slo_e2e_standard_s)
     assert same_figures(main["policies"]["fcfs"], expected)
@@ -478,6 +480,17 @@ def test_the_simulator_keeps_at_most_max_kv_blocks_and_exactly_that_many():
     assert scheduler_config(sim_args("--kv-blocks", str(MAX_KV_BLOCKS))).num_gpu_blocks == MAX_KV_BLOCKS
     with pytest.raises(ValueError, match="more than the simulator keeps"):
         scheduler_config(sim_args("--kv-blocks", str(MAX_KV_BLOCKS + 1)))
+
+
+def test_a_simulation_that_finishes_in_exactly_max_steps_is_no_failure():
+    from scheduler.config import SchedulerConfig
+    from scheduler.simulation import simulate
+
+    config, workload = SchedulerConfig(**SIM_CONFIG), sim_workload(6)
+    steps = simulate(config, workload, COST).num_steps
+    assert simulate(config, workload, COST, max_steps=steps).num_steps == steps
+    with pytest.raises(RuntimeError, match=f"within {steps - 1} steps"):
+        simulate(config, workload, COST, max_steps=steps - 1)
 
 
 # ---- lengthwise (the command line)

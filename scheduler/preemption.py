@@ -92,7 +92,10 @@ class Preemption:
             # Nobody ranked after a victim just preempted is let in later in this loop either.
             limit = self._resume_limit(plan, now)
             free_seats += len(victims) - 1
-            free_blocks -= need
+            # Counted again, not less `need`: that held the next chunks of those ranked ahead,
+            # which the next urgent request reserves again (they were reserved once per request,
+            # and victims preempted for blocks nobody took).
+            free_blocks = self.block_manager.num_free_blocks
             budget += len(victims) - num_new
 
     def _next_chunks_ranked_ahead(self, key: tuple, plan: StepPlan, now: float) -> tuple[int, int]:

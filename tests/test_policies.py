@@ -627,6 +627,34 @@ def test_two_urgent_arrivals_in_one_step_are_admitted_with_the_room_left_by_the_
     assert scheduler.block_manager.num_free_blocks == blocks
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_urgent_arrivals_reserve_the_next_chunk_of_a_prefill_ranked_ahead_once_not_once_each(mode: str) -> None:
+    # Four batch decodes hold 5 blocks each, an interactive prompt (i0) is mid-prefill with 15
+    # and needs 9 more for its next chunk; 3 are free when two 8-token interactive requests come.
+    # They need 2 + 2 blocks beside i0's 9: three victims make room. Reserving i0's chunk again
+    # for the second newcomer preempted the fourth for blocks nobody took.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=38, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                                          max_model_len=256, kv_watermark=0.0, preemption_mode=mode,
+                                          num_cpu_blocks=64 if mode == "swap" else 0))
+    runner = PagedTokenRunner(38, 4, scheduler.config.num_cpu_blocks)
+    batch = [req(f"b{i}", 0.0, tier=Tier.BATCH, prompt_len=16, max_tokens=20) for i in range(4)]
+    first = req("i0", 1.0, tier=Tier.INTERACTIVE, prompt_len=100, max_tokens=4)
+    urgent = [req(f"w{i}", 2.0, tier=Tier.INTERACTIVE, prompt_len=8, max_tokens=20) for i in range(2)]
+    for step in range(300):
+        add_arrivals(scheduler, {0: batch, 1: [first], 2: urgent}, step)
+        output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
+        if step == 2:
+            assert len(output.preempted_ids) == 3 and scheduler.block_manager.num_free_blocks < 5
+            assert {"w0", "w1", "i0"} <= {c.request_id for c in output.chunks}
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert_every_token(batch + [first] + urgent)
+    assert scheduler.block_manager.num_free_blocks == 38
+
+
 @pytest.mark.parametrize("num_gpu_blocks, batch_prompt, batch_out, first_prompt, later_prompt, later_steps", [
     (200, 10, 500, 300, 200, range(2, 6)),  # room enough: each newcomer took i1's budget
     (16, 60, 100, 200, 60, [4]),  # blocks short: a newcomer's room made i1 preempt itself

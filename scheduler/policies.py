@@ -186,17 +186,22 @@ def refined_remaining(request: Request) -> float:
     """Predicted output tokens still to come, refined once generation outgrows the first estimate.
 
     Before the output reaches the ranking estimate: estimate minus tokens so far. After: a
-    lognormal centred on the ranking estimate, its spread from the predicted p90 / p50 (a default
-    when they give none, as when both sit at the max_tokens cap), and E[X | X > generated] -
-    generated. Centring on p50 instead would give every overrunning request of a model whose
-    median sits at the cap the same remaining length, the cap minus its output.
+    lognormal centred on the ranking estimate, its spread from the predicted p90 / p50 but never
+    below the default's, and E[X | X > generated] - generated. Centring on p50 instead would give
+    every overrunning request of a model whose median sits at the cap the same remaining length,
+    the cap minus its output. The floor keeps the estimate growing as the request overruns: a
+    lognormal's expected remaining falls past its median when its spread is under about 0.62, so
+    with most predictions' spreads (p90 / p50 under 2.2) a request ran down toward 1 token left
+    the further it overran, and ranked ahead of fresh short ones. A request this far has shown
+    its prediction wrong, so the prediction's own confidence is not taken either.
     """
     generated = request.num_output_tokens
     estimate = ranking_length(request)
     if generated < estimate:
         return estimate - generated
     p50, p90 = request.predicted_p50, request.predicted_p90
-    sigma = math.log(p90 / p50) / Z90 if p50 and p90 and p90 > p50 else DEFAULT_LOG_SPREAD
+    predicted_spread = math.log(p90 / p50) / Z90 if p50 and p90 and p90 > p50 else 0.0
+    sigma = max(predicted_spread, DEFAULT_LOG_SPREAD)
     mu, log_g = math.log(estimate), math.log(max(generated, 1))
     b = (log_g - mu) / sigma
     expected = math.exp(mu + sigma * sigma / 2.0) * _upper_tail_ratio(b - sigma, b)

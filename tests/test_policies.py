@@ -751,9 +751,25 @@ def test_refined_is_capped_by_max_tokens():
 
 
 def test_refined_is_at_least_one_token():
-    r = req("a", predicted=50, predicted_p50=50, predicted_p90=50.5, max_tokens=1000)
-    r.output_token_ids = [1] * 80
+    r = req("a", predicted=50, predicted_p50=50, predicted_p90=150, max_tokens=80)
+    r.output_token_ids = [1] * 80  # the cap reached: nothing left but the token that ends it
     assert refined_remaining(r) == 1.0
+
+
+@pytest.mark.parametrize("p90_over_p50", [1.0, 1.001, 1.13, 1.35, 1.78, 2.2, 4.0])
+def test_refined_grows_as_a_request_overruns_its_estimate_whatever_its_predicted_spread(p90_over_p50):
+    # A lognormal's expected remaining falls just past its median when its spread is narrow: a
+    # request predicted at 200 with p90 / p50 1.35 read 31 tokens left at 800 generated, ahead
+    # of a fresh 60-token request, and p90 just above p50 pinned it at 1 token for good.
+    r = req("a", predicted=200, predicted_p50=200, predicted_p90=200 * p90_over_p50, max_tokens=100000)
+    remaining = []
+    for generated in range(200, 5000, 50):
+        r.output_token_ids = [1] * generated
+        remaining.append(refined_remaining(r))
+    assert all(later >= earlier for earlier, later in zip(remaining, remaining[1:]))
+    # At least the default spread's, which p90 == p50 (no spread predicted) gets.
+    default = lognormal_tail_mean(200.0, 200.0 * math.exp(DEFAULT_LOG_SPREAD * Z90), 200.0) - 200.0
+    assert remaining[0] >= default * (1 - 1e-4)
 
 
 def test_refined_far_in_the_tail_matches_integration():
@@ -762,11 +778,12 @@ def test_refined_far_in_the_tail_matches_integration():
     assert refined_remaining(r) == pytest.approx(lognormal_tail_mean(50.0, 150.0, 4000.0) - 4000.0, rel=1e-3)
 
 
-def test_refined_in_the_mills_branch():
-    p90 = 10.0 * math.exp(0.1 * Z90)
-    r = req("a", predicted=10, predicted_p50=10, predicted_p90=p90, max_tokens=5000)
-    r.output_token_ids = [1] * 1000  # b ~ 46
-    assert refined_remaining(r) == pytest.approx(1000 * 0.01 / math.log(100), rel=0.05)
+def test_the_tail_ratio_far_out_takes_mills_ratio_and_agrees_with_erfc_where_both_hold():
+    from scheduler.policies import _upper_tail_ratio
+
+    exact = math.erfc(29.2 / math.sqrt(2.0)) / math.erfc(30.0 / math.sqrt(2.0))  # erfc still representable
+    assert _upper_tail_ratio(29.2, 30.0) == pytest.approx(exact, rel=2e-3)
+    assert math.isfinite(_upper_tail_ratio(59.2, 60.0))  # where erfc underflows to 0
 
 
 def test_refined_centres_on_the_ranking_length_not_the_point():

@@ -210,7 +210,7 @@ def refined_remaining(request: Request) -> float:
 
 class SRPTPolicy(SJFPolicy):
     name = "srpt"
-    reads_knobs = SJFPolicy.reads_knobs | {"srpt_max_preempt_share"}
+    reads_knobs = SJFPolicy.reads_knobs | {"srpt_max_preempt_share", "srpt_preempt_ratio"}
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)

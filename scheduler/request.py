@@ -45,7 +45,7 @@ class Tier(enum.IntEnum):
 # Seeds are 64-bit integers, signed or not (the sampler hashes a seed's 64 bits with the position);
 # -1 is no seed, as in vLLM.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-# Priorities are compared as floats by the policies; bounded so the conversion cannot overflow.
+# Priorities are integers within a signed 64-bit range, as a client (or vLLM) may send them.
 PRIORITY_LIMIT = 2**63
 # vLLM's: a temperature above 0 and below this is raised to it and sampled (0 alone is greedy):
 # dividing float32 logits by a denormal temperature gives inf, softmax NaN, and a meaningless draw.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import time
 from collections.abc import AsyncIterator

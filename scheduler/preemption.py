@@ -79,10 +79,6 @@ class Preemption:
                                         min_victims)
             if victims is None:
                 return
-            freed = self.block_manager.blocks_freed_by(victims)
-            free_blocks += len(freed)
-            # Its cached blocks that a victim held go back to the free list first: it takes them back.
-            need += len(freed.intersection(prefix.blocks))
             for victim in victims:
                 self._preempt(victim, plan)
             if not self._admit_now(request, num_new, plan, prefix):

@@ -357,6 +357,7 @@ def assert_within_step_limits(scheduler: Scheduler, output) -> None:
     config = scheduler.config
     assert output.num_batched_tokens == sum(len(c.token_ids) for c in output.chunks) <= config.max_num_batched_tokens
     assert len(output.chunks) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
+    assert not (output.preempted_ids and output.swap_in)  # a step that preempted swaps nothing in
 
 
 def random_arrivals(rng: random.Random) -> tuple[list[Request], dict[int, list[Request]]]:

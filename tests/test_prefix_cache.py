@@ -87,9 +87,14 @@ def test_cached_prefixes_give_the_reference_tokens(mode, num_gpu_blocks, chunked
 
 def test_without_prefix_caching_nothing_is_found() -> None:
     config = SchedulerConfig(num_gpu_blocks=400, block_size=8, max_num_seqs=4, max_model_len=256)
-    outputs, scheduler = run(config, workload(0))
-    assert scheduler.block_manager.prefix_cache is None
-    assert all(r.num_cached_tokens is None for r in scheduler._requests.values())
+    arrivals = workload(0)
+    outputs, scheduler = run(config, arrivals)
+    requests = [r for _, r in arrivals]  # the scheduler forgets each once it has reported it
+    assert outputs == {r.request_id: reference_output(r.prompt_token_ids, r.sampling_params.max_tokens)
+                       for r in requests}
+    assert all(r.num_cached_tokens is None for r in requests)
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (None, None)
 
 
 # ---- the block manager's rules, on blocks of 4 tokens --------------------------------------------

@@ -82,6 +82,9 @@ def test_greedy_rows_take_the_argmax_and_seeded_draws_depend_only_on_seed_and_po
     many = [Sampler(seed=0).sample(LOGITS, [p], [SamplingParams(seed=3)])[0] for p in range(2000)]
     frequencies = torch.bincount(torch.tensor(many), minlength=4).float() / 2000
     torch.testing.assert_close(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04, rtol=0)
+    # ...and another seed draws another sequence (a sampler that ignored the seed passed the above).
+    other = [Sampler(seed=0).sample(LOGITS, [p], [SamplingParams(seed=4)])[0] for p in range(50)]
+    assert other != many[:50]
 
 
 def test_position_seeds_differ_for_neighbouring_seeds_and_positions():

@@ -51,7 +51,9 @@ def check_step_contract(output) -> None:
     assert all(chunk.token_ids for chunk in output.chunks), "a chunk with no tokens"
     # A request preempted in a step waits for the next one (preemption.py, `_resume_limit`).
     assert not set(output.preempted_ids) & {chunk.request_id for chunk in output.chunks}
-    # A step that preempted swaps nothing in, so no block is copied out and in at once.
+    # A step that preempted swaps nothing in (scheduler.py, `_fill`), so no block is copied out
+    # and in at once, and room just made for one request is not taken by another.
+    assert not (output.preempted_ids and output.swap_in)
     assert not (output.swap_out and output.swap_in)
 
 

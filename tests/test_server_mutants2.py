@@ -228,15 +228,16 @@ def test_finished_requests_are_counted_by_their_own_reason_and_an_abort_observes
     assert total(samples, "lengthwise:request_time_per_output_token_seconds_count") == 2
 
 
-def test_the_preemption_counter_reads_the_schedulers_count():
-    # The state test reads a count of 0, which a counter left out also sums to.
+def test_the_preemption_counter_and_the_swapped_gauge_read_the_schedulers_counts():
+    # The state test reads counts of 0, which a series left out, or read from the other, also gives.
     from engine.llm_engine import EngineStats
     from scheduler.config import SchedulerConfig
     from scheduler.scheduler import Scheduler
 
-    snapshot = replace(Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats(0.0), num_preemptions=3)
+    snapshot = replace(Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats(0.0), num_preemptions=3, num_swapped=2)
     samples = samples_of(ServerMetrics("tiny", lambda: EngineStats(snapshot, 0, 0.0, 0.0, 0)))
     assert total(samples, "lengthwise:num_preemptions_total") == 3
+    assert total(samples, "lengthwise:num_requests_swapped") == 2
 
 
 def test_a_refusal_at_shutdown_or_failure_is_no_admission_rejection():

@@ -510,9 +510,13 @@ def test_a_message_name_and_tool_call_id_reach_the_chat_template():
 def test_a_text_of_exactly_the_bound_passes() -> None:
     from engine.server.limits import check_text_length
 
+    from engine.server.errors import APIError
+
     check_text_length("a" * 10, "prompt", 5, 2)
-    with pytest.raises(Exception):
+    with pytest.raises(APIError) as refused:
         check_text_length("a" * 11, "prompt", 5, 2)
+    info = refused.value.info
+    assert (refused.value.status, info.param, info.code) == (400, "prompt", "context_length_exceeded")
 
 
 def test_the_body_limit_has_a_floor_and_room_for_json_escapes() -> None:

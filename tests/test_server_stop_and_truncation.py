@@ -50,14 +50,26 @@ def test_a_kept_stop_token_leaves_its_text(tiny_model_dir) -> None:
         assert (out.text, out.finish_reason, out.token_ids) == (tokenizer.decode(shown), "stop", free[:at + 1])
 
 
+def stop_across_a_token_boundary(text: str, boundaries: list[int]) -> str:
+    """A substring first found where it starts two characters before a token's text ends and
+    ends two after, in the second half of the text (a token or more is left to cut)."""
+    for boundary in boundaries:
+        stop = text[boundary - 2:boundary + 2]
+        if boundary - 2 >= len(text) // 2 and len(stop) == 4 and text.index(stop) == boundary - 2:
+            return stop
+    raise AssertionError(f"no stop string spans a token boundary of {text!r}")
+
+
 def test_the_engine_keeps_a_stop_string_across_a_chunk_boundary(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_threads=1)
     prompt = [1, 504, 3458, 314, 253]
-    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].text
-    stop = stop_string_past_the_middle(free, 4)
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    tokenizer = llm.engine.tokenizer
+    boundaries = [len(tokenizer.decode(free.token_ids[:i])) for i in range(1, len(free.token_ids))]
+    stop = stop_across_a_token_boundary(free.text, boundaries)  # no one token's text holds it
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
     out = llm.generate([prompt], params)[0]
-    assert out.text == free[:free.index(stop) + len(stop)] and out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop) + len(stop)] and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="include_stop_str_in_output"):
         SamplingParams(include_stop_str_in_output=1)
 

@@ -267,9 +267,17 @@ def test_champion_is_chosen_among_runs_on_the_same_turn_table(tmp_path):
         assert tracking.update_champion() == runs["other table"]  # without a table: every run competes
 
 
-def test_download_champion_without_registry_raises(tmp_path):
-    with pytest.raises(LookupError):
+def test_download_champion_without_a_store_or_a_registry_raises(tmp_path):
+    import sqlite3
+
+    with pytest.raises(LookupError, match="no MLflow store at"):
         tracking.download_champion(store=tmp_path / "empty")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    with sqlite3.connect(foreign / "mlflow.db") as database:  # a database, but no MLflow tables in it
+        database.execute("CREATE TABLE notes (text TEXT)")
+    with pytest.raises(LookupError, match="not an MLflow store with a model registry"):
+        tracking.download_champion(store=foreign)
 
 
 def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(tmp_path):

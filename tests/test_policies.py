@@ -656,6 +656,35 @@ def test_urgent_arrivals_reserve_the_next_chunk_of_a_prefill_ranked_ahead_once_n
     assert scheduler.block_manager.num_free_blocks == 38
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("num_gpu_blocks, prompt_len", [(15, 35), (16, 38), (18, 47)])
+def test_a_prefill_that_nothing_fits_keeps_its_blocks_when_nobody_queued_ranks_before_it(
+        mode: str, num_gpu_blocks: int, prompt_len: int) -> None:
+    # sjf: a long decode (d) runs, a short reply with a long prompt (r) ranks first. Decodes go
+    # first, so r's chunk finds its blocks full and none free, and r is its own only victim with
+    # nobody queued before it. It preempted itself for nothing: the blocks fed d, ranked after
+    # it, and r was admitted again into the same shortage (six times, 168 tokens fed for 35).
+    scheduler = Scheduler(config_with_preemption(mode, num_gpu_blocks, max_num_seqs=4, max_num_batched_tokens=8,
+                                                 policy="sjf", aging_tokens_per_s=0.0))
+    runner = PagedTokenRunner(num_gpu_blocks, 4, scheduler.config.num_cpu_blocks)
+    d = req("d", 0.0, predicted=30, prompt_len=20, max_tokens=30)
+    r = req("r", 1.0, predicted=2, prompt_len=prompt_len, max_tokens=2)
+    fed = 0
+    for step in range(200):
+        add_arrivals(scheduler, {0: [d], 1: [r]}, step)
+        output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
+        fed += sum(len(c.token_ids) for c in output.chunks if c.request_id == "r")
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert_every_token([d, r])
+    assert r.num_preemptions == 0 and fed == prompt_len + 1  # its prompt once, and its second token's feed
+    assert r.finish_time < d.finish_time  # ranked first, it finishes first
+    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
+
+
 @pytest.mark.parametrize("num_gpu_blocks, batch_prompt, batch_out, first_prompt, later_prompt, later_steps", [
     (200, 10, 500, 300, 200, range(2, 6)),  # room enough: each newcomer took i1's budget
     (16, 60, 100, 200, 60, [4]),  # blocks short: a newcomer's room made i1 preempt itself

@@ -30,9 +30,9 @@ class SchedulerConfig:
     # default here, so the simulator and the measured benchmarks keep their figures.
     enable_prefix_caching: bool = False
     policy: str = "fcfs"
-    # A new (or recompute-resumed) request is admitted only if this share of the device blocks stays
-    # free after its first chunk, so running requests can grow a while before anyone is preempted:
-    # without it, a full cache admits a prefill that the next decode step preempts again.
+    # A new (or recompute-resumed) request is admitted only if this share of the device blocks
+    # stays free after its whole prefill, so running requests can grow a while before anyone is
+    # preempted: without it, a full cache admits a prefill that the next decode step preempts again.
     kv_watermark: float = 0.05
 
     # sjf / srpt anti-starvation: a waiting request's length score falls by `rate` tokens per second

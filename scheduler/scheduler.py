@@ -258,7 +258,7 @@ class Scheduler(Preemption):
                 break
             prefix = self.block_manager.cached_prefix(request)
             num_new = self._num_new_tokens(request, plan.budget, prefix)
-            if num_new == 0 or not self._above_watermark(request, num_new, prefix):
+            if num_new == 0 or not self._whole_prefill_above_watermark(request, prefix):
                 break
             if self.block_manager.allocate_slots(request, num_new, prefix) is None:
                 break
@@ -266,8 +266,16 @@ class Scheduler(Preemption):
             admitted += 1
         del self.waiting[:admitted]
 
-    def _above_watermark(self, request: Request, num_new: int, prefix: CachedPrefix) -> bool:
-        return self._leaves_reserve(self.block_manager.num_new_blocks_needed(request, num_new, prefix))
+    def _whole_prefill_above_watermark(self, request: Request, prefix: CachedPrefix) -> bool:
+        """Whether the request's whole prefill still to feed, not only its first chunk, leaves the
+        watermark's reserve (as vLLM v0 judged a whole prompt). Judged by its first chunk, a
+        request was admitted at the reserve's edge, its later chunks took the reserve, and the
+        next decode block preempted it; readmitted at once, it went round again: a 48-token
+        prompt was fed 217 tokens over four preemptions. In the simulator at load 1.0 the whole
+        prefill cut preemptions by 40-60% (fcfs 36 to 15) and moved mean latencies by under 1%
+        (srpt 4% lower); judging only preempted requests so cut fcfs's by none."""
+        remaining = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+        return self._leaves_reserve(self.block_manager.num_new_blocks_needed(request, remaining, prefix))
 
     def _leaves_reserve(self, needed_blocks: int) -> bool:
         """Whether taking `needed_blocks` leaves the watermark's reserve free for the running

@@ -96,8 +96,9 @@ def test_block_manager_invariants_under_random_operations(ops: list[tuple[str, i
 
 scheduler_events = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "abort", "finish"]),
                                       st.integers(1, 30), st.integers(1, 12)), max_size=60)
-# Three requests too big to share the 10 blocks, stepped together: preemption (and swap) for sure.
-CROWDED = [("add", 20, 12), ("add", 18, 12), ("add", 19, 10)] + [("step", 1, 1)] * 12
+# Three short prompts whose replies outgrow the 10 blocks together, stepped together: preemption
+# (and swap) for sure. (Long prompts no longer crowd them: a prompt waits until all of it fits.)
+CROWDED = [("add", 8, 28), ("add", 9, 26), ("add", 10, 24)] + [("step", 1, 1)] * 12
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

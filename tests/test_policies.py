@@ -661,9 +661,11 @@ def test_urgent_arrivals_reserve_the_next_chunk_of_a_prefill_ranked_ahead_once_n
 def test_a_prefill_that_nothing_fits_keeps_its_blocks_when_nobody_queued_ranks_before_it(
         mode: str, num_gpu_blocks: int, prompt_len: int) -> None:
     # sjf: a long decode (d) runs, a short reply with a long prompt (r) ranks first. Decodes go
-    # first, so r's chunk finds its blocks full and none free, and r is its own only victim with
-    # nobody queued before it. It preempted itself for nothing: the blocks fed d, ranked after
-    # it, and r was admitted again into the same shortage (six times, 168 tokens fed for 35).
+    # first, so r's chunk finds its blocks short, and r is its own only victim with nobody queued
+    # before it. Giving way, it threw its prefill away for nothing (4 times, 104 tokens fed for a
+    # 30-token prompt, until a chunk took what the free blocks held); with none free it still
+    # did: the blocks fed d, ranked after it, and r was admitted again into the same shortage
+    # (six times, 168 tokens fed for 35).
     scheduler = Scheduler(config_with_preemption(mode, num_gpu_blocks, max_num_seqs=4, max_num_batched_tokens=8,
                                                  policy="sjf", aging_tokens_per_s=0.0))
     runner = PagedTokenRunner(num_gpu_blocks, 4, scheduler.config.num_cpu_blocks)
@@ -682,6 +684,32 @@ def test_a_prefill_that_nothing_fits_keeps_its_blocks_when_nobody_queued_ranks_b
     assert_every_token([d, r])
     assert r.num_preemptions == 0 and fed == prompt_len + 1  # its prompt once, and its second token's feed
     assert r.finish_time < d.finish_time  # ranked first, it finishes first
+    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
+
+
+@pytest.mark.parametrize("num_gpu_blocks, prompt_len", [(13, 40), (15, 48), (18, 56)])
+def test_a_recompute_victim_comes_back_only_when_its_whole_prefill_leaves_the_reserve(
+        num_gpu_blocks: int, prompt_len: int) -> None:
+    # fcfs: d decodes, p's long prompt is admitted on its first chunk, its later chunks take the
+    # reserve, and d's next block preempts it. Readmitted on its first chunk again, it was
+    # preempted again at each of d's block boundaries: 48 tokens fed 217 times over four
+    # preemptions. Now it waits until its whole prefill leaves the reserve.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=4, max_num_seqs=4,
+                                          max_num_batched_tokens=16, max_model_len=128))
+    runner = PagedTokenRunner(num_gpu_blocks, 4)
+    d = req("d", 0.0, prompt_len=8, max_tokens=20)
+    p = req("p", 1.0, prompt_len=prompt_len, max_tokens=2)
+    fed = 0
+    for step in range(300):
+        add_arrivals(scheduler, {0: [d], 1: [p]}, step)
+        output = scheduler.schedule(float(step))
+        fed += sum(len(c.token_ids) for c in output.chunks if c.request_id == "p")
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert_every_token([d, p])
+    assert p.num_preemptions <= 1 and fed <= 2 * prompt_len + 2  # 3-4 preemptions before
     assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
 
 

@@ -101,8 +101,10 @@ def test_preemption_keeps_every_token(mode: str, block_size: int) -> None:
 def test_a_failed_model_step_strands_no_request_and_leaks_no_block(mode: str) -> None:
     # Every fifth step's model call "raises": half the time before anything is written, half
     # after the KV (and swap copies) were written but before the sampled tokens come back.
-    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                             max_model_len=80, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    # No watermark, and a cache that preempts (a prompt is admitted only once all of it fits).
+    config = SchedulerConfig(num_gpu_blocks=22, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, kv_watermark=0.0, preemption_mode=mode,
+                             num_cpu_blocks=64 if mode == "swap" else 0)
     scheduler = Scheduler(config)
     add_workload(scheduler)
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
@@ -173,8 +175,8 @@ class FailingAfterSwapOut(Scheduler):
 
 
 def test_a_failed_schedule_after_a_swap_out_loses_no_token_and_leaks_no_block() -> None:
-    config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                             max_model_len=80, preemption_mode="swap", num_cpu_blocks=64)
+    config = SchedulerConfig(num_gpu_blocks=22, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                             max_model_len=80, kv_watermark=0.0, preemption_mode="swap", num_cpu_blocks=64)
     scheduler = FailingAfterSwapOut(config)
     add_workload(scheduler)
     reported_finished: list[str] = []
@@ -254,36 +256,6 @@ def test_decodes_fill_the_budget_before_prefill_chunks() -> None:
     chunk = second.chunks[3]
     assert chunk.start_position == 0 and not chunk.sample
     assert scheduler.get_request("r9").num_computed_tokens == 7
-
-
-def test_a_prefill_chunk_takes_what_fits_before_it_would_preempt_itself() -> None:
-    # sjf, blocks short: the long decode C, ranked last, is granted first (decodes go first), so the
-    # shortest request A, part-way through its prefill, was its own only victim and threw its
-    # prefill away again and again (4 times here, feeding 104 tokens for a 30-token prompt).
-    config = SchedulerConfig(num_gpu_blocks=13, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                             max_model_len=64, policy="sjf", aging_tokens_per_s=0.0)
-    scheduler = Scheduler(config)
-    runner = PagedTokenRunner(13, 4)
-    long_decode = make_request("r1", 20, 30, predicted_len=30)
-    short = make_request("r2", 30, 2, arrival=1.0, predicted_len=2)
-    scheduler.add_request(long_decode, 0.0)
-    fed = {"r1": 0, "r2": 0}
-    for step in range(100):
-        if step == 1:
-            scheduler.add_request(short, 1.0)
-        if not scheduler.has_unfinished_requests():
-            break
-        output = scheduler.schedule(float(step))
-        for chunk in output.chunks:
-            fed[chunk.request_id] += len(chunk.token_ids)
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-    assert short.num_preemptions == 0 and fed["r2"] == 30 + 1  # its prompt once, then one decode
-    assert short.finish_time < long_decode.finish_time
-    for request in (short, long_decode):
-        assert request.output_token_ids == reference_output(request.prompt_token_ids,
-                                                            request.sampling_params.max_tokens)
-    assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
 
 
 @pytest.mark.parametrize("chunked", [True, False])

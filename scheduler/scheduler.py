@@ -170,9 +170,7 @@ class Scheduler(Preemption):
         self.waiting.sort(key=lambda r: self.policy.sort_key(r, now))
         self._make_room_for_urgent(plan, now)
         self._schedule_running(plan, now)
-        if not plan.preempted_ids:
-            self._schedule_swapped(plan, now)
-        self._schedule_waiting(plan, now)
+        self._schedule_queued(plan, now)
         for request_id in plan.preempted_ids:  # queued again from now: more queueing delay
             self._requests[request_id].requeued_at = now
 
@@ -224,6 +222,20 @@ class Scheduler(Preemption):
         if fit > 0 and self.block_manager.allocate_slots(request, fit) is not None:
             return fit
         return 0
+
+    def _schedule_queued(self, plan: StepPlan, now: float) -> None:
+        """Swapped-out and waiting requests, in the policy's order across the two queues: a
+        swapped-out one stops at the first waiting request ranked before it, so it is tried again
+        once those are in. It lost the whole step to them, though seats, budget and blocks were
+        left: a better-ranked arrival every step held it out for as long as they came. (A step
+        that preempted swaps nothing in.)"""
+        while True:
+            before = (len(self.running), plan.budget)
+            if not plan.preempted_ids:
+                self._schedule_swapped(plan, now)
+            self._schedule_waiting(plan, now)
+            if (len(self.running), plan.budget) == before or not self.swapped:
+                return
 
     def _schedule_swapped(self, plan: StepPlan, now: float) -> None:
         self.swapped.sort(key=lambda r: self.policy.sort_key(r, now))

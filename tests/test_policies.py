@@ -713,6 +713,36 @@ def test_a_recompute_victim_comes_back_only_when_its_whole_prefill_leaves_the_re
     assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
 
 
+def test_a_swapped_request_comes_back_beside_a_better_ranked_arrival_when_room_is_left() -> None:
+    # Swap, four seats: batch s is swapped out for interactive i. From step 3 a one-token
+    # standard request arrives every step: it ranks before s and is admitted, and s, which fits
+    # beside it, lost the whole step to it (out for all ten steps with a seat, 58 of 64 tokens
+    # and 55 blocks left each time). Now it comes back at once, after the arrival.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=128, preemption_mode="swap", num_cpu_blocks=64))
+    runner = PagedTokenRunner(64, 4, 64)
+    s = req("s", 0.0, tier=Tier.BATCH, prompt_len=8, max_tokens=30)
+    running = [req("x1", 0.1, tier=Tier.INTERACTIVE, max_tokens=3), req("x2", 0.2, tier=Tier.INTERACTIVE, max_tokens=40),
+               req("x3", 0.3, tier=Tier.INTERACTIVE, max_tokens=3)]
+    i = req("i", 1.0, tier=Tier.INTERACTIVE, max_tokens=40)
+    arrivals = [req(f"w{k}", float(k), max_tokens=1) for k in range(3, 13)]
+    schedule = {0: [s, *running], 1: [i], **{w_step: [w] for w_step, w in zip(range(3, 13), arrivals)}}
+    back_at = None
+    for step in range(300):
+        add_arrivals(scheduler, schedule, step)
+        output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
+        if back_at is None and s.num_preemptions and "s" in {c.request_id for c in output.chunks}:
+            back_at = step
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert s.num_preemptions == 1 and back_at == 3  # in the first step that left it room
+    assert_every_token([s, *running, i, *arrivals])
+    assert scheduler.block_manager.num_free_blocks == 64 and scheduler.block_manager.host.num_free == 64
+
+
 @pytest.mark.parametrize("num_gpu_blocks, batch_prompt, batch_out, first_prompt, later_prompt, later_steps", [
     (200, 10, 500, 300, 200, range(2, 6)),  # room enough: each newcomer took i1's budget
     (16, 60, 100, 200, 60, [4]),  # blocks short: a newcomer's room made i1 preempt itself

@@ -81,6 +81,7 @@ class Preemption:
                 return
             for victim in victims:
                 self._preempt(victim, plan)
+            num_new = self._widened_by_victims(request, num_new, len(victims), available, prefix)
             if not self._admit_now(request, num_new, plan, prefix):
                 return
             if plan.urgent_key is None:  # the first admitted ranks best: the waiting queue is sorted
@@ -93,6 +94,20 @@ class Preemption:
             # and victims preempted for blocks nobody took).
             free_blocks = self.block_manager.num_free_blocks
             budget += len(victims) - num_new
+
+    def _widened_by_victims(self, request: Request, num_new: int, num_victims: int, available: int,
+                            prefix: CachedPrefix) -> int:
+        """The urgent chunk with the decode tokens its victims gave back, as far as the blocks it
+        was counted for hold them (more blocks could be a survivor's). Sized before the victims
+        were chosen, a lone urgent chunk was a token short per victim: a 32-token prompt took
+        three steps where two fed it."""
+        if not num_victims or not self.config.enable_chunked_prefill:
+            return num_new  # a whole prefill already counted its victims' tokens
+        needed = self.block_manager.num_new_blocks_needed
+        widened = self._num_new_tokens(request, available + num_victims, prefix)
+        while widened > num_new and needed(request, widened, prefix) > needed(request, num_new, prefix):
+            widened -= 1
+        return max(num_new, widened)
 
     def _next_chunks_ranked_ahead(self, key: tuple, plan: StepPlan, now: float) -> tuple[int, int]:
         """Tokens and blocks that running requests ranked ahead of `key` (a waiting request's, not

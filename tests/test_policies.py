@@ -743,6 +743,29 @@ def test_a_swapped_request_comes_back_beside_a_better_ranked_arrival_when_room_i
     assert scheduler.block_manager.num_free_blocks == 64 and scheduler.block_manager.host.num_free == 64
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_urgent_chunk_takes_the_decode_token_its_victim_gives_back(mode: str) -> None:
+    # One seat: interactive i preempts batch b for it. Sized before b was chosen, i's chunk left
+    # b's decode token unused (15 of 16), and its 32-token prompt took three steps.
+    scheduler = Scheduler(config_with_preemption(mode, 64, max_num_seqs=1, max_num_batched_tokens=16))
+    runner = PagedTokenRunner(64, 4, scheduler.config.num_cpu_blocks)
+    b = req("b", 0.0, tier=Tier.BATCH, prompt_len=4, max_tokens=20)
+    i = req("i", 1.0, tier=Tier.INTERACTIVE, prompt_len=32, max_tokens=2)
+    for step in range(100):
+        add_arrivals(scheduler, {0: [b], 1: [i]}, step)
+        output = scheduler.schedule(float(step))
+        assert_within_step_limits(scheduler, output)
+        if step == 1:
+            assert list(output.preempted_ids) == ["b"]
+            assert [(c.request_id, len(c.token_ids)) for c in output.chunks] == [("i", 16)]
+        scheduler.update_from_output(output, runner.execute(output), float(step))
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert i.first_token_time == 2.0  # two steps of 16 for its prompt
+    assert_every_token([b, i])
+
+
 @pytest.mark.parametrize("num_gpu_blocks, batch_prompt, batch_out, first_prompt, later_prompt, later_steps", [
     (200, 10, 500, 300, 200, range(2, 6)),  # room enough: each newcomer took i1's budget
     (16, 60, 100, 200, 60, [4]),  # blocks short: a newcomer's room made i1 preempt itself

@@ -378,19 +378,31 @@ def add_arrivals(scheduler: Scheduler, arrivals: dict[int, list[Request]], step:
         scheduler.add_request(request)
 
 
-def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, list[Request]], steps: int = 300) -> None:
+def run_with_arrivals(scheduler: Scheduler, arrivals: dict[int, list[Request]], steps: int = 300,
+                      on_step=None) -> None:
+    """Step to the end with the paged reference runner; `on_step(step, output)` sees each step."""
     config = scheduler.config
     runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks)
     for step in range(steps):
         add_arrivals(scheduler, arrivals, step)
         output = scheduler.schedule(float(step))
         assert_within_step_limits(scheduler, output)
+        if on_step is not None:
+            on_step(step, output)
         scheduler.update_from_output(output, runner.execute(output), float(step))
         scheduler.block_manager.check_integrity()
         if step > max(arrivals) and not scheduler.has_unfinished_requests():
             break
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == config.num_gpu_blocks
+
+
+def tokens_fed_to(scheduler: Scheduler, arrivals: dict[int, list[Request]], request_id: str) -> int:
+    """Run to the end (run_with_arrivals); the tokens fed to one request over the run."""
+    fed = []
+    run_with_arrivals(scheduler, arrivals, on_step=lambda step, output: fed.extend(
+        len(c.token_ids) for c in output.chunks if c.request_id == request_id))
+    return sum(fed)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -637,23 +649,17 @@ def test_urgent_arrivals_reserve_the_next_chunk_of_a_prefill_ranked_ahead_once_n
     scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=38, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                                           max_model_len=256, kv_watermark=0.0, preemption_mode=mode,
                                           num_cpu_blocks=64 if mode == "swap" else 0))
-    runner = PagedTokenRunner(38, 4, scheduler.config.num_cpu_blocks)
     batch = [req(f"b{i}", 0.0, tier=Tier.BATCH, prompt_len=16, max_tokens=20) for i in range(4)]
     first = req("i0", 1.0, tier=Tier.INTERACTIVE, prompt_len=100, max_tokens=4)
     urgent = [req(f"w{i}", 2.0, tier=Tier.INTERACTIVE, prompt_len=8, max_tokens=20) for i in range(2)]
-    for step in range(300):
-        add_arrivals(scheduler, {0: batch, 1: [first], 2: urgent}, step)
-        output = scheduler.schedule(float(step))
-        assert_within_step_limits(scheduler, output)
+
+    def at_step_2(step, output):
         if step == 2:
             assert len(output.preempted_ids) == 3 and scheduler.block_manager.num_free_blocks < 5
             assert {"w0", "w1", "i0"} <= {c.request_id for c in output.chunks}
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            break
+
+    run_with_arrivals(scheduler, {0: batch, 1: [first], 2: urgent}, on_step=at_step_2)
     assert_every_token(batch + [first] + urgent)
-    assert scheduler.block_manager.num_free_blocks == 38
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -668,23 +674,12 @@ def test_a_prefill_that_nothing_fits_keeps_its_blocks_when_nobody_queued_ranks_b
     # (six times, 168 tokens fed for 35).
     scheduler = Scheduler(config_with_preemption(mode, num_gpu_blocks, max_num_seqs=4, max_num_batched_tokens=8,
                                                  policy="sjf", aging_tokens_per_s=0.0))
-    runner = PagedTokenRunner(num_gpu_blocks, 4, scheduler.config.num_cpu_blocks)
     d = req("d", 0.0, predicted=30, prompt_len=20, max_tokens=30)
     r = req("r", 1.0, predicted=2, prompt_len=prompt_len, max_tokens=2)
-    fed = 0
-    for step in range(200):
-        add_arrivals(scheduler, {0: [d], 1: [r]}, step)
-        output = scheduler.schedule(float(step))
-        assert_within_step_limits(scheduler, output)
-        fed += sum(len(c.token_ids) for c in output.chunks if c.request_id == "r")
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            break
+    fed = tokens_fed_to(scheduler, {0: [d], 1: [r]}, "r")
     assert_every_token([d, r])
     assert r.num_preemptions == 0 and fed == prompt_len + 1  # its prompt once, and its second token's feed
     assert r.finish_time < d.finish_time  # ranked first, it finishes first
-    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
 
 
 @pytest.mark.parametrize("num_gpu_blocks, prompt_len", [(13, 40), (15, 48), (18, 56)])
@@ -692,25 +687,15 @@ def test_a_recompute_victim_comes_back_only_when_its_whole_prefill_leaves_the_re
         num_gpu_blocks: int, prompt_len: int) -> None:
     # fcfs: d decodes, p's long prompt is admitted on its first chunk, its later chunks take the
     # reserve, and d's next block preempts it. Readmitted on its first chunk again, it was
-    # preempted again at each of d's block boundaries: 48 tokens fed 217 times over four
-    # preemptions. Now it waits until its whole prefill leaves the reserve.
+    # preempted again at each of d's block boundaries (a 48-token prompt was fed 217 tokens over
+    # four preemptions). Now it waits until its whole prefill leaves the reserve.
     scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=4, max_num_seqs=4,
                                           max_num_batched_tokens=16, max_model_len=128))
-    runner = PagedTokenRunner(num_gpu_blocks, 4)
     d = req("d", 0.0, prompt_len=8, max_tokens=20)
     p = req("p", 1.0, prompt_len=prompt_len, max_tokens=2)
-    fed = 0
-    for step in range(300):
-        add_arrivals(scheduler, {0: [d], 1: [p]}, step)
-        output = scheduler.schedule(float(step))
-        fed += sum(len(c.token_ids) for c in output.chunks if c.request_id == "p")
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            break
+    fed = tokens_fed_to(scheduler, {0: [d], 1: [p]}, "p")
     assert_every_token([d, p])
     assert p.num_preemptions <= 1 and fed <= 2 * prompt_len + 2  # 3-4 preemptions before
-    assert scheduler.block_manager.num_free_blocks == num_gpu_blocks
 
 
 def test_a_swapped_request_comes_back_beside_a_better_ranked_arrival_when_room_is_left() -> None:
@@ -720,27 +705,22 @@ def test_a_swapped_request_comes_back_beside_a_better_ranked_arrival_when_room_i
     # and 55 blocks left each time). Now it comes back at once, after the arrival.
     scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                           max_model_len=128, preemption_mode="swap", num_cpu_blocks=64))
-    runner = PagedTokenRunner(64, 4, 64)
     s = req("s", 0.0, tier=Tier.BATCH, prompt_len=8, max_tokens=30)
     running = [req("x1", 0.1, tier=Tier.INTERACTIVE, max_tokens=3), req("x2", 0.2, tier=Tier.INTERACTIVE, max_tokens=40),
                req("x3", 0.3, tier=Tier.INTERACTIVE, max_tokens=3)]
     i = req("i", 1.0, tier=Tier.INTERACTIVE, max_tokens=40)
     arrivals = [req(f"w{k}", float(k), max_tokens=1) for k in range(3, 13)]
     schedule = {0: [s, *running], 1: [i], **{w_step: [w] for w_step, w in zip(range(3, 13), arrivals)}}
-    back_at = None
-    for step in range(300):
-        add_arrivals(scheduler, schedule, step)
-        output = scheduler.schedule(float(step))
-        assert_within_step_limits(scheduler, output)
-        if back_at is None and s.num_preemptions and "s" in {c.request_id for c in output.chunks}:
-            back_at = step
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            break
-    assert s.num_preemptions == 1 and back_at == 3  # in the first step that left it room
+    back_at = []
+
+    def note_its_return(step, output):
+        if s.num_preemptions and "s" in {c.request_id for c in output.chunks}:
+            back_at.append(step)
+
+    run_with_arrivals(scheduler, schedule, on_step=note_its_return)
+    assert s.num_preemptions == 1 and back_at[0] == 3  # in the first step that left it room
     assert_every_token([s, *running, i, *arrivals])
-    assert scheduler.block_manager.num_free_blocks == 64 and scheduler.block_manager.host.num_free == 64
+    assert scheduler.block_manager.host.num_free == 64
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -748,20 +728,15 @@ def test_an_urgent_chunk_takes_the_decode_token_its_victim_gives_back(mode: str)
     # One seat: interactive i preempts batch b for it. Sized before b was chosen, i's chunk left
     # b's decode token unused (15 of 16), and its 32-token prompt took three steps.
     scheduler = Scheduler(config_with_preemption(mode, 64, max_num_seqs=1, max_num_batched_tokens=16))
-    runner = PagedTokenRunner(64, 4, scheduler.config.num_cpu_blocks)
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=4, max_tokens=20)
     i = req("i", 1.0, tier=Tier.INTERACTIVE, prompt_len=32, max_tokens=2)
-    for step in range(100):
-        add_arrivals(scheduler, {0: [b], 1: [i]}, step)
-        output = scheduler.schedule(float(step))
-        assert_within_step_limits(scheduler, output)
+
+    def at_step_1(step, output):
         if step == 1:
             assert list(output.preempted_ids) == ["b"]
             assert [(c.request_id, len(c.token_ids)) for c in output.chunks] == [("i", 16)]
-        scheduler.update_from_output(output, runner.execute(output), float(step))
-        scheduler.block_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            break
+
+    run_with_arrivals(scheduler, {0: [b], 1: [i]}, on_step=at_step_1)
     assert i.first_token_time == 2.0  # two steps of 16 for its prompt
     assert_every_token([b, i])
 

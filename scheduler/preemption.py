@@ -6,8 +6,10 @@ request's place. A mixin of `Scheduler` (scheduler.py), which owns the queues it
   fewest running victims that let it in this step (`_victims_for`), and is admitted at once
   (`_admit_now`).
 - `_allocate_or_preempt` (step part 2): when blocks run out for a running request, the policy's
-  victim among those not yet scheduled this step gives way (possibly the request itself: for a queued
-  request (waiting or swapped out) ranked before it, or when not even a smaller prefill chunk fits).
+  victim among those not yet scheduled this step gives way, possibly the request itself: a
+  decode always, a prefill chunk only for a queued request (waiting or swapped out) ranked
+  before it; otherwise the chunk takes what the free blocks hold, none at all if they hold no
+  token, and keeps its blocks for the next step.
 - `_preempt`: the configured eviction (eviction.py) takes the victim's blocks: swapped to host
   memory, or freed for recompute (the tokens are kept either way).
 - `_resume_limit`: nothing ranked after a request preempted and not yet back is admitted first.

@@ -81,12 +81,13 @@ def test_a_broken_stream_fails_its_request_not_the_run():
     from fastapi.responses import StreamingResponse
     import httpx
 
-    # A line ends at "\n" only: U+2028, U+2029 and U+0085 may stand raw inside JSON, as vLLM
-    # sends them, and a chunk split across reads is one line.
+    # A line ends at "\r\n", "\n" or "\r" only (a "\r\n" split across reads too): U+2028,
+    # U+2029 and U+0085 may stand raw inside JSON, as vLLM sends them, and a chunk split across
+    # reads is one line.
     separators = '{"choices": [{"text": "a\u2028b\u2029c\x85d"}]}'
     streams = {"malformed": ["data: {not json\n\n"], "no text": ["data: [DONE]\n\n"],
-               "separators": ["data: " + separators[:20], separators[20:] + "\r\n\r\n",
-                              'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]'],
+               "separators": ["data: " + separators[:20], separators[20:] + "\r", "\n\r",
+                              'data: {"choices": [], "usage": {"completion_tokens": 1}}\r\rdata: [DONE]'],
                "no usage": ['data: {"choices": [{"text": "hi"}]}\n\n', "data: [DONE]\n\n"],
                "error field": ['data: {"error": "boom"}\n\n', "data: [DONE]\n\n"],
                # Not a failure: a reply that is only its end-of-sequence token (empty text), as
@@ -337,12 +338,15 @@ def test_a_baseline_the_comparison_could_not_read_is_refused_before_the_load(tmp
 def test_replies_of_another_length_and_the_default_tier_mix_spelled_out(tmp_path):
     from training.bench_serve_compare import compare
 
-    fcfs = _run(0, [0, 1, 2], mean_e2e=30.0, tokens_per_s=80.0, tier_mix=None)
+    fcfs = _run(0, [0, 1, 2], mean_e2e=30.0, tokens_per_s=80.0, tier_mix=None, ignore_eos=True)
     for request in fcfs["requests"]:
         request["output_tokens"] = 10
     short = [{**request, "output_tokens": 7 if request["index"] < 2 else 10} for request in fcfs["requests"]]
     reasons = compare(fcfs, fcfs["config"], short, fcfs, tmp_path / "f.json")["not_comparable_reasons"]
     assert reasons == ["output tokens differ on 2 requests answered in both"]
+    # Stopping on their own, replies may end elsewhere in each run: that alone is no reason.
+    natural = {**fcfs, "config": {**fcfs["config"], "ignore_eos": False}}
+    assert compare(natural, natural["config"], short, natural, tmp_path / "f.json")["comparable"]
     # Unset is standard:1, the same workload; a mix in another order draws other tiers.
     spelled = {**fcfs["config"], "tier_mix": "standard:1.0"}
     assert compare(fcfs, spelled, fcfs["requests"], fcfs, tmp_path / "f.json")["comparable"]

@@ -154,16 +154,24 @@ async def send_one(client: httpx.AsyncClient, url: str, payload: dict, result: r
 
 
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The stream's lines, ended by "\n" (or "\r\n") only, as server-sent events end them.
+    """The stream's lines, ended by "\r\n", "\n" or "\r" only, as server-sent events end them.
     httpx's aiter_lines also splits at U+2028, U+2029 and U+0085, which a server may leave raw
     inside its JSON (vLLM, SGLang and OpenAI do): a token holding one failed its request."""
     pending = ""
     async for text in response.aiter_text():
-        *lines, pending = (pending + text).split("\n")
+        pending += text
+        held = "\r" if pending.endswith("\r") else ""  # maybe the first half of a "\r\n"
+        *lines, rest = _one_line_end(pending[:len(pending) - len(held)]).split("\n")
+        pending = rest + held
         for line in lines:
-            yield line.removesuffix("\r")
-    if pending:
-        yield pending.removesuffix("\r")
+            yield line
+    for line in _one_line_end(pending).split("\n"):
+        if line:
+            yield line
+
+
+def _one_line_end(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _completed(result: report.RequestResult) -> bool:

@@ -244,11 +244,12 @@ def test_a_baseline_written_by_a_run_reads_back_comparable_with_an_unbounded_rat
 
     results = [RequestResult(i, "standard", 5, 4, 0.0, success=True, status=200, output_tokens=4, ttft_s=0.1,
                              e2e_s=1.0) for i in range(3)]
-    config = {"model": "m", "num_prompts": 3, "request_rate": float("inf"), "seed": 0, "tier_mix": None,
-              "goodput": ["e2el:30000"], "label": "fcfs"}
+    config = {"model": "m", "num_prompts": 3, "request_rate": float("inf"), "burstiness": float("inf"), "seed": 0,
+              "tier_mix": None, "goodput": ["e2el:30000"], "label": "fcfs"}
     summary = {"completed": 3, "failed": 0, "rejected_429": 0, "mean_e2e_s": 1.0}
     write_json(tmp_path / "fcfs.json", summary, config, results)
     baseline = load_baseline(tmp_path / "fcfs.json")
+    assert (baseline["config"]["request_rate"], baseline["config"]["burstiness"]) == ("inf", "inf")
     requests = [{"index": r.index, "success": r.success} for r in results]
     result = compare({**summary, "mean_e2e_s": 0.5}, dict(config), requests, baseline, tmp_path / "fcfs.json")
     assert result["comparable"], result["not_comparable_reasons"]
@@ -353,3 +354,14 @@ def test_replies_of_another_length_and_the_default_tier_mix_spelled_out(tmp_path
     mixed = {**fcfs, "config": {**fcfs["config"], "tier_mix": "interactive:1,batch:1"}}
     swapped = {**fcfs["config"], "tier_mix": "batch:1,interactive:1"}
     assert not compare(fcfs, swapped, fcfs["requests"], mixed, tmp_path / "f.json")["comparable"]
+
+
+def test_an_unbounded_burstiness_spaces_arrivals_evenly_as_vllm_reads_it():
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    assert parser.parse_args(["--base-url", "http://x", "--burstiness", "inf"]).burstiness == float("inf")
+    for bad in ("nan", "0", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--base-url", "http://x", "--burstiness", bad])
+    offsets = bench_serve.arrival_offsets(5, 2.0, float("inf"), seed=0)
+    assert offsets == [0.0, 0.5, 1.0, 1.5, 2.0] and bench_serve.offered_rate(offsets) == 2.0

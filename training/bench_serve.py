@@ -8,7 +8,8 @@ uncapped reply length, so a cap shortens the same requests rather than choosing 
 and without --max-output-tokens (or with different caps) serve the same prompts.
 
 Arrivals are open-loop: inter-arrival gaps drawn from a gamma distribution with shape
---burstiness (1 = Poisson) and mean 1 / --request-rate; `inf` sends everything at once. Each
+--burstiness (1 = Poisson; inf = evenly spaced, as vLLM reads it) and mean 1 / --request-rate;
+a rate of `inf` sends everything at once. Each
 request streams (SSE with usage) and is timed by the client; see bench_serve_report.py for the
 statistics. Results: a JSON file and a plot under --result-dir, and an MLflow run.
 """
@@ -50,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
     parser.add_argument("--num-prompts", type=positive_int, default=200)
     parser.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="requests/s; inf = all at once")
-    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    parser.add_argument("--burstiness", type=positive_rate, default=1.0,
+                        help="gamma shape; 1 = Poisson arrivals, inf = evenly spaced ones")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
     parser.add_argument("--tier-mix", type=checked_by(parse_tier_mix, "tier mix"), default=None,
@@ -105,9 +107,12 @@ def sample_workload(args: argparse.Namespace) -> list[WorkItem]:
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send times (s) of n requests: cumulative gamma gaps with mean 1/rate; zeros when rate is inf."""
+    """Send times (s) of n requests: cumulative gamma gaps with mean 1/rate; zeros when rate is
+    inf; gaps of exactly 1/rate when burstiness is (a gamma whose shape grows without bound)."""
     if np.isinf(rate):
         return [0.0] * n
+    if np.isinf(burstiness):
+        return [index / rate for index in range(n)]
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     gaps[0] = 0.0
     return list(np.cumsum(gaps))

@@ -106,13 +106,14 @@ def _output_tokens_differ(baseline: list[dict], this: list[dict], both: set[int]
 def as_compared(key: str, value: Any) -> Any:
     """A workload flag as two runs compare it: the SLOs as parsed, whatever their order or spelling
     (ttft:2000 e2el:30000 is e2el:30000 ttft:2000.0), and an unbounded rate however its JSON wrote
-    it (vLLM's "inf", or the Infinity of runs before session 32), and a tier mix as parsed."""
+    it (vLLM's "inf", or the Infinity of runs before session 32), an unbounded burstiness too, and a
+    tier mix as parsed."""
     if key == "goodput":
         try:
             return parse_goodput(value)
         except ValueError:
             return value
-    if key == "request_rate" and value in ("inf", math.inf):
+    if key in ("request_rate", "burstiness") and value in ("inf", math.inf):
         return math.inf
     if key == "tier_mix":  # unset is standard:1; the order stays (it decides each request's tier)
         try:

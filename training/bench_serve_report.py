@@ -151,9 +151,8 @@ def print_summary(summary: dict[str, Any], label: str) -> None:
 
 def write_json(path: Path, summary: dict[str, Any], config: dict[str, Any],
                results: list[RequestResult]) -> None:
-    # An unbounded rate as vLLM writes it, "inf": strict JSON has no Infinity.
-    if config.get("request_rate") == math.inf:
-        config = {**config, "request_rate": "inf"}
+    # An unbounded rate (or burstiness) as vLLM writes it, "inf": strict JSON has no Infinity.
+    config = {**config, **{key: "inf" for key in ("request_rate", "burstiness") if config.get(key) == math.inf}}
     payload = {**summary, "config": config, "requests": [asdict(r) for r in results]}
     path.write_text(strict_json.dumps(payload, indent=2) + "\n")
 

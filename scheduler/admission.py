@@ -319,16 +319,17 @@ class AdmissionController:
         their work together, behind what is queued outside the group. Whether a request is too
         large to refuse (see the module docstring) is read from one member, so that asking for
         more choices never makes admission easier."""
-        waiting, running = list(waiting), list(running)
+        waiting = list(waiting)
+        # Running requests of its tier or a more urgent one: a lower tier's seat it would take by
+        # preemption, and its decodes are not ahead of it.
+        running = [r for r in running if r.tier <= request.tier]
         if request.group is not None:  # its siblings are not ahead of it
             waiting = [r for r in waiting if not request.shares_group_with(r)]
             running = [r for r in running if not request.shares_group_with(r)]
         one_work = request.num_prompt_tokens + predicted_output_tokens(request)
         # The work ahead drains at the served rate while every seat is taken by its tier or a more
-        # urgent one (a lower tier's seat it would take by preemption); its own prompt, once its
-        # turn comes, is fed at the capacity's.
-        seats_held = sum(1 for r in running if r.tier <= request.tier)
-        drain = self._drain_rate(saturated=seats_held >= self.config.max_num_seqs)
+        # urgent one; its own prompt, once its turn comes, is fed at the capacity's.
+        drain = self._drain_rate(saturated=len(running) >= self.config.max_num_seqs)
         queued = self._queued_through_tier(request, waiting, queued_work)
         self._check_queue_bound(request, one_work, queued.work, drain)
         throughput = self.capacity_tokens_per_s
@@ -338,7 +339,6 @@ class AdmissionController:
         queued_ahead = waiting if ranks_before is None else [r for r in waiting if ranks_before(r)]
         # Interactive requests wait for the interactive ones ahead; standard ones for those too.
         queued_ahead = [r for r in queued_ahead if r.tier <= request.tier]
-        running = [r for r in running if r.tier <= request.tier]
         # Every such queued request ahead (a request arriving last in FCFS order): the sums above.
         sums = queued if queued.count == len(queued_ahead) else QueuedSums.of(queued_ahead)
         # The last member's first token waits for every member's prefill.

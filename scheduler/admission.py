@@ -116,7 +116,7 @@ def tokens_to_prefill(request: Request) -> int:
     and after a recompute preemption its generated tokens too (all but the last, whose feed is the
     next decode step, counted in the predicted output)."""
     pending_decode = 1 if request.num_output_tokens else 0
-    return max(0, request.num_tokens - request.num_computed_tokens - pending_decode)
+    return max(0, request.num_tokens_to_feed - pending_decode)
 
 
 def token_work(requests: Iterable[Request]) -> float:

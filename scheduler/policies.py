@@ -287,8 +287,7 @@ class GoodputPolicy(SJFPolicy):
 
     def _steps_to_first_token(self, request: Request) -> float:
         # The prefill still to feed goes through in chunks of at most a step's token budget.
-        to_feed = request.num_tokens - request.num_computed_tokens
-        return float(max(1, -(-to_feed // self.config.max_num_batched_tokens)))
+        return float(max(1, -(-request.num_tokens_to_feed // self.config.max_num_batched_tokens)))
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {

@@ -326,6 +326,12 @@ class Request:
         return self.num_prompt_tokens + self.num_output_tokens
 
     @property
+    def num_tokens_to_feed(self) -> int:
+        """Known tokens whose KV is not computed yet: the prompt's rest while it prefills, then the
+        last sampled token each decode (and every token again after a recompute preemption)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def predicted_total(self) -> float:
         """The first point estimate of output length within [max(1, min_tokens), max_tokens];
         max_tokens when nothing was predicted."""

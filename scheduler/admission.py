@@ -8,8 +8,11 @@ estimates a new request's delay by Little's law in tokens: the work that will be
 alongside it divided by the throughput.
 
 - interactive: predicted TTFT = (prompt tokens still to feed of the interactive requests ahead,
-  running or queued before it in the policy's order, + its own prompt) / throughput; rejected
-  above `slo_ttft_interactive_s`. A fluid estimate: it leaves out the rest of the step in flight
+  running or queued before it in the policy's order, + its own prompt) / throughput, plus the
+  wait for a seat when interactive requests hold them all (until as many of the running ones end,
+  by their predicted steps left, as the queue ahead and it need; a queue ahead longer than that
+  counts its whole token work, as standard requests do); rejected above
+  `slo_ttft_interactive_s`. A fluid estimate: it leaves out the rest of the step in flight
   and the other tiers' decodes that share each step, work that tier order cannot move and a
   refusal would not shorten, so where steps are slow it reads low (on the CPU a step of 32 seats
   takes about 0.2-0.7 s, and most interactive requests miss 500 ms).
@@ -18,11 +21,12 @@ alongside it divided by the throughput.
   fast the server is; rejected above `slo_e2e_standard_s`. Ahead are the running interactive and
   standard requests and the queued ones the policy orders before it (under sjf, a short request
   queues behind shorter ones only; under goodput, whose order moves, all of them). When it can
-  run beside all of them (a seat each, and their KV blocks at their predicted ends fit the cache
-  less the watermark's reserve), only their prompts still to feed delay it: their
-  decodes share its steps, which the mean step time already prices. Otherwise its seat waits for
-  theirs to free, and their whole token work counts, as if served before its own decode starts
-  (conservative).
+  run beside all of them (a seat each, now or once as many running requests end as it lacks, and
+  their KV blocks at their predicted ends fit the cache less the watermark's reserve), only
+  their prompts still to feed and that wait for a seat delay it: their decodes share its steps,
+  which the mean step time already prices. Otherwise (more queued ahead than one turn of the
+  seats, or no room for their blocks) their whole token work counts, as if served before its
+  own decode starts (conservative), and never less than the wait for its seat.
 
 The throughput is the served rate (an EWMA of tokens per step over seconds per step), or the best
 step's rate when that is higher and a seat is free (or held by a lower tier, whose seat the
@@ -40,8 +44,11 @@ really slowed down is believed within minutes.
 
 Admission sheds load, so for its SLO only work ahead of a request can get it rejected, and only
 when that work is what makes it miss: a request is admitted when nothing is ahead of it, or when
-its own work alone misses its SLO, since refusing it would help no other request and no retry
-could ever succeed while the server has traffic. The queue bound counts the queued work of the
+its own work alone misses its SLO while the work ahead alone would not, since refusing it would
+help no other request and no retry could ever succeed while the server has traffic. Once the work
+ahead alone exceeds the SLO, which would make any request miss, every request of the tier is
+refused until it drains back to the SLO (Retry-After): without that, the requests too large to
+meet it were admitted whatever was queued, and the SLO tiers' queues had no bound. The queue bound counts the queued work of the
 request's tier or a more urgent one in any order, since it bounds what is queued, with the
 request's own (a full batch queue never refuses an interactive request).
 Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer turns them into a 429
@@ -270,6 +277,7 @@ class AdmissionController:
         0.9, 0.81 at 1.0 and 1.34 at 1.3."""
         self._prune(now)
         if not self._steps or not self._arrivals:
+            self._overloaded = False  # idle: the next crossing of 1 is logged again
             return None
         # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
         # even before a window has passed: dividing by the time since the first arrival alone would
@@ -344,14 +352,12 @@ class AdmissionController:
         # The last member's first token waits for every member's prefill.
         one_s, group_s = request.num_prompt_tokens / throughput, request.group_prompt_tokens / throughput
         if request.tier == Tier.INTERACTIVE:
-            # Running ones too: a long prompt given its first chunk still has its other chunks
-            # served before anything waiting.
-            ahead = sums.prefill + sum(tokens_to_prefill(r) for r in running)
-            self._check_slo(ahead / drain, one_s, group_s, self.config.slo_ttft_interactive_s, "TTFT", request)
+            ahead_s = self._interactive_delay_s(request, queued_ahead, sums, running, drain)
+            self._check_slo(ahead_s, one_s, group_s, self.config.slo_ttft_interactive_s, "TTFT", request)
         elif request.tier == Tier.STANDARD:
-            ahead = self._standard_work_ahead(request, queued_ahead, sums, running)
+            ahead_s = self._standard_delay_s(request, queued_ahead, sums, running, drain)
             decode_s = predicted_output_tokens(request) * (self.mean_step_time_s or 0.0)  # members side by side
-            self._check_slo(ahead / drain, one_s + decode_s, group_s + decode_s,
+            self._check_slo(ahead_s, one_s + decode_s, group_s + decode_s,
                             self.config.slo_e2e_standard_s, "end-to-end latency", request)
 
     @staticmethod
@@ -363,20 +369,55 @@ class AdmissionController:
             return queued_work.up_to(request.tier, waiting)
         return QueuedSums.of(r for r in waiting if r.tier <= request.tier)
 
-    def _standard_work_ahead(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
-                             running: list[Request]) -> float:
-        """Tokens served before a standard request's own (module docstring): the prompts still to
-        feed of those ahead (`queued_ahead`, whose sums are `queued`, and `running`) when it runs
-        beside them all, else their whole token work. Batch requests are not ahead: a standard
-        one preempts them for a seat or blocks."""
-        n = request.group_size
-        if len(queued_ahead) + len(running) + n <= self.config.max_num_seqs:  # a seat each
-            ahead = queued_ahead + running  # a few: their blocks are summed only when seats allow
-            blocks = sum(self._blocks_to_finish(r) for r in ahead) + n * self._blocks_to_finish(request)
+    def _seats_short(self, request: Request, queued_ahead: list[Request], running: list[Request]) -> int:
+        """How many of `running` must end before the request's group has a seat each, after the
+        queued requests ahead took theirs (0 or less: seats are free now)."""
+        return len(queued_ahead) + len(running) + request.group_size - self.config.max_num_seqs
+
+    def _seat_wait_s(self, short: int, running: list[Request]) -> float:
+        """Seconds until `short` of the running requests have ended, by their predicted steps
+        left (0 when none must); when more must end than run, until the last does, a lower bound.
+        Without it a request found every seat taken by decodes of its tier or a more urgent one
+        and priced no wait at all (an interactive one), or the whole work of every running
+        request when one ended in a few steps (a standard one)."""
+        if short <= 0 or not running:
+            return 0.0
+        budget = self.config.max_num_batched_tokens
+        steps_left = sorted(-(-tokens_to_prefill(r) // budget) + predicted_output_tokens(r) for r in running)
+        return steps_left[min(short, len(running)) - 1] * (self.mean_step_time_s or 0.0)
+
+    def _whole_work_s(self, queued: QueuedSums, running: list[Request], drain: float, seat_s: float) -> float:
+        """Little's law in tokens when the request cannot run beside those ahead: their whole token
+        work drains first, and never sooner than the seat it waits for frees."""
+        return max(seat_s, (queued.work + token_work(running)) / drain)
+
+    def _interactive_delay_s(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
+                             running: list[Request], drain: float) -> float:
+        """Seconds before an interactive request's own prefill: the prompts still to feed of the
+        interactive requests ahead (running ones too: a long prompt given its first chunk still
+        has its other chunks served before anything waiting), after a seat frees for it; when the
+        queue ahead outlasts one turn of the running requests' seats, their whole work."""
+        short = self._seats_short(request, queued_ahead, running)
+        seat_s = self._seat_wait_s(short, running)
+        if short > len(running):
+            return self._whole_work_s(queued, running, drain, seat_s)
+        return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain + seat_s
+
+    def _standard_delay_s(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
+                          running: list[Request], drain: float) -> float:
+        """Seconds of work served before a standard request's own (module docstring): the prompts
+        still to feed of those ahead (`queued_ahead`, whose sums are `queued`, and `running`) and
+        the wait for a seat, when it then runs beside them all, else their whole token work.
+        Batch requests are not ahead: a standard one preempts them for a seat or blocks."""
+        short = self._seats_short(request, queued_ahead, running)
+        seat_s = self._seat_wait_s(short, running)
+        if short <= len(running):  # a few: their blocks are summed only when seats allow
+            ahead = queued_ahead + running
+            blocks = sum(self._blocks_to_finish(r) for r in ahead) + request.group_size * self._blocks_to_finish(request)
             # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
             if blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark):
-                return queued.prefill + sum(tokens_to_prefill(r) for r in running)
-        return queued.work + token_work(running)
+                return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain + seat_s
+        return self._whole_work_s(queued, running, drain, seat_s)
 
     def _blocks_to_finish(self, request: Request) -> int:
         """KV blocks the request holds at its predicted end."""
@@ -409,12 +450,19 @@ class AdmissionController:
         """`alone_s`: one choice's own time, which decides whether the work ahead is why it misses;
         `own_s`: the group's, in the estimate."""
         estimate = ahead_s + own_s
-        if ahead_s > 0 and alone_s <= slo < estimate:  # the work ahead, not its own, makes it miss
-            # A group that misses on its own work waits in vain for the work ahead to drain.
-            hint = (f" (its {request.group_size} sequences alone take {own_s:.2f}s: send fewer per request)"
-                    if own_s > slo else "")
-            self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
-                         f"SLO of {slo:.2f}s{hint}", min(estimate - slo, ahead_s))
+        if ahead_s <= 0 or estimate <= slo:
+            return
+        if alone_s <= slo:  # the work ahead, not its own, makes it miss: retry once enough drains
+            retry_s = min(estimate - slo, ahead_s)
+        elif ahead_s > slo:  # it misses anyway, but the queue alone would make anyone miss
+            retry_s = ahead_s - slo
+        else:  # its own work makes it miss, by more than the work ahead: refusing helps no one
+            return
+        # A group that misses on its own work waits in vain for the work ahead to drain.
+        hint = (f" (its {request.group_size} sequences alone take {own_s:.2f}s: send fewer per request)"
+                if own_s > slo and alone_s <= slo else "")
+        self._reject(f"predicted {what} {estimate:.2f}s exceeds the {request.tier.name.lower()} "
+                     f"SLO of {slo:.2f}s{hint}", retry_s)
 
     def _reject(self, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1

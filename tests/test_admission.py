@@ -53,6 +53,12 @@ def test_own_decode_takes_a_step_per_token_however_fast_the_server() -> None:
     # misses, so refusing it would help no one, and no retry could succeed while there is traffic.
     ctl.check(req("long", 100, 200), ahead, [])
     assert ctl.num_rejected == 1
+    # Unless the work ahead alone (15 s) misses the SLO, which would make any request miss: it
+    # may retry once enough has drained to leave 10 s ahead. (Admitted, it left the queue of a
+    # tier with an SLO unbounded.)
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 35.10s") as info:
+        ctl.check(req("long", 100, 200), [req("w", 14000, 1000)], [])
+    assert info.value.retry_after_s == pytest.approx(5.0)
 
 
 def test_with_nothing_ahead_a_request_is_admitted_whatever_its_own_size() -> None:
@@ -466,6 +472,14 @@ def test_the_overload_is_logged_once_per_crossing(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
         assert ctl.stability_margin(0.0) > 1 and ctl.stability_margin(0.0) > 1
     assert caplog.text.count("stability margin") == 1
+    # An idle hour ends the overload (no margin to read), so the next one is logged too.
+    with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
+        assert ctl.stability_margin(3600.0) is None
+        ctl.record_step(3600.0, 500, 0.25)
+        for k in range(100):
+            ctl.record_arrival(3600.0, req(f"y{k}", 300, 200))
+        assert ctl.stability_margin(3600.0) > 1
+    assert caplog.text.count("stability margin") == 2
 
 
 def test_without_a_set_bound_batch_work_is_still_bounded_and_shed_first() -> None:
@@ -654,12 +668,25 @@ def test_a_request_that_runs_beside_the_running_decodes_is_not_queued_behind_the
     assert ctl.num_rejected == 1
 
 
-def test_with_no_seat_or_no_room_for_it_the_whole_work_ahead_counts() -> None:
+def test_with_no_seat_it_waits_for_the_first_running_request_to_end() -> None:
     running = [decoding(f"r{i}", 100, 600) for i in range(14)]
     no_seat = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0, max_num_seqs=14,
                          max_num_batched_tokens=512)
-    with pytest.raises(AdmissionRejected, match="10.50s"):  # it waits for a seat to free
+    # A seat frees after 600 decode steps of 0.1 s: 60 s, then 0.1 s of prompt and 2 s of decode.
+    with pytest.raises(AdmissionRejected, match="62.10s"):
         no_seat.check(req("short", 100, 20), [], running)
+    # One of them 10 steps from its end: seated after 1 s, 3.2 s in all, where the whole work of
+    # the fourteen (7,810 tokens: 7.8 s at 1000 tokens/s, 10.01 s with its own) refused it.
+    running[0] = decoding("r0", 100, 10)
+    no_seat.check(req("short", 100, 21), [], running)
+    assert no_seat.num_rejected == 1
+    # One queued ahead takes the first seat that frees: it waits for the second (600 steps).
+    with pytest.raises(AdmissionRejected, match="62.10s"):
+        no_seat.check(req("short", 100, 20), [req("q0", 1, 1)], running)
+
+
+def test_with_no_room_for_it_the_whole_work_ahead_counts() -> None:
+    running = [decoding(f"r{i}", 100, 600) for i in range(14)]
     # Choices need a seat each: 4 fit the 18 seats left, 5 do not.
     seats = controller(num_gpu_blocks=2048, slo_e2e_standard_s=10.0, max_num_seqs=18, max_num_batched_tokens=512)
 
@@ -680,6 +707,42 @@ def test_with_no_seat_or_no_room_for_it_the_whole_work_ahead_counts() -> None:
         else:
             with pytest.raises(AdmissionRejected, match="10.50s"):
                 ctl.check(req("short", 100, 20), [], running)
+
+
+def test_an_interactive_request_waits_for_a_seat_held_by_interactive_decodes() -> None:
+    # Every seat held by interactive decodes (no lower tier to preempt), nothing left to feed:
+    # its first token waits for a seat, 380 steps of 0.1 s. It was priced at no wait and admitted.
+    ctl = controller(slo_ttft_interactive_s=0.5, max_num_seqs=4)
+    running = [decoding(f"i{k}", 50, 380) for k in range(4)]
+    for each in running:
+        each.tier = Tier.INTERACTIVE
+    with pytest.raises(AdmissionRejected, match="TTFT 38.05s"):
+        ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)
+    running[2] = decoding("i2", 50, 3)
+    running[2].tier = Tier.INTERACTIVE
+    ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)  # 0.3 s + 0.05 s
+    # Standard decodes hold seats it takes by preemption: no wait.
+    ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], [decoding(f"s{k}", 50, 380) for k in range(4)])
+    assert ctl.num_rejected == 1
+
+
+def test_an_interactive_queue_longer_than_a_turn_of_the_seats_counts_its_whole_work() -> None:
+    running = [decoding(f"i{k}", 50, 2) for k in range(2)]
+    for each in running:
+        each.tier = Tier.INTERACTIVE
+    queued = [req(f"q{k}", 50, 100, Tier.INTERACTIVE) for k in range(2)]
+    # Two queued ahead take both seats the running two free in 0.2 s, so it waits past a turn of
+    # the seats: Little's law in tokens, the 300 queued and 4 running at 1000 tokens/s, then its
+    # own 50-token prompt.
+    with pytest.raises(AdmissionRejected, match="TTFT 0.35s"):
+        controller(slo_ttft_interactive_s=0.3, max_num_seqs=2).check(
+            req("new", 50, 20, Tier.INTERACTIVE), queued, running)
+    # Never sooner than the last running request ends: 40 steps of 0.1 s.
+    running[1] = decoding("i1", 50, 40)
+    running[1].tier = Tier.INTERACTIVE
+    with pytest.raises(AdmissionRejected, match="TTFT 4.05s"):
+        controller(slo_ttft_interactive_s=0.5, max_num_seqs=2).check(
+            req("new", 50, 20, Tier.INTERACTIVE), queued, running)
 
 
 def test_a_queued_interactive_request_the_policy_serves_later_does_not_delay_a_first_token() -> None:

@@ -184,7 +184,8 @@ class LLMEngine:
 
     def _check_sampler_token_ids(self, params: SamplingParams) -> None:
         """The token ids logit_bias, allowed_token_ids and bad words name must index the logits, and an
-        allowed set must hold a token that min_tokens lets the model generate."""
+        allowed set must hold a token that min_tokens and the one-token bad words let the model
+        generate: with none, every logit is -inf, and the sampler drew a token the set excludes."""
         vocab = self.arch.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -196,6 +197,13 @@ class LLMEngine:
             stops = set(params.stop_token_ids) | {self.eos_token_id, *self.extra_eos_token_ids}
             if stops.issuperset(params.allowed_token_ids):
                 raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens rules out")
+        if params.allowed_token_ids:
+            banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | {self.eos_token_id, *self.extra_eos_token_ids}
+            if banned.issuperset(params.allowed_token_ids):
+                raise ValueError("allowed_token_ids: every allowed token is a one-token bad word"
+                                 + (" or a stop token, which min_tokens rules out" if params.min_tokens else ""))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     tier: Tier = Tier.STANDARD, priority: int = 0, arrival_time: float | None = None,

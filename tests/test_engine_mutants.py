@@ -230,7 +230,7 @@ def test_a_sampler_token_id_one_past_the_vocabulary_is_refused(llm, field, value
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_min_tokens_with_allowed_ids_is_refused_only_when_every_allowed_id_stops(llm):
+def test_allowed_ids_are_refused_only_when_min_tokens_or_bad_words_rule_every_one_out(llm):
     eos = llm.engine.eos_token_id
     with pytest.raises(ValueError, match="only stop tokens"):
         llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), stop_token_ids=[9],
@@ -238,6 +238,18 @@ def test_min_tokens_with_allowed_ids_is_refused_only_when_every_allowed_id_stops
     # Under ignore_eos too: min_tokens rules the end token out then as well.
     with pytest.raises(ValueError, match="only stop tokens"):
         llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(eos,), min_tokens=2, ignore_eos=True))
+    # Ruled out as a one-token bad word, or some as bad words and the rest as stops under
+    # min_tokens: every logit was -inf, and greedy took token 0, which the set excludes.
+    with pytest.raises(ValueError, match="every allowed token is a one-token bad word"):
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(100,), bad_words_token_ids=[[100]],
+                                               temperature=0.0))
+    with pytest.raises(ValueError, match="or a stop token, which min_tokens rules out"):
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(eos, 100), min_tokens=2,
+                                               bad_words_token_ids=[[100]]))
+    # A longer bad word rules its last token out only after the rest: it may still be drawn.
+    (output,) = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=(100,),
+                                                       bad_words_token_ids=[[7, 100]], ignore_eos=True))
+    assert output.token_ids == (100, 100, 100)
     # Some allowed id is no stop: min_tokens can be met.
     for params in (SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), min_tokens=2),
                    SamplingParams(max_tokens=3, allowed_token_ids=(eos, 9), min_tokens=2, ignore_eos=True)):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from scheduler.admission import AdmissionController, AdmissionRejected
+from scheduler.admission import AdmissionController, AdmissionRejected, QueuedSums
 from scheduler.config import SchedulerConfig
 from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
@@ -737,10 +737,11 @@ def test_an_interactive_queue_longer_than_a_turn_of_the_seats_counts_its_whole_w
     with pytest.raises(AdmissionRejected, match="TTFT 0.35s"):
         controller(slo_ttft_interactive_s=0.3, max_num_seqs=2).check(
             req("new", 50, 20, Tier.INTERACTIVE), queued, running)
-    # Never sooner than the last running request ends: 40 steps of 0.1 s.
+    # Their decodes never take less than until the last running request ends, 40 steps of 0.1 s:
+    # 0.1 s of queued prompts, 4 s, and its own prompt.
     running[1] = decoding("i1", 50, 40)
     running[1].tier = Tier.INTERACTIVE
-    with pytest.raises(AdmissionRejected, match="TTFT 4.05s"):
+    with pytest.raises(AdmissionRejected, match="TTFT 4.15s"):
         controller(slo_ttft_interactive_s=0.5, max_num_seqs=2).check(
             req("new", 50, 20, Tier.INTERACTIVE), queued, running)
 
@@ -839,3 +840,49 @@ def test_the_queued_work_kept_between_arrivals_equals_the_queue_summed_afresh() 
         output = scheduler.schedule(now=float(step))
         scheduler.update_from_output(output, runner.execute(output), now=float(step))
     assert refused > 0 and checked > 300  # the bound was reached, and kept sums were read
+
+
+def test_everything_queued_counted_ahead_bounds_the_delay_so_an_admission_needs_no_ranking() -> None:
+    # check() admits without reading the policy's order when the bound admits; that is sound only
+    # if no subset of the queue reads a longer delay, and no longer delay admits what a shorter
+    # refuses. Random queues, running sets, seat counts and cache sizes, both tiers.
+    import random
+
+    rng = random.Random(7)
+    for trial in range(3000):
+        tier = rng.choice([Tier.INTERACTIVE, Tier.STANDARD])
+        ctl = controller(num_gpu_blocks=rng.choice([16, 64, 400]), max_num_seqs=rng.randint(1, 6),
+                         slo_ttft_interactive_s=0.5, slo_e2e_standard_s=10.0)
+        running = [decoding(f"r{k}", rng.randint(1, 200), rng.randint(1, 300)) for k in range(rng.randint(0, 6))]
+        for each in running:
+            each.tier = tier
+            if rng.random() < 0.3:
+                each.num_computed_tokens = rng.randint(0, each.num_prompt_tokens)  # still prefilling
+        queued = [req(f"q{k}", rng.randint(1, 400), rng.randint(1, 300), tier) for k in range(rng.randint(0, 8))]
+        subset = [r for r in queued if rng.random() < 0.5]
+        request = req("new", rng.randint(1, 300), rng.randint(1, 150), tier)
+        drain = rng.choice([100.0, 1000.0])
+        whole = ctl._delay_s(request, queued, QueuedSums.of(queued), running, drain)
+        part = ctl._delay_s(request, subset, QueuedSums.of(subset), running, drain)
+        assert part <= whole + 1e-9, trial
+        slo = ctl._slo_terms(request, 1000.0)
+        if ctl._refusal(whole, slo) is None:
+            assert ctl._refusal(part, slo) is None, trial
+
+
+def test_a_request_the_bound_admits_is_admitted_without_ranking_the_queue() -> None:
+    ctl = controller(slo_e2e_standard_s=10.0)
+    queued = [req(f"w{i}", 100, 100) for i in range(5)]  # 1 s of work in all
+    calls = []
+
+    def ranks_before(other: Request) -> bool:
+        calls.append(other.request_id)
+        return other.request_id == "w0"
+
+    ctl.check(req("new", 100, 20), queued, [], ranks_before)
+    assert calls == []  # even all of it ahead meets the SLO
+    long_queue = [req(f"w{i}", 900, 100) for i in range(10)]  # 10 s of work, 1 s of it ranked ahead
+    ctl.check(req("new", 100, 20), long_queue, [], ranks_before)
+    assert len(calls) == 10 and ctl.num_rejected == 0
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 12.10s"):
+        ctl.check(req("new", 100, 20), long_queue, [], None)  # every one ahead

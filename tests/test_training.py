@@ -143,7 +143,9 @@ def test_a_reply_cut_at_the_cap_counts_for_calibration_only_where_its_outcome_is
     p90 = [20.0, 50.0, 256.0, 300.0, 200.0, 255.999999]  # covers, misses, misses, unknown, misses, misses
     predictions = [Prediction(point=q, p50=q, p90=q, score=q, rank_len=q) for q in p90]
     result = metrics.prediction_metrics(true, predictions, censored)
-    assert result.p90_coverage == pytest.approx(1 / 5) and result.num_censored == 4 and result.num_examples == 6
+    # Known covered: 1 of 6; not known uncovered: 2 of 6 (the 300 may cover its reply).
+    assert result.p90_coverage == pytest.approx(1 / 6) and result.p90_coverage_max == pytest.approx(2 / 6)
+    assert result.num_censored == 4 and result.num_examples == 6
     assert result.mae_log == pytest.approx(np.mean(np.abs(np.log1p([20.0, 50.0]) - np.log1p([10.0, 100.0]))))
     assert metrics.prediction_metrics(true, predictions).p90_coverage == pytest.approx(3 / 6)  # uncensored reading
     assert result.kendall_tau == metrics.prediction_metrics(true, predictions).kendall_tau  # ranking unchanged
@@ -876,7 +878,8 @@ def test_trace_candidates_are_each_distinct_fitting_prompt_once_in_a_seeded_orde
 
 def test_coverage_with_no_reply_of_known_coverage_is_nan() -> None:
     # The only reply was cut at the cap and the quantile reaches past it: unknown, not covered.
-    assert np.isnan(metrics.coverage(np.array([256.0]), np.array([300.0]), np.array([True])))
+    assert metrics.coverage(np.array([256.0]), np.array([300.0]), np.array([True])) == (0.0, 1.0)
+    assert all(np.isnan(metrics.coverage(np.array([]), np.array([]), np.array([], dtype=bool))))
 
 
 def test_mae_log_reads_a_negative_point_as_zero() -> None:
@@ -934,7 +937,22 @@ def test_a_quantile_at_the_cap_plus_one_leaves_a_cut_reply_unknown():
     # A reply cut at 256 has a true length of at least 257: a p90 of 257 may cover it, 256.5 cannot.
     true = np.array([10.0, 256.0, 256.0])
     censored = np.array([False, True, True])
-    assert metrics.coverage(true, np.array([20.0, 257.0, 256.5]), censored) == pytest.approx(1 / 2)
+    assert metrics.coverage(true, np.array([20.0, 257.0, 256.5]), censored) == pytest.approx((1 / 3, 2 / 3))
+
+
+def test_coverage_of_cut_replies_is_bounded_over_every_row_not_read_over_the_known_ones():
+    # Half the replies cut at 256. Leaving the unknown rows out, a p90 just past the cap read
+    # 1.000 whatever it covered: every cut reply unknown, every uncut one below it.
+    rng = np.random.default_rng(0)
+    lengths = np.exp(rng.normal(5.5, 1.0, 4000))
+    cut = lengths > 256
+    recorded = np.where(cut, 256.0, np.floor(lengths))
+    low, high = metrics.coverage(recorded, np.full(len(lengths), 257.0), cut)
+    true_share = np.mean(lengths <= 257.0)
+    assert low <= true_share <= high and low < 0.6 and high == 1.0
+    exact = np.quantile(lengths, 0.9)  # a calibrated p90, far past the cap: only bounds are known
+    low, high = metrics.coverage(recorded, np.full(len(lengths), exact), cut)
+    assert low <= 0.9 <= high
 
 
 def test_a_trace_tables_settings_come_back_as_they_were_logged(tmp_path):
@@ -1116,8 +1134,8 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     assert report.pairwise_accuracy == metrics.pairwise_accuracy(lengths, rank_len)
     # A cut reply is a known miss of a p90 at the cap (its true length is past it) and of a p50 of 64.
     assert report.num_censored == cut.sum()
-    assert report.p90_coverage == pytest.approx(np.mean(~cut))
-    assert report.p50_coverage == pytest.approx(np.mean(~cut & (lengths <= 64)))
+    assert report.p90_coverage == report.p90_coverage_max == pytest.approx(np.mean(~cut))
+    assert report.p50_coverage == report.p50_coverage_max == pytest.approx(np.mean(~cut & (lengths <= 64)))
     assert report.mae_log == pytest.approx(np.mean(np.abs(np.log1p(rank_len / 8) - np.log1p(lengths))[~cut]))
     assert report.kendall_tau_ci95 == metrics.tau_interval(lengths, rank_len)
     assert report.kendall_tau_dedup_ci95 == metrics.tau_interval(lengths[keep], rank_len[keep])

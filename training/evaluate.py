@@ -41,8 +41,12 @@ class EvaluationReport:
     spearman: float
     pairwise_accuracy: float
     mae_log: float
-    p50_coverage: float  # over the rows whose coverage is known (training/metrics.py coverage)
+    # Bounds with replies cut at a cap (training/metrics.py coverage): the share known covered,
+    # and `_max`, the share not known uncovered; equal on ShareGPT's labels.
+    p50_coverage: float
     p90_coverage: float
+    p50_coverage_max: float
+    p90_coverage_max: float
     num_censored: int  # trace replies cut at the cap
     latency_ms_p50_batch1: float | None  # None with --no-latency (JSON null; NaN is not JSON)
     latency_ms_p50_batch32: float | None
@@ -144,7 +148,8 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
         kendall_tau_dedup_last_message=dedup_strict.kendall_tau,
         kendall_tau_score=whole.kendall_tau_score, spearman=whole.spearman,
         pairwise_accuracy=whole.pairwise_accuracy, mae_log=whole.mae_log, p50_coverage=whole.p50_coverage,
-        p90_coverage=whole.p90_coverage, num_censored=whole.num_censored,
+        p90_coverage=whole.p90_coverage, p50_coverage_max=whole.p50_coverage_max,
+        p90_coverage_max=whole.p90_coverage_max, num_censored=whole.num_censored,
         latency_ms_p50_batch1=latency[1], latency_ms_p50_batch32=latency[32],
         num_examples=whole.num_examples, num_examples_dedup=dedup.num_examples,
         num_examples_dedup_last_message=dedup_strict.num_examples, kind=model.kind,

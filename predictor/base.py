@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from predictor.saved import PredictorSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Prediction:
 
 class Predictor(Protocol):
     kind: str
+    spec: PredictorSpec  # what it was trained on, as its folder records it
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
         """`prompts` are the chat-templated prompt texts exactly as the served model sees them."""

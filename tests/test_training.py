@@ -15,6 +15,7 @@ import torch
 
 import predictor
 from predictor.base import Prediction
+from predictor.saved import PredictorSpec
 from training import fitters, metrics, tracking
 from training.finetune_train import FinetuneConfig, listmle_loss, pinball_loss, warmup_then_linear_decay
 
@@ -108,7 +109,7 @@ def test_the_dedup_tau_reads_only_prompts_not_in_train():
     split = LabelledSplit([f"p{i}" for i in range(8)], lengths, in_train, np.ones(8, dtype=np.int64),
                           np.zeros(8, dtype=bool))
     trained = SimpleNamespace(valid_predictions=_predictions(guess), test_predictions=_predictions(guess))
-    metrics = evaluate_trained(SimpleNamespace(valid=split, test=split), trained)
+    metrics = evaluate_trained(SimpleNamespace(valid=split, test=split, labels="sharegpt"), trained)
     assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0)
     assert metrics["test_kendall_tau"] < 0.9
 
@@ -1107,6 +1108,7 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
 
     class Stand:
         kind = "stand-in"
+        spec = PredictorSpec(kind="length", feature_spec={}, data_hash="")  # ShareGPT's labels
 
         def predict(self, prompts):
             return [Prediction(point=len(p) / 8, p50=64.0, p90=cap, score=float(len(p) % 97), rank_len=float(len(p)))
@@ -1140,3 +1142,15 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     assert report.kendall_tau_ci95 == metrics.tau_interval(lengths, rank_len)
     assert report.kendall_tau_dedup_ci95 == metrics.tau_interval(lengths[keep], rank_len[keep])
     assert report.latency_ms_p50_batch1 is None and report.kind == "stand-in" and report.labels == "trace"
+    # Trained on the trace, its dedup drops the trace's own train prompts, of which the test split
+    # repeats none (it dropped the ShareGPT train prompts, which such a predictor never saw), and
+    # its stricter cut the last user messages of the trace's train prompts.
+    trace_trained = Stand()
+    trace_trained.spec = PredictorSpec(kind="length", feature_spec={}, data_hash="", labels="trace")
+    monkeypatch.setattr(predictor, "load", lambda path: trace_trained)
+    report = evaluate.evaluate(Path("stand-in"), "trace", limit=200, measure_latency=False)
+    own_strict = ~label_data.last_message_in_train(test.prompts, "trace")
+    assert 0 < (~own_strict).sum() and own_strict.sum() != strict.sum()
+    assert (report.num_examples_dedup, report.num_examples_dedup_last_message) == (200, own_strict.sum())
+    assert report.kendall_tau_dedup == pytest.approx(report.kendall_tau)
+    assert report.kendall_tau_dedup_last_message == pytest.approx(tau(rank_len[own_strict], lengths[own_strict]))

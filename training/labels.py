@@ -69,13 +69,33 @@ def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut |
     )
 
 
-def last_message_in_train(prompts: list[str]) -> np.ndarray:
+def in_training_split(split: LabelledSplit, trained_on: LabelSource) -> np.ndarray:
+    """bool [N]: the prompt text occurs in the train split of the labels the predictor learned.
+    Both tables flag `in_train` against ShareGPT's train split, what a predictor of ShareGPT's
+    labels saw; one trained on the trace saw the trace's train split (a ShareGPT prior under it
+    held every trace prompt out), whose prompts the trace's test split never repeats."""
+    if trained_on != "trace":
+        return split.in_train
+    from training import trace
+
+    seen = set(trace.load_trace("train")["key"])
+    return np.asarray([trace.prompt_key(prompt) in seen for prompt in split.prompts], dtype=bool)
+
+
+def last_message_in_train(prompts: list[str], trained_on: LabelSource = "sharegpt") -> np.ndarray:
     """bool [N]: the prompt's last user message occurs verbatim as the last user message of a train
-    split prompt. Stricter than `in_train` (the whole templated prompt): "continue" after any
-    history matches, and a predictor that reads only the last message could have memorized it."""
+    split prompt (of the labels the predictor learned, as `in_training_split`). Stricter than the
+    whole templated prompt: "continue" after any history matches, and a predictor that reads only
+    the last message could have memorized it."""
     from predictor.features import parse_prompt
 
-    seen = {parse_prompt(prompt).request for prompt in dataset.load_turns("train")["prompt"]}
+    if trained_on == "trace":
+        from training import trace
+
+        train_prompts = trace.load_trace("train")["prompt"]
+    else:
+        train_prompts = dataset.load_turns("train")["prompt"]
+    seen = {parse_prompt(prompt).request for prompt in train_prompts}
     return np.asarray([parse_prompt(prompt).request in seen for prompt in prompts], dtype=bool)
 
 

@@ -93,13 +93,14 @@ def load_data(labels: str, model: str, max_train: int | None, max_eval: int | No
 
 
 def evaluate_trained(data, trained) -> dict[str, float]:
+    from training import labels as label_data
     from training.metrics import prediction_metrics
 
     metrics = {}
     for prefix, split, predictions in (("val_", data.valid, trained.valid_predictions),
                                        ("test_", data.test, trained.test_predictions)):
         metrics.update(prediction_metrics(split.lengths, predictions, split.censored).as_dict(prefix))
-    dedup = ~data.test.in_train
+    dedup = ~label_data.in_training_split(data.test, data.labels)
     dedup_predictions = [p for p, keep in zip(trained.test_predictions, dedup) if keep]
     metrics["test_kendall_tau_dedup"] = prediction_metrics(data.test.lengths[dedup], dedup_predictions).kendall_tau
     return metrics

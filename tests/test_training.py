@@ -108,8 +108,9 @@ def test_the_dedup_tau_reads_only_prompts_not_in_train():
     guess = np.where(in_train, 1000 - lengths, lengths)
     split = LabelledSplit([f"p{i}" for i in range(8)], lengths, in_train, np.ones(8, dtype=np.int64),
                           np.zeros(8, dtype=bool))
-    trained = SimpleNamespace(valid_predictions=_predictions(guess), test_predictions=_predictions(guess))
-    metrics = evaluate_trained(SimpleNamespace(valid=split, test=split, labels="sharegpt"), trained)
+    trained = SimpleNamespace(valid_predictions=_predictions(guess), test_predictions=_predictions(guess),
+                              predictor=SimpleNamespace(spec=PredictorSpec("length", {}, "")))
+    metrics = evaluate_trained(SimpleNamespace(valid=split, test=split), trained)
     assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0)
     assert metrics["test_kendall_tau"] < 0.9
 
@@ -1149,8 +1150,23 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     trace_trained.spec = PredictorSpec(kind="length", feature_spec={}, data_hash="", labels="trace")
     monkeypatch.setattr(predictor, "load", lambda path: trace_trained)
     report = evaluate.evaluate(Path("stand-in"), "trace", limit=200, measure_latency=False)
-    own_strict = ~label_data.last_message_in_train(test.prompts, "trace")
+    own_strict = ~label_data.seen_in_training(test, trace_trained.spec)[1]
     assert 0 < (~own_strict).sum() and own_strict.sum() != strict.sum()
     assert (report.num_examples_dedup, report.num_examples_dedup_last_message) == (200, own_strict.sum())
     assert report.kendall_tau_dedup == pytest.approx(report.kendall_tau)
     assert report.kendall_tau_dedup_last_message == pytest.approx(tau(rank_len[own_strict], lengths[own_strict]))
+    # Stacked on a ShareGPT prior that held the trace out, scored on ShareGPT's labels: the prior
+    # learned ShareGPT's train split less the trace's prompts, and dedup drops what it learned.
+    stacked = Stand()
+    stacked.spec = PredictorSpec(kind="length", feature_spec={"prior": {"labels": "sharegpt", "held_out": "trace:h"}},
+                                 data_hash="", labels="trace")
+    sharegpt_test = label_data.subsample(label_data.load_split("test", "sharegpt"), 400, seed=2)
+    seen, _ = label_data.seen_in_training(sharegpt_test, stacked.spec)
+    from training.trace import load_trace, prompt_key
+
+    trace_keys = set(load_trace()["key"])
+    in_trace = np.array([prompt_key(p) in trace_keys for p in sharegpt_test.prompts])
+    trace_train = set(load_trace("train")["key"])
+    in_trace_train = np.array([prompt_key(p) in trace_train for p in sharegpt_test.prompts])
+    assert (seen == ((sharegpt_test.in_train & ~in_trace) | in_trace_train)).all()
+    assert 0 < seen.sum() and (sharegpt_test.in_train & ~in_trace).sum() > 0

@@ -135,12 +135,12 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
                          "can leave it empty)")
     predictions = predict_in_batches(model, test.prompts, batch_size=32, progress=True)
     whole = prediction_metrics(test.lengths, predictions, test.censored)
-    # Dedup drops the prompts of the train split the predictor learned from, whichever labels it
-    # is scored on: against ShareGPT's, a trace-trained one lost 29 trace prompts it never saw.
-    trained_on = model.spec.labels
-    keep = ~label_data.in_training_split(test, trained_on)
+    # Dedup drops the prompts of the train splits the predictor learned from, whichever labels it
+    # is scored on: against ShareGPT's alone, a trace-trained one lost 29 trace prompts it never saw.
+    prompt_seen, message_seen = label_data.seen_in_training(test, model.spec)
+    keep = ~prompt_seen
     dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
-    strict = keep & ~label_data.last_message_in_train(test.prompts, trained_on)
+    strict = keep & ~message_seen
     dedup_strict = prediction_metrics(test.lengths[strict], [p for p, k in zip(predictions, strict) if k])
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}

@@ -69,32 +69,58 @@ def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut |
     )
 
 
-def in_training_split(split: LabelledSplit, trained_on: LabelSource) -> np.ndarray:
-    """bool [N]: the prompt text occurs in the train split of the labels the predictor learned.
-    Both tables flag `in_train` against ShareGPT's train split, what a predictor of ShareGPT's
-    labels saw; one trained on the trace saw the trace's train split (a ShareGPT prior under it
-    held every trace prompt out), whose prompts the trace's test split never repeats."""
-    if trained_on != "trace":
-        return split.in_train
+def seen_in_training(split: LabelledSplit, spec) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt seen, last message seen), bool [N]: whether the prompt text, and whether its last
+    user message (stricter: "continue" after any history matches, and a predictor reading only
+    the last message could have memorized it), occur in a train split whose labels the predictor
+    learned. `spec` is its PredictorSpec: its own labels' split, and a stacked prior's. ShareGPT's
+    train split counts without the trace's prompts when that model held them out (`held_out`);
+    the trace's train split holds none of its test prompts. (Against ShareGPT's alone, a
+    trace-trained predictor lost 29 trace test prompts it never saw.)"""
+    prompt_seen = np.zeros(len(split), dtype=bool)
+    message_seen = np.zeros(len(split), dtype=bool)
+    for labels, held_out in _learned_label_sets(spec):
+        train_prompts, seen = _train_prompts(labels, split, held_out)
+        prompt_seen |= seen
+        message_seen |= _last_message_in(split.prompts, train_prompts)
+    return prompt_seen, message_seen
+
+
+def _learned_label_sets(spec) -> list[tuple[str, str]]:
+    """(labels, held_out) of every model whose training went into the predictor."""
+    learned = [(spec.labels, spec.held_out)]
+    prior = spec.feature_spec.get("prior")
+    if prior is not None:
+        learned.append((prior["labels"], prior.get("held_out", "")))
+    return learned
+
+
+def _train_prompts(labels: str, split: LabelledSplit, held_out: str) -> tuple[list[str], np.ndarray]:
+    """(the train split's prompts, whether each of `split`'s prompts is among them)."""
     from training import trace
 
-    seen = set(trace.load_trace("train")["key"])
-    return np.asarray([trace.prompt_key(prompt) in seen for prompt in split.prompts], dtype=bool)
+    if labels == "trace":
+        table = trace.load_trace("train")
+        keys = set(table["key"])
+        return list(table["prompt"]), np.asarray([trace.prompt_key(p) in keys for p in split.prompts], dtype=bool)
+    prompts = list(dataset.load_turns("train")["prompt"])
+    seen = split.in_train.copy()  # both tables flag prompts against ShareGPT's train split
+    if held_out.startswith("trace:"):
+        held = set(trace.load_trace()["key"])
+        prompts = [p for p in prompts if trace.prompt_key(p) not in held]
+        seen &= np.asarray([trace.prompt_key(p) not in held for p in split.prompts], dtype=bool)
+    return prompts, seen
 
 
-def last_message_in_train(prompts: list[str], trained_on: LabelSource = "sharegpt") -> np.ndarray:
-    """bool [N]: the prompt's last user message occurs verbatim as the last user message of a train
-    split prompt (of the labels the predictor learned, as `in_training_split`). Stricter than the
-    whole templated prompt: "continue" after any history matches, and a predictor that reads only
-    the last message could have memorized it."""
+def last_message_in_train(prompts: list[str]) -> np.ndarray:
+    """bool [N]: the prompt's last user message occurs verbatim as the last user message of a
+    ShareGPT train split prompt."""
+    return _last_message_in(prompts, dataset.load_turns("train")["prompt"])
+
+
+def _last_message_in(prompts: Sequence[str], train_prompts: Sequence[str]) -> np.ndarray:
     from predictor.features import parse_prompt
 
-    if trained_on == "trace":
-        from training import trace
-
-        train_prompts = trace.load_trace("train")["prompt"]
-    else:
-        train_prompts = dataset.load_turns("train")["prompt"]
     seen = {parse_prompt(prompt).request for prompt in train_prompts}
     return np.asarray([parse_prompt(prompt).request in seen for prompt in prompts], dtype=bool)
 

@@ -185,7 +185,9 @@ class LLMEngine:
     def _check_sampler_token_ids(self, params: SamplingParams) -> None:
         """The token ids logit_bias, allowed_token_ids and bad words name must index the logits, and an
         allowed set must hold a token that min_tokens and the one-token bad words let the model
-        generate: with none, every logit is -inf, and the sampler drew a token the set excludes."""
+        generate: with none, every logit is -inf, and the sampler drew a token the set excludes. (A
+        longer bad word can still rule out the rest of a set once its first tokens are generated;
+        that depends on the output and is not checked, as vLLM does not check it.)"""
         vocab = self.arch.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ()),

@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
 from scheduler.config import SchedulerConfig
+from scheduler.policies import refined_remaining
 from scheduler.request import Request, Tier
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,15 @@ def tokens_to_prefill(request: Request) -> int:
     next decode step, counted in the predicted output)."""
     pending_decode = 1 if request.num_output_tokens else 0
     return max(0, request.num_tokens_to_feed - pending_decode)
+
+
+def decode_steps_left(request: Request) -> float:
+    """Predicted decode steps before a running request ends: its predicted output tokens still to
+    come, or, once it has outgrown the prediction, srpt's refined remaining length (a lognormal
+    tail past what it produced; at least one). Read as none left, an overrunning request's seat
+    was priced free at once."""
+    left = predicted_output_tokens(request)
+    return left if left >= 1.0 else refined_remaining(request)
 
 
 def token_work(requests: Iterable[Request]) -> float:
@@ -323,21 +333,26 @@ class AdmissionController:
     # ---- the decision ------------------------------------------------------------------------
     def check(self, request: Request, waiting: Iterable[Request], running: Iterable[Request],
               ranks_before: Callable[[Request], bool] | None = None,
-              queued_work: QueuedWork | None = None) -> None:
+              queued_work: QueuedWork | None = None,
+              preempts: Callable[[Request], bool] | None = None) -> None:
         """Raise AdmissionRejected when the request's tier SLO cannot be met or the queue is full.
 
         `waiting`: every queued request (waiting or swapped out), which the queue bound counts;
         `ranks_before(other)`: whether the policy serves a queued request before this one (None:
         every queued one is ahead), which the delay estimates count; `queued_work`: the scheduler's
-        running sums of `waiting`'s work (None: summed here). The sequences of one API
+        running sums of `waiting`'s work (None: summed here); `preempts(other)`: whether the policy
+        lets this request take a running one's seat (None: those of a lower tier). The sequences of one API
         request (its choices, and a batch's prompts) are judged as one unit, the same for each:
         their work together, behind what is queued outside the group. Whether a request is too
         large to refuse (see the module docstring) is read from one member, so that asking for
         more choices never makes admission easier."""
         waiting = list(waiting)
-        # Running requests of its tier or a more urgent one: a lower tier's seat it would take by
-        # preemption, and its decodes are not ahead of it.
-        running = [r for r in running if r.tier <= request.tier]
+        # Running requests it may not preempt: a lower tier's seat it would take by preemption
+        # (or, under priority and srpt, one of its own tier's that the policy lets it take), and
+        # their decodes are not ahead of it.
+        if preempts is None:
+            preempts = lambda other: other.tier > request.tier  # noqa: E731
+        running = [r for r in running if not preempts(r)]
         if request.group is not None:  # its siblings are not ahead of it
             waiting = [r for r in waiting if not request.shares_group_with(r)]
             running = [r for r in running if not request.shares_group_with(r)]
@@ -413,7 +428,7 @@ class AdmissionController:
         if short <= 0 or not running:
             return 0.0
         budget = self.config.max_num_batched_tokens
-        steps_left = sorted(-(-tokens_to_prefill(r) // budget) + predicted_output_tokens(r) for r in running)
+        steps_left = sorted(-(-tokens_to_prefill(r) // budget) + decode_steps_left(r) for r in running)
         return steps_left[min(short, len(running)) - 1] * (self.mean_step_time_s or 0.0)
 
     def _whole_work_s(self, queued: QueuedSums, running: list[Request], drain: float, seat_s: float) -> float:

@@ -82,7 +82,8 @@ class Scheduler(Preemption):
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
             self.admission.check(request, self.waiting + self.swapped, self.running,
-                                 self._served_before(request, now), self._queued_work)
+                                 self._served_before(request, now), self._queued_work,
+                                 lambda running: self.policy.should_preempt_for(request, running, now))
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

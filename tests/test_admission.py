@@ -886,3 +886,48 @@ def test_a_request_the_bound_admits_is_admitted_without_ranking_the_queue() -> N
     assert len(calls) == 10 and ctl.num_rejected == 0
     with pytest.raises(AdmissionRejected, match="end-to-end latency 12.10s"):
         ctl.check(req("new", 100, 20), long_queue, [], None)  # every one ahead
+
+
+def test_a_seat_the_policy_lets_it_take_within_its_tier_is_no_wait() -> None:
+    # Under priority, a request of a better priority takes a running one's seat by preemption at
+    # the next step, as a lower tier's: its seat wait was priced as for fcfs and it was refused.
+    def scheduler_with_two_running(policy: str) -> Scheduler:
+        scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=512, enable_admission=True, policy=policy,
+                                              max_num_seqs=2, slo_e2e_standard_s=10.0))
+        for k in range(2):
+            running = req(f"r{k}", 20, 600)
+            running.priority = 5
+            scheduler.add_request(running, now=0.0)
+        scheduler.schedule(0.0)  # both prompts fed whole: two decodes of 600 predicted tokens
+        scheduler.admission.record_step(now=0.1, num_tokens=100, step_time_s=0.1)  # 1000 tokens/s
+        return scheduler
+
+    def urgent() -> Request:
+        request = req("urgent", 20, 20)
+        request.priority = 0
+        return request
+
+    with pytest.raises(AdmissionRejected, match="end-to-end latency 62"):  # 600 steps for a seat
+        scheduler_with_two_running("fcfs").add_request(req("urgent", 20, 20), now=0.1)
+    scheduler_with_two_running("priority").add_request(urgent(), now=0.1)  # 2 s of its own decode
+    ctl = controller(max_num_seqs=2, slo_e2e_standard_s=10.0)
+    running = [decoding(f"r{k}", 20, 600) for k in range(2)]
+    with pytest.raises(AdmissionRejected):
+        ctl.check(urgent(), [], running, preempts=lambda other: False)
+    ctl.check(urgent(), [], running, preempts=lambda other: other is running[0])
+
+
+def test_a_running_request_past_its_prediction_is_not_a_free_seat() -> None:
+    # Four interactive decodes that produced 30 tokens against a prediction of 20: read as no
+    # tokens left, their seats were priced free now. Their refined remaining length (a lognormal
+    # tail past 30 tokens, here about 25) is what a seat waits for.
+    ctl = controller(slo_ttft_interactive_s=0.5, max_num_seqs=4)
+    running = []
+    for k in range(4):
+        overrun = decoding(f"i{k}", 50, 20)
+        overrun.tier = Tier.INTERACTIVE
+        overrun.output_token_ids = [7] * 30
+        overrun.num_computed_tokens = overrun.num_tokens - 1
+        running.append(overrun)
+    with pytest.raises(AdmissionRejected, match="TTFT"):
+        ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)

@@ -371,7 +371,7 @@ class AdmissionController:
         if ranks_before is not None:
             # Every one of them counted ahead bounds the delay from above: when even that meets
             # the SLO, the policy's order, the costly part of a check over a long queue (a burst
-            # of 3,000 took 6 s under sjf), cannot change the answer.
+            # of 3,000 took 6-8 s under sjf), cannot change the answer.
             if self._refusal(self._delay_s(request, tier_queued, queued, running, drain), slo) is None:
                 return
             queued_ahead = [r for r in tier_queued if ranks_before(r)]

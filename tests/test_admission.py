@@ -855,12 +855,21 @@ def test_everything_queued_counted_ahead_bounds_the_delay_so_an_admission_needs_
                          slo_ttft_interactive_s=0.5, slo_e2e_standard_s=10.0)
         running = [decoding(f"r{k}", rng.randint(1, 200), rng.randint(1, 300)) for k in range(rng.randint(0, 6))]
         for each in running:
-            each.tier = tier
+            each.tier = rng.choice([Tier.INTERACTIVE, tier])
             if rng.random() < 0.3:
                 each.num_computed_tokens = rng.randint(0, each.num_prompt_tokens)  # still prefilling
-        queued = [req(f"q{k}", rng.randint(1, 400), rng.randint(1, 300), tier) for k in range(rng.randint(0, 8))]
+            elif rng.random() < 0.3:
+                each.output_token_ids = [7] * rng.randint(1, 400)  # some past their prediction
+                each.num_computed_tokens = each.num_tokens - 1
+        queued = [req(f"q{k}", rng.randint(1, 400), rng.randint(1, 300), rng.choice([Tier.INTERACTIVE, tier]))
+                  for k in range(rng.randint(0, 8))]
+        for each in queued:
+            if rng.random() < 0.3:  # preempted by recompute: its outputs are fed again
+                each.output_token_ids = [7] * rng.randint(1, 100)
         subset = [r for r in queued if rng.random() < 0.5]
         request = req("new", rng.randint(1, 300), rng.randint(1, 150), tier)
+        if rng.random() < 0.3:
+            request.group = ChoiceGroup("g", rng.randint(2, 4))
         drain = rng.choice([100.0, 1000.0])
         whole = ctl._delay_s(request, queued, QueuedSums.of(queued), running, drain)
         part = ctl._delay_s(request, subset, QueuedSums.of(subset), running, drain)

@@ -878,7 +878,7 @@ def test_trace_candidates_are_each_distinct_fitting_prompt_once_in_a_seeded_orde
     assert [row["key"] for row in trace.candidate_rows(10, seed=0)] == [row["key"] for row in rows]
 
 
-def test_coverage_with_no_reply_of_known_coverage_is_nan() -> None:
+def test_coverage_of_rows_of_unknown_outcome_spans_zero_to_one() -> None:
     # The only reply was cut at the cap and the quantile reaches past it: unknown, not covered.
     assert metrics.coverage(np.array([256.0]), np.array([300.0]), np.array([True])) == (0.0, 1.0)
     assert all(np.isnan(metrics.coverage(np.array([]), np.array([]), np.array([], dtype=bool))))

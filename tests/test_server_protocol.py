@@ -593,6 +593,33 @@ def test_a_lone_surrogate_is_found_in_keys_and_nested_values_but_not_in_pairs_or
     assert lone_surrogate_at("\U0001F600 a pair in JSON", "prompt") is None  # JSON's pair decodes to this
     assert lone_surrogate_at(list(range(10)), "prompt") is None and lone_surrogate_at(7, "seed") is None
     assert lone_surrogate_at([1, lone], "prompt") == "prompt.1"  # not all ids: every item is read
+    # Nested past Python's recursion limit, as a JSON body may be (about 960 deep passed the
+    # parser): a recursive walk raised RecursionError, a 500.
+    deep: list = ["x" + lone]
+    for _ in range(5000):
+        deep = [deep]
+    assert lone_surrogate_at(deep, "prompt") == "prompt" + ".0" * 5001
+    assert lone_surrogate_at([{"a": ["b", {"c": "ok"}]}, {"d": lone}], "tools") == "tools.1.d"  # in order
+
+
+def test_numbers_too_long_to_print_are_a_400_naming_their_field(served) -> None:
+    # Python refuses to turn an int of over 4,300 digits into text: the message that named such a
+    # max_tokens (in the context check), or a logit_bias key turned into a token id, was a 500.
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    huge = "9" * 4300
+    cases = [("/v1/completions", '{"prompt": "hi", "max_tokens": %s}' % huge, "max_tokens"),
+             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+              '"max_completion_tokens": %s}' % huge, "max_completion_tokens"),
+             ("/v1/completions", '{"prompt": "hi", "min_tokens": %s}' % huge, "min_tokens"),
+             ("/v1/completions", '{"prompt": "hi", "allowed_token_ids": [%s]}' % huge, "allowed_token_ids.0"),
+             ("/v1/completions", '{"prompt": "hi", "logit_bias": {"%s": 1}}' % ("1" * 4301), "logit_bias")]
+    with httpx.Client(base_url=served[0], headers=headers, timeout=60) as http:
+        for path, body, field in cases:
+            assert error_of(http.post(path, content=body), 400)["param"] == field, field
+        # Leading zeros are no digits of the id: token 5, as a short key would name it.
+        answer = http.post("/v1/completions", content='{"prompt": "hi", "max_tokens": 2, "temperature": 0, '
+                           '"return_token_ids": true, "logit_bias": {"%s123": 100}}' % ("0" * 5000))
+        assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] == [123, 123]
 
 
 def test_echo_puts_the_prompt_before_each_choice(served, client):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.server.protocol import BaseRequest, not_a_bool, null_is_the_default
+from engine.server.protocol import BaseRequest, Count, not_a_bool, null_is_the_default
 from engine.server.unsupported import ChatUnsupportedFields
 from scheduler.request import MAX_LOGPROBS
 
@@ -143,7 +143,7 @@ class ChatTemplateFields(BaseModel):
 
 class ChatCompletionRequest(BaseRequest, ChatUnsupportedFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     # vLLM's: the final message's text before the reply, when the reply continues its role.

@@ -28,6 +28,12 @@ MAX_CHOICES = 16
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
 MAX_REQUEST_ID_CHARS = 256
+# The largest count or token id a field takes: what an int64 holds. Far past any context or
+# vocabulary, it keeps numbers short enough to print: Python refuses to turn an int of over 4,300
+# digits into text, and the message naming it was a 500.
+MAX_INT = 2**63 - 1
+Count = Annotated[int, Field(le=MAX_INT)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
 
 # OpenAI's service_tier values (submission.SERVICE_TIERS maps them to the scheduler's tiers;
 # "scale", OpenAI's reserved capacity, is served as the standard tier, as "default" is).
@@ -71,7 +77,7 @@ class BaseRequest(CompletionUnsupportedFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN: "not finite", not a bound's message
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context (chat)
+    max_tokens: Count | None = Field(default=None, ge=1)  # None: the rest of the context (chat)
     temperature: float = Field(default=1.0, ge=0.0)  # no upper bound, as vLLM (OpenAI stops at 2)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra
@@ -91,21 +97,21 @@ class BaseRequest(CompletionUnsupportedFields):
     skip_special_tokens: bool = True  # False: special tokens' names stay in the text
     # Keep only the prompt's last N tokens (-1: the last max_model_len), as vLLM truncates; its
     # first N with vLLM's truncation_side "right".
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: Count | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: with prefix caching, KV blocks are shared only among requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
-    top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
+    top_k: Count = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
     # never stop anything; the prompt's ids are checked against the vocabulary in prompt_input.py.)
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    min_tokens: int = Field(default=0, ge=0)  # no stop before this many tokens
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Count = Field(default=0, ge=0)  # no stop before this many tokens
     # Each prompt token's logprob with this many alternatives. As in vLLM, a stream takes only 0,
     # and carries none (but in a streamed completion's echo with logprobs).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Token ids the model may generate (the engine checks them against the vocabulary).
-    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     # vLLM's: words the output may not end with (the last token of each is ruled out after the rest).
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # OpenAI's: token id (a string, as JSON keys are) -> a bias added to its logit, clamped to [-100, 100].
@@ -160,11 +166,14 @@ class BaseRequest(CompletionUnsupportedFields):
         for key in bias or {}:
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if len(key.lstrip("0")) > len(str(MAX_INT)):  # int() refuses over 4,300 digits: a 500
+                raise ValueError(f"key {key[:24]}... is no token id: above {MAX_INT}")
         return bias
 
     def token_logit_bias(self) -> dict[int, float]:
         """SamplingParams.logit_bias: the bias keyed by token id."""
-        return {int(key): value for key, value in (self.logit_bias or {}).items()}
+        # Leading zeros stripped first: int() counts them against its 4,300-digit limit.
+        return {int(key.lstrip("0") or "0"): value for key, value in (self.logit_bias or {}).items()}
 
     _valid_unicode = field_validator("*", mode="before")(classmethod(valid_unicode))
 
@@ -216,7 +225,7 @@ class CompletionRequest(BaseRequest):
     # OpenAI's legacy completions and vLLM's CompletionRequest default to 16 tokens, and clients
     # written against them (lm-eval, benchmarks) rely on it; chat's default is the rest of the context.
     # 0 scores the prompt alone: with echo (and logprobs), as vLLM and the legacy API serve it.
-    max_tokens: int = Field(default=16, ge=0)
+    max_tokens: Count = Field(default=16, ge=0)
     suffix: Literal[""] | None = None
     # The legacy API's form: a count of alternatives per token (0: the sampled token's alone).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -27,19 +27,26 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
     """The path of the first string in `value` (a key too) holding a lone surrogate, or None.
 
     Only strings, lists and dicts are walked: a prompt of token ids (millions of ints in a large
-    body) is passed over in one scan, not an element at a time."""
-    if isinstance(value, str):
-        return None if has_utf8_form(value) else path
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list) and not all(type(item) is int for item in value):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        if isinstance(key, str) and not has_utf8_form(key):
-            return f"{path}{KEY_SUFFIX}"
-        found = lone_surrogate_at(item, f"{path}.{key}") if isinstance(item, (str, list, dict)) else None
-        if found is not None:
-            return found
+    body) is passed over in one scan, not an element at a time. The walk keeps its own stack: a
+    body nested about 960 deep, which the JSON parser still takes, ran a recursive walk past
+    Python's recursion limit, and the RecursionError was a 500."""
+    pending = [(value, path)]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if not has_utf8_form(value):
+                return path
+            continue
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, list) and not all(type(item) is int for item in value):
+            items = list(enumerate(value))
+        else:
+            continue
+        for key, _ in items:
+            if isinstance(key, str) and not has_utf8_form(key):
+                return f"{path}{KEY_SUFFIX}"
+        # Reversed onto the stack, so the first item is walked first, as the recursion did.
+        pending.extend((item, f"{path}.{key}") for key, item in reversed(items)
+                       if isinstance(item, (str, list, dict)))
     return None

@@ -102,7 +102,7 @@ class BaseRequest(CompletionUnsupportedFields):
     # vLLM's: with prefix caching, KV blocks are shared only among requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)  # lower is served first
-    top_k: Count = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled
+    top_k: int = Field(default=-1, ge=-1)  # -1 (vLLM) or 0: disabled; any size beyond the vocabulary
     # Strict: JSON true is not token id 1. (Ids beyond the vocabulary can never be sampled, so they
     # never stop anything; the prompt's ids are checked against the vocabulary in prompt_input.py.)
     stop_token_ids: list[TokenId] | None = None

@@ -42,8 +42,13 @@ class StepCostModel:
     def __post_init__(self) -> None:
         coefficients = (self.a_s, self.b_s_per_token, self.c_s_per_context_token, self.d_s_per_swapped_block)
         # inf (JSON's Infinity) made every step last forever: a division by zero in the arrival draws.
-        if not all(math.isfinite(c) for c in coefficients) or min(coefficients) < 0 or self.a_s <= 0:
-            raise ValueError(f"step cost coefficients must be finite and >= 0 with a_s > 0, got {self}")
+        # A step feeds at least one token, so a + b > 0 keeps every step's time positive. (a = 0 is
+        # what a non-negative fit gives when step time is near proportional to the tokens fed:
+        # requiring a > 0 refused the file --calibrate had just written.)
+        if (not all(math.isfinite(c) for c in coefficients) or min(coefficients) < 0
+                or self.a_s + self.b_s_per_token <= 0):
+            raise ValueError(f"step cost coefficients must be finite and >= 0 with a_s + b_s_per_token > 0, "
+                             f"got {self}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float]) -> StepCostModel:

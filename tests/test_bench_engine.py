@@ -163,3 +163,18 @@ def test_load_workload_takes_first_turns_under_the_prompt_cap_and_caps_replies(m
     assert items == [WorkItem((197, 198), 4), WorkItem((199, 200, 201), 10), WorkItem((202,), 1),
                      WorkItem((203, 204), 10)]
     assert len(load_workload(WordTokenizer(), "test", 99, 10, 10)) == 5
+
+
+def test_a_calibration_with_no_fixed_cost_is_a_usable_step_cost(tmp_path) -> None:
+    # Step time proportional to the tokens fed: the non-negative fit puts the intercept at 0, and
+    # simulate refused the file --calibrate had just written ("not a step-cost file").
+    from training.simulate import load_cost_model
+
+    steps = [StepRecord(n, 4, 4 * (n + 100), 0.0015 * n - 0.002 + 1e-6 * 4 * (n + 100), 0.0)
+             for n in (32, 64, 128, 256, 512)]
+    fit = fit_step_cost(steps)
+    assert fit["a"] == 0.0 and fit["b"] > 0
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(fit))
+    cost, _, _ = load_cost_model(path)
+    assert cost.a_s == 0.0 and cost.b_s_per_token == pytest.approx(fit["b"])

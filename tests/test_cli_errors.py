@@ -779,6 +779,7 @@ def test_serve_reads_the_predictor_spec_before_loading_the_model(capsys, tmp_pat
 @pytest.mark.parametrize("text, message", [
     ('{"a": Infinity, "b": 0, "c": 0}', "must be finite"),  # a ZeroDivisionError traceback
     ('{"a": 0.03, "b": NaN, "c": 0}', "must be finite"),  # NaN had been clamped to 0 and run
+    ('{"a": 0, "b": 0, "c": 1e-5}', "a_s + b_s_per_token > 0"),  # a step with no context would take no time
     ('{"a": 0.03, "b": 0, "c": 0, "num_gpu_blocks": "x"}', "num_gpu_blocks must be a positive integer"),
     ('{"a": 0.03, "b": 0, "c": 0, "num_gpu_blocks": 0}', "num_gpu_blocks must be a positive integer"),
     ('{"a": 0.03, "b": 0, "c": 0, "block_size": 0, "num_gpu_blocks": 8}', "block_size must be a positive integer"),

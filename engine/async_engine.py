@@ -235,7 +235,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         submission = Submission(request_id, prompt_token_ids, prompt_text, params, tier, priority,
                                  self.engine.now() if arrival_time is None else arrival_time, group)
-        stream = RequestStream(request_id, tier)
+        stream = RequestStream(request_id, tier, submission)
         self._streams[request_id] = stream
         self._no_streams.clear()
         self._pending[request_id] = submission
@@ -257,7 +257,6 @@ class AsyncLLMEngine:
         finally:
             if self._pending.get(request_id) is submission:  # not a later request reusing the id
                 del self._pending[request_id]
-        stream.prediction = submission.prediction
         self._tell(self.listener.on_admitted, tier, len(prompt_token_ids))
         if submission.abandoned is not None:
             # Aborted (or drained) while the engine thread was adding it: admitted, so counted as

@@ -20,6 +20,7 @@ from predictor.base import Prediction
 from scheduler.request import Tier
 
 if TYPE_CHECKING:
+    from engine.engine_commands import Submission
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
 
@@ -74,13 +75,20 @@ class StreamEnd:
 class RequestStream:
     """Async iterator over one request's RequestOutputs; ends after the finished one."""
 
-    def __init__(self, request_id: str, tier: Tier) -> None:
+    def __init__(self, request_id: str, tier: Tier, submission: Submission | None = None) -> None:
         self.request_id = request_id
         self.tier = tier
-        self.prediction: Prediction | None = None
+        # What the request was submitted as: the predictor writes its prediction there before the
+        # engine takes it, so it is read there (copied when `submit` resumed, it was still None
+        # for a request that finished before that: a short request left out of the tau metric).
+        self.submission = submission
         self.finished = False  # the last item has been read
         self._unread: RequestOutput | StreamEnd | None = None
         self._ready = asyncio.Event()
+
+    @property
+    def prediction(self) -> Prediction | None:
+        return None if self.submission is None else self.submission.prediction
 
     @staticmethod
     def _is_last(item: RequestOutput | StreamEnd | None) -> bool:

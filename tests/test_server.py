@@ -613,6 +613,47 @@ def test_metrics_parse_with_vllm_like_names(served, client):
     assert len(tau) == 1 and -1.0 <= tau[0] <= 1.0
 
 
+def test_a_request_finished_before_its_submit_resumes_still_reports_its_prediction(tiny_model_dir):
+    # The engine thread admits, steps and posts a one-token request while the loop is busy; the
+    # loop then delivers its end before submit() resumes. The prediction, copied onto the stream
+    # only when submit() resumed, was None then, and the tau metric lost the shortest requests.
+    import asyncio
+    import time
+
+    from engine.async_engine import AsyncLLMEngine
+    from scheduler.request import SamplingParams
+
+    engine = tiny_engine(tiny_model_dir)
+    reported = []
+
+    class Listener:
+        def __getattr__(self, name):  # every other callback: nothing to record
+            return lambda *args, **kwargs: None
+
+        def on_finished(self, output, tier, prediction):
+            reported.append(prediction)
+
+    async def main():
+        served = AsyncLLMEngine(engine, chars_predictor())
+        served.attach_listener(Listener())
+        await served.start()
+
+        async def one_token():
+            stream = await served.submit("r", engine.tokenizer.encode("x" * 40), "x" * 40,
+                                         SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(one_token())
+        await asyncio.sleep(0)  # submit() queues its request
+        time.sleep(1.0)  # the loop busy elsewhere while the engine thread serves it whole
+        await task
+        await served.shutdown(1)
+
+    asyncio.run(main())
+    assert len(reported) == 1 and reported[0] is not None and reported[0].point == pytest.approx(40.0)
+
+
 def test_kendall_tau_of_the_metrics_window():
     from engine.server.metrics import kendall_tau
 

@@ -35,8 +35,11 @@ class ArrivalPredictor:
         """Set each submission's prediction; on a predictor failure leave them unset.
 
         Each distinct prompt is scored once: the n choices of one request share theirs, and so do
-        repeats of a popular prompt that arrive together."""
-        prompts = list(dict.fromkeys(s.prompt_text for s in batch))
+        repeats of a popular prompt that arrive together. A submission without a prompt text has
+        nothing to predict (a prompt scored alone, its one hidden token known)."""
+        prompts = list(dict.fromkeys(s.prompt_text for s in batch if s.prompt_text is not None))
+        if not prompts:
+            return
         started = time.perf_counter()
         try:
             predictions = dict(zip(prompts, self.predictor.predict(prompts)))
@@ -46,7 +49,8 @@ class ArrivalPredictor:
             logger.exception("predictor failed on a batch of %d prompts", len(prompts))
             return
         for submission in batch:  # a predictor that answered fewer prompts leaves the rest unset
-            submission.prediction = predictions.get(submission.prompt_text)
+            if submission.prompt_text is not None:
+                submission.prediction = predictions.get(submission.prompt_text)
 
     def run(self, arrivals: queue.SimpleQueue, offer: Callable[[Submission], bool],
             refuse: Callable[[Submission], None]) -> None:

@@ -217,7 +217,7 @@ class AsyncLLMEngine:
             raise EngineShuttingDown()
 
     # ---- requests (event loop) ---------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str,
+    async def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str | None,
                      params: SamplingParams, *, tier: Tier = Tier.STANDARD, priority: int = 0,
                      arrival_time: float | None = None, group: ChoiceGroup | None = None) -> RequestStream:
         """Queue a request and wait until the engine admits it.

@@ -18,7 +18,9 @@ class Submission:
 
     request_id: str
     prompt_token_ids: list[int]
-    prompt_text: str  # the templated text the predictor scores
+    # The templated text the predictor scores; None: nothing to predict (a prompt scored alone,
+    # whose one hidden token is known: no prediction, so its length is max_tokens, and no tau pair).
+    prompt_text: str | None
     params: SamplingParams
     tier: Tier
     priority: int

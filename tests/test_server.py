@@ -654,6 +654,31 @@ def test_a_request_finished_before_its_submit_resumes_still_reports_its_predicti
     assert len(reported) == 1 and reported[0] is not None and reported[0].point == pytest.approx(40.0)
 
 
+def test_a_prompt_scored_alone_is_not_predicted_nor_paired_for_tau(tiny_model_dir):
+    # max_tokens 0 scores the prompt (its one hidden token is known): a prediction there is of no
+    # reply, and its pair (prediction, 1 token) filled the tau window with ties at 1.
+    scored = []
+    predictor = chars_predictor()
+    predict = predictor.predict
+
+    def counting(prompts):
+        scored.extend(prompts)
+        return predict(prompts)
+
+    predictor.predict = counting
+    with serving(tiny_engine(tiny_model_dir), predictor) as (base_url, _):
+        for prompt in ("a short prompt", "a longer prompt than that one"):
+            answer = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                        "echo": True})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 0
+        assert scored == []
+        samples = scrape(base_url)
+        assert metric(samples, "lengthwise:predictor_prompts_total") == 0
+        assert not [v for (n, _), v in samples.items() if n == "lengthwise:predictor_kendall_tau"]
+        post(base_url, "/v1/completions", {"model": MODEL, "prompt": "one to predict", "max_tokens": 2})
+        assert len(scored) == 1 and metric(scrape(base_url), "lengthwise:predictor_prompts_total") == 1
+
+
 def test_kendall_tau_of_the_metrics_window():
     from engine.server.metrics import kendall_tau
 

@@ -203,6 +203,10 @@ class BaseRequest(CompletionUnsupportedFields):
         include = bool(options and options.include_usage)
         return include, include and options.continuous_usage_stats
 
+    def scores_prompt_only(self) -> bool:
+        """Whether the reply is the prompt's scoring alone (completions' max_tokens 0)."""
+        return False
+
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(the field the client set the output limit with, its value)."""
         return "max_tokens", self.max_tokens

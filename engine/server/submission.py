@@ -67,11 +67,14 @@ class EngineSubmission:
         group = None if size == 1 else ChoiceGroup(
             request_id, size, prompt_tokens=body.n * sum(len(prompt_ids) for prompt_ids, _ in prompts))
         submissions = []
+        # A prompt scored alone (max_tokens 0) has no reply to predict: its hidden token is known.
+        predicted = not body.scores_prompt_only()
         for index, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params)):
             prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
             for choice in range(body.n):
                 submissions.append(self._submit_one(
-                    prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids, prompt_text,
+                    prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids,
+                    prompt_text if predicted else None,
                     _choice_params(prompt_params, choice, body.stream), tier, body.priority, group))
         if len(submissions) == 1:
             return [await submissions[0]]

@@ -745,6 +745,29 @@ def test_serve_falls_back_when_the_champion_cannot_be_served(tmp_path, monkeypat
     assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "none") == str(champion)
 
 
+def test_a_registered_champion_whose_files_are_gone_is_a_warning_not_a_fresh_clone(tmp_path, monkeypatch,
+                                                                                    caplog) -> None:
+    # download_champion said LookupError both for no champion and for a champion whose run's files
+    # were deleted: serve then logged, at INFO, that none was registered, and served the default.
+    import logging
+
+    from predictor.saved import SPEC_FILENAME
+    from training import serve_predictor, tracking
+
+    def gone(dst=None, store=None):
+        raise tracking.ChampionFilesMissing("the champion's files are missing (file:///gone)")
+
+    monkeypatch.setattr(tracking, "download_champion", gone)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "default" / SPEC_FILENAME).write_text("{}")
+    with caplog.at_level(logging.INFO, logger="lengthwise.serve"):
+        assert serve_predictor.champion_or_default(tmp_path / "mlruns", tmp_path / "default") == \
+            str(tmp_path / "default")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "registered but not available" in warnings[0] and "file:///gone" in warnings[0]
+    assert "not in the registry" not in caplog.text
+
+
 def test_resolving_the_champion_logs_in_the_servers_format_first(monkeypatch) -> None:
     import argparse
 

@@ -284,7 +284,7 @@ def test_download_champion_without_a_store_or_a_registry_raises(tmp_path):
         tracking.download_champion(store=foreign)
 
 
-def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(tmp_path):
+def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(tmp_path, monkeypatch):
     # The experiment records its artifact folder as an absolute path: after the store was moved
     # the download failed with an MlflowException traceback (eval-predictor turns only LookupError
     # into its one-line answer), as it did for a file that is no database. And a database without
@@ -302,8 +302,14 @@ def test_download_champion_follows_a_moved_store_and_refuses_an_unreadable_one(t
     shutil.move(store, moved)
     assert predictor.load(tracking.download_champion(tmp_path / "download", store=moved)).params.intercept == 2.5
     shutil.rmtree(moved / "artifacts")
-    with pytest.raises(LookupError, match="files are missing"):
+    with pytest.raises(tracking.ChampionFilesMissing, match="files are missing"):
         tracking.download_champion(tmp_path / "again", store=moved)
+    # eval-predictor does not evaluate the default in the missing champion's place.
+    from training import evaluate
+
+    monkeypatch.setattr(tracking, "default_store", lambda: moved)
+    with pytest.raises(ValueError, match="--predictor champion: the champion's files are missing"):
+        evaluate.resolve_predictor("champion", None)
     garbage = tmp_path / "garbage"
     garbage.mkdir()
     (garbage / "mlflow.db").write_text("not a database")

@@ -94,7 +94,10 @@ def resolve_predictor(spec: str, store: Path | None) -> Path:
     try:
         return tracking.download_champion(store=store)
     except LookupError as exc:  # a fresh clone: nothing trained and registered yet
-        if store is None and (DEFAULT_PREDICTOR / SPEC_FILENAME).is_file():
+        # A champion registered but missing is no fresh clone: evaluating the default in its place
+        # would report another model's figures as the champion's.
+        fresh = not isinstance(exc, tracking.ChampionFilesMissing)
+        if fresh and store is None and (DEFAULT_PREDICTOR / SPEC_FILENAME).is_file():
             print(f"eval-predictor: no registered champion ({exc}); evaluating {DEFAULT_PREDICTOR}",
                   file=sys.stderr)
             return DEFAULT_PREDICTOR

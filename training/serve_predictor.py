@@ -38,6 +38,9 @@ def _registered_champion(store: Path | None) -> str | None:
 
     try:
         folder = tracking.download_champion(store=store)
+    except tracking.ChampionFilesMissing as exc:  # registered, yet not there: said loudly
+        logger.warning("champion predictor registered but not available (%s)", exc)
+        return None
     except LookupError as exc:  # a fresh clone: nothing trained and registered yet
         logger.info("champion predictor not in the registry (%s)", exc)
         return None

@@ -158,6 +158,11 @@ def update_champion(data_hash: str | None = None) -> str | None:
     return best
 
 
+class ChampionFilesMissing(LookupError):
+    """A champion is registered, but its run's files are gone: not a fresh clone's empty registry,
+    which callers fall back from quietly."""
+
+
 def download_champion(dst: Path | None = None, store: Path | None = None) -> Path:
     """Local folder of the champion predictor: LookupError when there is none (no store, no
     registry, no alias, its files gone), OSError when the store's database cannot be read.
@@ -186,7 +191,7 @@ def download_champion(dst: Path | None = None, store: Path | None = None) -> Pat
         source = _source_in_store(client, version, store)
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, tracking_uri=uri, **kwargs))
     except MlflowException as error:  # its run, or the run's artifacts, deleted
-        raise LookupError(f"the champion's files are missing ({version.source}): {error}") from error
+        raise ChampionFilesMissing(f"the champion's files are missing ({version.source}): {error}") from error
 
 
 def _holds_data(database: Path) -> bool:

@@ -19,7 +19,8 @@ alongside it divided by the throughput.
 - standard: predicted end-to-end = (token work ahead + its own prompt) / throughput + its
   predicted output tokens * the mean step time, since one request gains one token per step however
   fast the server is; rejected above `slo_e2e_standard_s`. Ahead are the running interactive and
-  standard requests and the queued ones the policy orders before it (under sjf, a short request
+  standard requests (but those the policy lets it preempt: under priority a worse priority, under
+  srpt a long one early in its run) and the queued ones the policy orders before it (under sjf, a short request
   queues behind shorter ones only; under goodput, whose order moves, all of them). When it can
   run beside all of them (a seat each, now or once as many running requests end as it lacks, and
   their KV blocks at their predicted ends fit the cache less the watermark's reserve), only
@@ -48,9 +49,10 @@ its own work alone misses its SLO while the work ahead alone would not, since re
 help no other request and no retry could ever succeed while the server has traffic. Once the work
 ahead alone exceeds the SLO, which would make any request miss, every request of the tier is
 refused until it drains back to the SLO (Retry-After): without that, the requests too large to
-meet it were admitted whatever was queued, and the SLO tiers' queues had no bound. The queue bound counts the queued work of the
-request's tier or a more urgent one in any order, since it bounds what is queued, with the
-request's own (a full batch queue never refuses an interactive request).
+meet it were admitted whatever was queued, and the SLO tiers' queues had no bound. The queue
+bound counts the queued work of the request's tier or a more urgent one in any order, since it
+bounds what is queued, with the request's own (a full batch queue never refuses an interactive
+request).
 Rejections raise `AdmissionRejected(reason, retry_after_s)`, the HTTP layer turns them into a 429
 with Retry-After: the time for enough of the work ahead to drain (at most all of it), between
 1 s and an hour.
@@ -462,7 +464,8 @@ class AdmissionController:
         seat_s = self._seat_wait_s(short, running)
         if short <= len(running):  # a few: their blocks are summed only when seats allow
             ahead = queued_ahead + running
-            blocks = sum(self._blocks_to_finish(r) for r in ahead) + request.group_size * self._blocks_to_finish(request)
+            blocks = (sum(self._blocks_to_finish(r) for r in ahead)
+                      + request.group_size * self._blocks_to_finish(request))
             # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
             if blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark):
                 return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain + seat_s
@@ -498,8 +501,9 @@ class AdmissionController:
     def _refusal(ahead_s: float, slo: _SloTerms) -> float | None:
         """The Retry-After of a request that `ahead_s` of work ahead makes miss its SLO, or None
         when it is admitted. `alone_s`, one choice's own time, decides whether the work ahead is
-        why it misses; `own_s`, the group's, is in the estimate. Never None for some delay and
-        not None for a shorter one, so a bound from above may admit in its place."""
+        why it misses; `own_s`, the group's, is in the estimate. Whatever delay it admits, it
+        admits any shorter one too, so a bound from above that admits may stand in for the
+        estimate."""
         estimate = ahead_s + slo.own_s
         if ahead_s <= 0 or estimate <= slo.target_s:
             return None
@@ -507,7 +511,7 @@ class AdmissionController:
             return min(estimate - slo.target_s, ahead_s)
         if ahead_s > slo.target_s:  # it misses anyway, but the queue alone would make anyone miss
             return ahead_s - slo.target_s
-        return None  # its own work makes it miss, by more than the work ahead: refusing helps no one
+        return None  # its own work makes it miss, the work ahead alone would not: refusing helps no one
 
     def _reject(self, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1

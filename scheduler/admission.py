@@ -237,7 +237,11 @@ class AdmissionController:
         prompt, decode = request.num_prompt_tokens, predicted_output_tokens(request)
         # Without a prediction the decode falls back to max_tokens (the rest of the context for a
         # chat request), which the KV term, quadratic in it, would turn into a phantom overload.
-        kv_steps = decode * (prompt + decode / 2) if request.predicted_len is not None else None
+        # A length the request's own limits fix (a prompt scored alone: one token) is known: left
+        # out, such requests still counted in the arrival rate, times the others' mean decode.
+        params = request.sampling_params
+        known = request.predicted_len is not None or params.max_tokens <= max(1, params.min_tokens)
+        kv_steps = decode * (prompt + decode / 2) if known else None
         self._arrivals.append(_Arrival(now, prompt, decode, kv_steps))
         self._prune(now)
 

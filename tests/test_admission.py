@@ -940,3 +940,23 @@ def test_a_running_request_past_its_prediction_is_not_a_free_seat() -> None:
         running.append(overrun)
     with pytest.raises(AdmissionRejected, match="TTFT"):
         ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)
+
+
+def test_a_prompt_scored_alone_counts_in_the_margin_with_its_one_token() -> None:
+    # A prompt scored alone (max_tokens 1, no prediction: nothing to predict) was left out of the
+    # mean decode but counted in the arrival rate, so 90 of them beside 10 generating requests
+    # read as ten times the load: a logged overload that was not there.
+    def margin(scored_carry_a_prediction: bool) -> float:
+        ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=ROOMY_KV_BLOCKS, max_num_batched_tokens=512,
+                                                  stability_window_s=10.0))
+        ctl.record_step(now=0.0, num_tokens=512, step_time_s=0.1)
+        for k in range(100):
+            if k % 10:
+                scored = Request(f"s{k}", [1] * 200, SamplingParams(max_tokens=1), arrival_time=0.0,
+                                 predicted_len=1.0 if scored_carry_a_prediction else None)
+                ctl.record_arrival(0.1 * k, scored)
+            else:
+                ctl.record_arrival(0.1 * k, req(f"g{k}", 200, 200))
+        return ctl.stability_margin(10.0)
+
+    assert margin(False) == pytest.approx(margin(True)) and margin(False) < 1.0

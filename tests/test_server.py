@@ -671,12 +671,15 @@ def test_a_prompt_scored_alone_is_not_predicted_nor_paired_for_tau(tiny_model_di
             answer = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0,
                                                         "echo": True})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 0
-        assert scored == []
+        assert scored == [] and metric(scrape(base_url), "lengthwise:predictor_prompts_total") == 0
+        # Two predicted in the order of their lengths: tau 1 over them alone. The scored prompts'
+        # pairs (14, 1) and (29, 1), longer predictions for a shorter reply, would pull it below.
+        for prompt, length in (("ab", 2), ("abcd", 4)):
+            post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": length,
+                                               "ignore_eos": True})
         samples = scrape(base_url)
-        assert metric(samples, "lengthwise:predictor_prompts_total") == 0
-        assert not [v for (n, _), v in samples.items() if n == "lengthwise:predictor_kendall_tau"]
-        post(base_url, "/v1/completions", {"model": MODEL, "prompt": "one to predict", "max_tokens": 2})
-        assert len(scored) == 1 and metric(scrape(base_url), "lengthwise:predictor_prompts_total") == 1
+        assert scored == ["ab", "abcd"] and metric(samples, "lengthwise:predictor_prompts_total") == 2
+        assert metric(samples, "lengthwise:predictor_kendall_tau") == pytest.approx(1.0)
 
 
 def test_kendall_tau_of_the_metrics_window():

@@ -599,7 +599,11 @@ def test_a_lone_surrogate_is_found_in_keys_and_nested_values_but_not_in_pairs_or
     for _ in range(5000):
         deep = [deep]
     assert lone_surrogate_at(deep, "prompt") == "prompt" + ".0" * 5001
-    assert lone_surrogate_at([{"a": ["b", {"c": "ok"}]}, {"d": lone}], "tools") == "tools.1.d"  # in order
+    assert lone_surrogate_at([{"a": ["b", {"c": "ok"}]}, {"d": lone}], "tools") == "tools.1.d"
+    # Several: the first in the body's order, a key before its own value and after the earlier ones'.
+    assert lone_surrogate_at([lone, lone], "p") == "p.0"
+    assert lone_surrogate_at({"a": {"x": lone}, lone: 1}, "body") == "body.a.x"
+    assert lone_surrogate_at({"a": 1, lone: {"x": lone}}, "body") == "body (a key)"
 
 
 def test_numbers_too_long_to_print_are_a_400_naming_their_field(served) -> None:

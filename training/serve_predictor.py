@@ -27,7 +27,7 @@ def champion_or_default(store: Path | None = None, fallback: Path = DEFAULT_PRED
     if champion is not None:
         return champion
     if (fallback / SPEC_FILENAME).is_file():
-        logger.info("no registered champion predictor; using %s", fallback)
+        logger.info("no champion predictor to serve; using %s", fallback)
         return str(fallback)
     logger.warning("no champion predictor and no %s: serving without length predictions", fallback)
     return "none"

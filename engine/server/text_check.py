@@ -30,9 +30,13 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
     body) is passed over in one scan, not an element at a time. The walk keeps its own stack: a
     body nested about 960 deep, which the JSON parser still takes, ran a recursive walk past
     Python's recursion limit, and the RecursionError was a 500."""
-    pending = [(value, path)]
+    pending: list[tuple[Any, str, Any, str]] = [(value, path, None, "")]  # item, its path, its key, the parent's
     while pending:
-        value, path = pending.pop()
+        value, path, key, parent = pending.pop()
+        # Each key is read when its item is, so the first bad string found is the one a recursive
+        # walk finds: key i, then its item, then key i + 1.
+        if isinstance(key, str) and not has_utf8_form(key):
+            return f"{parent}{KEY_SUFFIX}"
         if isinstance(value, str):
             if not has_utf8_form(value):
                 return path
@@ -43,10 +47,6 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
             items = list(enumerate(value))
         else:
             continue
-        for key, _ in items:
-            if isinstance(key, str) and not has_utf8_form(key):
-                return f"{path}{KEY_SUFFIX}"
-        # Reversed onto the stack, so the first item is walked first, as the recursion did.
-        pending.extend((item, f"{path}.{key}") for key, item in reversed(items)
-                       if isinstance(item, (str, list, dict)))
+        pending.extend((item, f"{path}.{k}", k, path) for k, item in reversed(items)
+                       if isinstance(item, (str, list, dict)) or isinstance(k, str))
     return None

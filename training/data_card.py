@@ -98,6 +98,15 @@ def write_card(columns, num_records: int, out_dir: Path) -> Path:
     return card
 
 
+def check_card_location(out_dir: Path) -> None:
+    """ValueError when `out_dir` holds a README.md that is no data card: the card replaces a README
+    up to its second `## ` heading (a project's title and first section, for `--out .`)."""
+    card = Path(out_dir) / "README.md"
+    if card.is_file() and card.read_text(encoding="utf-8", errors="replace").split("\n", 1)[0].strip() != "# Data":
+        raise ValueError(f"{card} is not a data card (its first line is not '# Data'): the card would "
+                         "replace its first sections; name another --card-dir, or --no-card")
+
+
 def later_sections(card: Path) -> str:
     """What follows the generated section (the served-model trace's, written by hand), kept when
     the card is rebuilt: from the card's second `## ` heading on."""

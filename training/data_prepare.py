@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from engine.arg_types import positive_int, prepare_output_dir
+from engine.arg_types import check_output_location, named_path, positive_int, prepare_output_dir
 from training import dataset
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -181,9 +181,9 @@ def prepare(table_dir: Path, card_dir: Path | None, limit: int | None = None) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=dataset.DEFAULT_TABLE_DIR,
+    parser.add_argument("--out", type=named_path, default=dataset.DEFAULT_TABLE_DIR,
                         help="folder for the per-split parquet files")
-    parser.add_argument("--card-dir", type=Path, default=None,
+    parser.add_argument("--card-dir", type=named_path, default=None,
                         help="where README.md (data card) and its histogram go (default: data/ for the "
                              "committed table, else the --out folder itself)")
     parser.add_argument("--no-card", action="store_true", help="skip the data card")
@@ -202,7 +202,14 @@ def run(args: argparse.Namespace) -> int:
     if args.no_card and args.card_dir is not None:  # the folder would be ignored without a word
         raise ValueError("--card-dir names where the card goes, --no-card skips it: give one of them")
     card_dir = None if args.no_card else (args.card_dir or default_card_dir(Path(args.out)))
-    prepare_output_dir(args.out, "--out")  # before minutes of parsing and tokenizing, not after
+    # Before minutes of parsing and tokenizing, not after; both checked before either is made.
+    check_output_location(args.out, "--out", folder=True)
+    if card_dir is not None:
+        from training import data_card
+
+        check_output_location(card_dir, "--card-dir", folder=True)
+        data_card.check_card_location(card_dir)
+    prepare_output_dir(args.out, "--out")
     if card_dir is not None:
         prepare_output_dir(card_dir, "--card-dir")
     counts = prepare(args.out, card_dir, args.limit)

@@ -875,9 +875,15 @@ def test_trace_checks_an_existing_out_table_before_loading_the_model(capsys, tmp
 
     monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before --out was checked"))
     out = write_table(tmp_path / "other.parquet", {"x": [1, 2]})
-    assert f"--out {out}: not a trace table (no column key, output_tokens)" in one_line_error(
+    assert f"--out {out}: not a trace table (no column conversation_id, finish_reason, in_train, key, " \
+           "output_tokens, prompt, prompt_tokens, split, turn_index)" in one_line_error(
         capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log", str(tmp_path / "t.jsonl"),
                  "--out", str(out)], "trace")
+    # Key and lengths alone pass for an agreement, but a resumed table is copied into the log.
+    keys_only = write_table(tmp_path / "keys.parquet", {"key": ["abc"], "output_tokens": [3]})
+    assert "no column conversation_id, finish_reason, in_train, prompt, prompt_tokens, split, turn_index" in \
+        one_line_error(capsys, ["trace", "--num-prompts", "1", "--model", str(tiny_model_dir), "--log",
+                                str(tmp_path / "t.jsonl"), "--out", str(keys_only)], "trace")
     assert not (tmp_path / "t.jsonl").exists()
 
 
@@ -985,8 +991,9 @@ def test_trace_refuses_to_resume_a_log_sampled_otherwise_before_loading(capsys, 
 
     monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before the settings were checked"))
     log = tmp_path / "t.jsonl"
-    text = json.dumps({"key": "k", "output_tokens": 3, "finish_reason": "stop", "max_tokens": 256,
-                       "temperature": 1.0, "seed": 0, "max_prompt_tokens": 384, **logged}) + "\n"
+    text = json.dumps({"key": "k", "conversation_id": "c", "turn_index": 0, "prompt": "p", "prompt_tokens": 1,
+                       "output_tokens": 3, "finish_reason": "stop", "split": "test", "in_train": False,
+                       "max_tokens": 256, "temperature": 1.0, "seed": 0, "max_prompt_tokens": 384, **logged}) + "\n"
     log.write_text(text)
     name = next(iter(logged))
     message = "at most 300 tokens, this run draws from those of at most 384" if name == "max_prompt_tokens" else \
@@ -1003,6 +1010,7 @@ def test_a_log_cut_off_in_its_first_record_still_resumes(tmp_path) -> None:
     log = tmp_path / "t.jsonl"
     log.write_text('{"key": "0123456789abcdef", "output_tok')  # killed while writing the first line
     assert read_log(log) == []
-    record = {"key": "k", "output_tokens": 3, "finish_reason": "stop"}
+    record = {"key": "k", "conversation_id": "c", "turn_index": 0, "prompt": "p", "prompt_tokens": 1,
+              "output_tokens": 3, "finish_reason": "stop", "split": "test", "in_train": False}
     log.write_text(json.dumps(record) + '\n{"key": "0123')
     assert read_log(log) == [record]

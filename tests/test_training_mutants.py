@@ -41,14 +41,18 @@ def test_a_prompt_exactly_at_the_prompt_budget_is_a_trace_candidate(monkeypatch)
 
 
 def _record(key: str, length: int = 3) -> dict:
-    return {"key": key, "output_tokens": length, "finish_reason": "stop"}
+    return {"key": key, "conversation_id": "c", "turn_index": 0, "prompt": "p", "prompt_tokens": 1,
+            "output_tokens": length, "finish_reason": "stop", "split": "test", "in_train": False}
 
 
 def test_a_log_line_missing_any_record_field_is_refused(tmp_path: Path):
-    from training.trace import read_log
+    # Every column the table is written with: a record of key, length and finish reason alone
+    # passed, ran the whole trace, and failed writing the table (a KeyError), as every later run.
+    from training.trace import TRACE_COLUMNS, read_log
 
     log = tmp_path / "t.jsonl"
-    for field in ("key", "output_tokens", "finish_reason"):
+    assert set(_record("k")) == set(TRACE_COLUMNS)
+    for field in TRACE_COLUMNS:
         partial = {name: value for name, value in _record("k").items() if name != field}
         log.write_text(json.dumps(_record("a")) + "\n" + json.dumps(partial) + "\n")
         with pytest.raises(ValueError, match="line 2 is no trace record"):

@@ -74,7 +74,9 @@ def candidate_rows(max_prompt_tokens: int, seed: int) -> list[dict]:
     return rows
 
 
-LOG_RECORD_FIELDS = ("key", "output_tokens", "finish_reason")  # what resuming and the table read
+# What resuming and the table read: every column (a record of three fields passed, ran the whole
+# trace, and failed writing the table, as did every run after it).
+LOG_RECORD_FIELDS = TRACE_COLUMNS
 
 
 def read_log(log_path: Path) -> list[dict]:
@@ -279,8 +281,9 @@ def lengths_by_key(path: Path) -> dict[str, int]:
     return {row["key"]: row["output_tokens"] for row in load_trace(path=path).to_list()}
 
 
-def check_trace_table(path: Path, flag: str) -> None:
-    """ValueError unless `path` is a parquet table with a trace's key and output lengths."""
+def check_trace_table(path: Path, flag: str, columns: Sequence[str] = ("key", "output_tokens")) -> None:
+    """ValueError unless `path` is a parquet table with a trace's key and output lengths, and the
+    other `columns` asked for (a table resumed from must hold every column a log record does)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -289,7 +292,7 @@ def check_trace_table(path: Path, flag: str) -> None:
     except pa.ArrowException as exc:
         raise ValueError(f"{flag} {path}: not a parquet trace table ({exc})") from None
     schema = metadata.schema.to_arrow_schema()
-    missing = sorted({"key", "output_tokens"} - set(schema.names))
+    missing = sorted(set(columns) - set(schema.names))
     if missing:
         raise ValueError(f"{flag} {path}: not a trace table (no column {', '.join(missing)})")
     # Keys of another type matched no prompt (exit 0, a NaN tau), and an empty table was a
@@ -385,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log.resolve() == args.out.resolve():  # the table would overwrite the log, the resume point
         raise ValueError(f"--out {args.out}: the same file as --log")
     if args.out.is_file():  # resumed from once the model has loaded: a table of another kind fails now
-        check_trace_table(args.out, "--out")
+        check_trace_table(args.out, "--out", columns=TRACE_COLUMNS)
     logged = read_log(args.log) if args.log.is_file() else []  # likewise the log, which is appended to
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")

@@ -12,6 +12,7 @@ import logging
 from engine.arg_types import (non_negative_float, positive_float, positive_int, sampling_seed, stop_string, top_k,
                               top_p)
 from engine.config import DEFAULT_MODEL, EngineConfig
+from scheduler.request import has_utf8_form
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.raw and not all(args.prompts):  # templated, an empty message still has tokens; raw, none
         raise ValueError("--raw: a prompt must not be empty")
+    bad = [index for index, prompt in enumerate(args.prompts, 1) if not has_utf8_form(prompt)]
+    if bad:  # argv's bytes that are not UTF-8 come as lone surrogates, which the tokenizer refuses
+        raise ValueError(f"prompt {bad[0]} is not valid UTF-8 text")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)

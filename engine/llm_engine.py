@@ -35,7 +35,7 @@ from predictor.base import Prediction
 from predictor.batching import predict_in_batches
 from scheduler.eviction import needs_host_pool
 from scheduler.output import SchedulerOutput
-from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, is_int
+from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, has_utf8_form, is_int
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
 
@@ -161,10 +161,20 @@ class LLMEngine:
         """The prompt text the model expects for a chat, ending with the assistant's turn."""
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    @staticmethod
+    def _checked_text(prompt: str) -> str:
+        """A text prompt the tokenizer takes: not empty, and valid Unicode (bytes that are not
+        UTF-8, from a command line, come as lone surrogates, which the tokenizer refused with a
+        TypeError)."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if not has_utf8_form(prompt):
+            raise ValueError("prompt is not valid Unicode text (a lone UTF-16 surrogate: bytes that are not UTF-8)")
+        return prompt
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
+            self._checked_text(prompt)
             # The exact model input: offline callers (generate's chat, trace) pass chat-templated
             # text, whose special tokens a second BOS would duplicate. The HTTP server's plain
             # completions add them, as vLLM's do.
@@ -240,12 +250,12 @@ class LLMEngine:
     def predict(self, prompts: Sequence[str | list[int]]) -> list[Prediction | None]:
         """Each prompt's predicted length, scored in batches; all None without a predictor or when
         it fails, which serves them on with their lengths unknown to the policy, as the server
-        does. Text is scored as given (add_request checks it); token ids are checked (ValueError)
-        before they are decoded."""
+        does. Text and token ids are checked (ValueError) before they are scored: a text the
+        tokenizer refuses failed the whole batch's scoring."""
         if self.predictor is None or not prompts:
             return [None] * len(prompts)
-        texts = [prompt if isinstance(prompt, str) else self.tokenizer.decode(self._prompt_ids(prompt))
-                 for prompt in prompts]
+        texts = [self._checked_text(prompt) if isinstance(prompt, str)
+                 else self.tokenizer.decode(self._prompt_ids(prompt)) for prompt in prompts]
         try:
             return predict_in_batches(self.predictor, texts, batch_size=PREDICT_BATCH)
         except Exception:  # noqa: BLE001 - a length estimate is never worth a request

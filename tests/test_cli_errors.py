@@ -181,6 +181,10 @@ def test_generate_refuses_an_empty_raw_prompt_before_loading(capsys, tiny_model_
     monkeypatch.setattr(llm, "LLM", lambda *args, **kwargs: pytest.fail("loaded before the prompts were checked"))
     err = one_line_error(capsys, ["generate", "hi", "", "--raw", "--model", str(tiny_model_dir)], "generate")
     assert "--raw: a prompt must not be empty" in err
+    # Bytes that are not UTF-8 reach argv as lone surrogates: a TypeError traceback from the tokenizer.
+    for raw in ([], ["--raw"]):
+        err = one_line_error(capsys, ["generate", "hi", "bad \udcff", *raw, "--model", str(tiny_model_dir)], "generate")
+        assert "prompt 2 is not valid UTF-8 text" in err
 
 
 def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch) -> None:

@@ -258,6 +258,14 @@ def test_allowed_ids_are_refused_only_when_min_tokens_or_bad_words_rule_every_on
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_prompt_that_is_not_unicode_text_is_a_value_error_and_nothing_is_queued(llm, caplog):
+    # A lone surrogate (bytes that were not UTF-8): the tokenizer raised TypeError, against the
+    # API's ValueError for bad input, and the predictor's batch failed on it first.
+    with pytest.raises(ValueError, match="not valid Unicode text"):
+        llm.generate(["ok", "bad \udcff"], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests() and "predictor failed" not in caplog.text
+
+
 @pytest.mark.parametrize("count", [0, 2, 3])
 def test_generate_wants_one_sampling_params_per_prompt_or_one_for_all(llm, count):
     with pytest.raises(ValueError, match=f"got {count} sampling params for 1 prompts"):

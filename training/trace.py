@@ -281,7 +281,7 @@ def lengths_by_key(path: Path) -> dict[str, int]:
     return {row["key"]: row["output_tokens"] for row in load_trace(path=path).to_list()}
 
 
-def check_trace_table(path: Path, flag: str, columns: Sequence[str] = ("key", "output_tokens")) -> None:
+def check_trace_table(path: Path, flag: str, columns: tuple[str, ...] = ("key", "output_tokens")) -> None:
     """ValueError unless `path` is a parquet table with a trace's key and output lengths, and the
     other `columns` asked for (a table resumed from must hold every column a log record does)."""
     import pyarrow as pa

@@ -113,6 +113,10 @@ class BlockManager:
         self._device_tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
 
+    def device_table_holders(self) -> list[str]:
+        """The ids of the requests that hold device blocks."""
+        return list(self._device_tables)
+
     # ---- sizes -------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

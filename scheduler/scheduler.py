@@ -159,9 +159,13 @@ class Scheduler(Preemption):
             # Nothing of this plan reaches the runner: a swap-out it booked is never copied (the
             # host blocks hold nothing), so every request it touched starts over by recompute;
             # the finished ids stay held (their ids not reusable) and go with the next step.
-            # (An interrupt inside one of _fill's statements, between a queue removal and the
-            # re-queue, is not covered: only what the plan records is undone.)
+            # A queued request holding device blocks had them allocated when the interrupt came,
+            # before the plan recorded it (a waiting or urgent admission): unwritten, a choice
+            # sharing a sibling's blocks would read KV nobody computed. (An interrupt inside one
+            # of _fill's statements, between a queue removal and the re-queue, is not covered.)
             touched = [request.request_id for request, _ in plan.grants] + plan.preempted_ids
+            touched += [request_id for request_id in self.block_manager.device_table_holders()
+                        if self._requests[request_id].status is not RequestStatus.RUNNING]
             self._restart_by_recompute(touched, now)
             raise
         for request_id in finished_ids:  # reported to the runner: forgotten, unless sent again since

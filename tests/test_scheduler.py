@@ -506,6 +506,39 @@ def test_an_interrupt_inside_schedule_is_undone_too():
     assert r1.status is RequestStatus.PREEMPTED and r1 in s.waiting and not r1.block_ids
 
 
+def test_an_interrupt_between_allocating_a_choices_blocks_and_recording_them_is_undone():
+    # Two choices of one prompt; the interrupt comes right after the second's blocks (its
+    # sibling's, found in the prefix cache) are allocated, before the plan records its grant:
+    # left holding them, unwritten, it resumed at 12 computed tokens and read KV nobody wrote.
+    config = SchedulerConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, enable_prefix_caching=True, kv_watermark=0.0)
+    s = Scheduler(config)
+    prompt = list(range(300, 313))
+    first, second = (Request(name, prompt, SamplingParams(max_tokens=4, ignore_eos=True), 0.0)
+                     for name in ("c0", "c1"))
+    s.add_request(first)
+    s.add_request(second)
+    allocate = s.block_manager.allocate_slots
+
+    def allocate_then_interrupt(request, *args):
+        table = allocate(request, *args)
+        if request is second:
+            s.block_manager.allocate_slots = allocate
+            raise KeyboardInterrupt
+        return table
+
+    s.block_manager.allocate_slots = allocate_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        s.schedule(0.0)
+    assert s.block_manager.num_requests_holding() == 0 and second.num_computed_tokens == 0
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size)  # checks every slot it reads
+    for step in range(1, 12):
+        out = s.schedule(float(step))
+        s.update_from_output(out, runner.execute(out), float(step))
+    assert first.is_finished and second.is_finished and first.output_token_ids == second.output_token_ids
+    assert s.block_manager.num_free_blocks == config.num_gpu_blocks
+
+
 class FailAfterWaiting(Scheduler):
     fail_next = False
 

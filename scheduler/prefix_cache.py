@@ -89,6 +89,8 @@ class PrefixCache:
         return blocks
 
     def record_lookup(self, request: Request, num_hit_tokens: int, again: bool) -> None:
+        if request.sampling_params.prompt_logprobs is not None:
+            return  # it skips the cache, and vLLM counts no query for it (it read as a miss)
         if again:
             self.num_requery_tokens += request.num_tokens
             self.num_requery_hit_tokens += num_hit_tokens

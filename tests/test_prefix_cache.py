@@ -161,10 +161,15 @@ def test_a_prefix_evicted_before_its_allocation_allocates_nothing() -> None:
     m.check_integrity()
 
 
-def test_a_request_asking_for_prompt_logprobs_finds_nothing() -> None:
+def test_a_request_asking_for_prompt_logprobs_finds_nothing_and_is_no_query() -> None:
     m = manager()
     computed(m, request("a", range(1, 11)))
-    assert m.cached_prefix(request("b", range(1, 11), prompt_logprobs=0)).num_tokens == 0
+    queried = m.prefix_cache.num_query_tokens
+    asking = request("b", range(1, 11), prompt_logprobs=0)
+    assert m.cached_prefix(asking).num_tokens == 0
+    m.allocate_slots(asking, 10)
+    # vLLM skips the cache for it before counting a query: counted, it read as a 10-token miss.
+    assert m.prefix_cache.num_query_tokens == queried and m.prefix_cache.num_hit_tokens == 0
 
 
 def test_a_salted_request_finds_only_blocks_of_its_own_salt() -> None:

@@ -59,6 +59,7 @@ def test_own_decode_takes_a_step_per_token_however_fast_the_server() -> None:
     with pytest.raises(AdmissionRejected, match="end-to-end latency 35.10s") as info:
         ctl.check(req("long", 100, 200), [req("w", 14000, 1000)], [])
     assert info.value.retry_after_s == pytest.approx(5.0)
+    assert "send fewer" not in info.value.reason  # one sequence: the hint is for groups
 
 
 def test_with_nothing_ahead_a_request_is_admitted_whatever_its_own_size() -> None:
@@ -960,3 +961,22 @@ def test_a_prompt_scored_alone_counts_in_the_margin_with_its_one_token() -> None
         return ctl.stability_margin(10.0)
 
     assert margin(False) == pytest.approx(margin(True)) and margin(False) < 1.0
+
+
+def test_a_running_prompt_still_to_feed_holds_its_seat_for_its_chunks_too() -> None:
+    # Two seats, each held by a 160-token prompt not fed yet: ten 16-token chunks, then a decode,
+    # 1.1 s before a seat frees; with their 0.32 s of prompts ahead and its own 0.11 s, 1.53 s.
+    ctl = controller(slo_e2e_standard_s=1.0, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks=2048)
+    with pytest.raises(AdmissionRejected, match="1.53s"):
+        ctl.check(req("new", 10, 1), [], [req(f"r{k}", 160, 1) for k in range(2)])
+
+
+def test_a_queue_of_exactly_one_turn_of_the_seats_waits_for_a_seat_not_the_whole_work() -> None:
+    # One seat running (2 steps left) and one queued ahead of it with a 1,000-token reply: the
+    # queued one takes the free seat, the arrival the next, 0.2 s on; the queued reply's 1,000
+    # tokens are decoded beside it, not before it.
+    ctl = controller(slo_ttft_interactive_s=0.5, max_num_seqs=2)
+    running = decoding("r", 50, 2)
+    running.tier = Tier.INTERACTIVE
+    ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [req("q", 50, 1000, Tier.INTERACTIVE)], [running])
+    assert ctl.num_rejected == 0

@@ -118,6 +118,15 @@ def test_a_batch_scores_each_distinct_prompt_once():
     assert calls == [["same prompt", "other"]] and latencies[0][1] == 2
     expected = dict(zip(calls[0], chars_predictor().predict(calls[0])))
     assert [s.prediction for s in batch] == [expected[text] for text in texts]
+    # A prompt scored alone (no text: nothing to predict) is left out, and a batch of only such
+    # prompts makes no predictor call and no latency sample at all.
+    calls.clear()
+    alone = [Submission("s0", [1], None, params, Tier.STANDARD, 0, 0.0),
+             Submission("s1", [1], "other", params, Tier.STANDARD, 0, 0.0)]
+    ArrivalPredictor(Recording(), lambda *latency: latencies.append(latency)).predict_batch(alone)
+    assert calls == [["other"]] and alone[0].prediction is None and alone[1].prediction is not None
+    ArrivalPredictor(Recording(), lambda *latency: latencies.append(latency)).predict_batch(alone[:1])
+    assert calls == [["other"]] and len(latencies) == 2
 
 
 def test_a_predictor_answering_fewer_prompts_leaves_the_rest_unpredicted():

@@ -96,7 +96,7 @@ def _predictions(scores) -> list[Prediction]:
             for s in scores]
 
 
-def test_the_dedup_tau_reads_only_prompts_not_in_train():
+def test_the_dedup_tau_reads_only_prompts_not_in_train(monkeypatch):
     # Rows in train get reversed predictions, the rest exact ones: whole tau < 1, dedup tau 1.
     from types import SimpleNamespace
 
@@ -112,6 +112,21 @@ def test_the_dedup_tau_reads_only_prompts_not_in_train():
                               predictor=SimpleNamespace(spec=PredictorSpec("length", {}, "")))
     metrics = evaluate_trained(SimpleNamespace(valid=split, test=split), trained)
     assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0)
+    # What "in train" means follows what the predictor learned (training/labels.py
+    # seen_in_training): trained on the trace, the same rows marked seen, none in ShareGPT's.
+    from training import labels as label_data
+
+    unmarked = LabelledSplit(split.prompts, lengths, np.zeros(8, dtype=bool), split.prompt_tokens, split.censored)
+    seen_by = {}
+
+    def seen_in_training(data, spec):
+        seen_by["labels"] = spec.labels
+        return in_train, in_train
+
+    monkeypatch.setattr(label_data, "seen_in_training", seen_in_training)
+    trained.predictor = SimpleNamespace(spec=PredictorSpec("length", {}, "", labels="trace"))
+    metrics = evaluate_trained(SimpleNamespace(valid=unmarked, test=unmarked), trained)
+    assert metrics["test_kendall_tau_dedup"] == pytest.approx(1.0) and seen_by["labels"] == "trace"
     assert metrics["test_kendall_tau"] < 0.9
 
 
@@ -1161,6 +1176,16 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     assert (report.num_examples_dedup, report.num_examples_dedup_last_message) == (200, own_strict.sum())
     assert report.kendall_tau_dedup == pytest.approx(report.kendall_tau)
     assert report.kendall_tau_dedup_last_message == pytest.approx(tau(rank_len[own_strict], lengths[own_strict]))
+    # Quantiles a token past the cap: every cut reply's coverage unknown, so the report's bounds
+    # part, the lower counting them missed and the upper covered.
+    class PastTheCap(Stand):
+        def predict(self, prompts):
+            return [dataclasses.replace(p, p50=cap + 1, p90=cap + 1) for p in super().predict(prompts)]
+
+    monkeypatch.setattr(predictor, "load", lambda path: PastTheCap())
+    report = evaluate.evaluate(Path("stand-in"), "trace", limit=200, measure_latency=False)
+    assert report.p90_coverage == pytest.approx(np.mean(~cut)) and report.p90_coverage_max == 1.0
+    assert report.p50_coverage == pytest.approx(np.mean(~cut)) and report.p50_coverage_max == 1.0
     # Stacked on a ShareGPT prior that held the trace out, scored on ShareGPT's labels: the prior
     # learned ShareGPT's train split less the trace's prompts, and dedup drops what it learned.
     stacked = Stand()

@@ -5,7 +5,9 @@ Each line of $STEP_LOG: the step's start and end (perf_counter), the process CPU
 engine's StepRecord (batched tokens, sequences, summed context, step and forward seconds) and the
 waiting-queue length. Arguments are those of `lengthwise serve`.
 
-    STEP_LOG=out/steps_sjf.jsonl python scripts/serve_step_log.py serve --policy sjf --port 8010
+    STEP_LOG=out/bench_serve/sjf_steps.jsonl python scripts/serve_step_log.py serve --policy sjf --port 8010
+
+(scripts/step_log_fit.py reads DIR/POLICY_steps.jsonl.)
 """
 
 from __future__ import annotations

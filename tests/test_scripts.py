@@ -120,6 +120,74 @@ def test_step_log_fit_recovers_the_cost_of_logged_steps(tmp_path) -> None:
     assert (result["a_ms"], result["b_ms_per_token"], result["c_us_per_context_token"]) == pytest.approx((50, 1, 2))
 
 
+def test_step_log_fit_reads_the_engine_replays_logs_too(tmp_path) -> None:
+    # scripts/replay_engine.py times each step (step_time_s) without its bounds or CPU time: the
+    # fit it backs in the measurement record failed on a KeyError for t0.
+    import json
+
+    fit = load_script("step_log_fit")
+    lines = [json.dumps({"t": 1.0, "num_batched_tokens": tokens, "num_seqs": 4, "sum_context_tokens": context,
+                         "step_time_s": 0.05 + 0.001 * tokens + 2e-6 * context, "forward_time_s": 0.04,
+                         "waiting": 0})
+             for tokens, context in [(512, 512), (40, 900), (32, 4000), (300, 2500), (64, 6400), (8, 300)]]
+    (tmp_path / "sjf_steps.jsonl").write_text("\n".join(lines) + "\n")
+    result = fit.fit_steps(tmp_path / "sjf_steps.jsonl")
+    assert result["cpu_s"] is None and result["gaps_s"] is None and result["steps"] == 6
+    assert (result["a_ms"], result["b_ms_per_token"], result["c_us_per_context_token"]) == pytest.approx((50, 1, 2))
+
+
+def test_replay_engine_replays_the_tiers_and_refuses_what_it_cannot_replay(capsys, monkeypatch, tmp_path) -> None:
+    # It forced every reply to its max_tokens without --ignore-eos, and served a tier mix all
+    # standard: another workload than the bench run's, said nowhere.
+    import predictor
+    from engine import llm_engine
+    from predictor.base import Prediction
+
+    replay = load_script("replay_engine")
+    for extra, message in ((["--num-prompts", "2"], "--ignore-eos"),
+                           (["--num-prompts", "2", "--ignore-eos", "--max-concurrency", "1"], "--max-concurrency")):
+        with pytest.raises(SystemExit) as exited:
+            replay.main(["--", *extra])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+    added = []
+
+    class Engine:
+        def __init__(self, config):
+            self.queued = []
+            self.last_step = llm_engine.StepRecord(1, 1, 1, 0.01, 0.01)
+
+        def add_request(self, request_id, prompt, params, tier, prediction):
+            added.append((request_id, tier, params.ignore_eos))
+            self.queued.append(request_id)
+
+        def has_unfinished_requests(self):
+            return bool(self.queued)
+
+        def step(self):
+            done, self.queued = self.queued, []
+            return [type("Out", (), {"finished": True, "request_id": r, "token_ids": (1,)})() for r in done]
+
+        def stats(self):
+            return type("Stats", (), {"scheduler": type("S", (), {"num_waiting": 0})()})()
+
+    class Stand:
+        def predict(self, prompts):
+            return [Prediction(point=10.0, p50=10.0, p90=20.0, score=10.0, rank_len=10.0) for _ in prompts]
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Engine)
+    monkeypatch.setattr(predictor, "load", lambda path: Stand())
+    replay.main(["--policies", "fcfs", "--out-dir", str(tmp_path), "--", "--num-prompts", "8", "--ignore-eos",
+                 "--request-rate", "inf", "--seed", "0", "--tier-mix", "interactive:0.5,batch:0.5"])
+    from training import bench_serve
+
+    bench_parser = __import__("argparse").ArgumentParser()
+    bench_serve.add_arguments(bench_parser)
+    items = bench_serve.sample_workload(bench_parser.parse_args(["--num-prompts", "8", "--ignore-eos", "--seed", "0",
+                                                                 "--tier-mix", "interactive:0.5,batch:0.5"]))
+    expected = {str(i): item.tier for i, item in enumerate(items)}
+    assert {r: t.name.lower() for r, t, _ in added} == expected and len(set(expected.values())) == 2
+
+
 def test_step_log_fit_refuses_a_log_it_cannot_read_in_one_line(capsys, tmp_path) -> None:
     fit = load_script("step_log_fit")
     for name, text in (("fcfs_steps.jsonl", "{not json\n"), ("fcfs_steps.jsonl", '{"t0": 1}\n')):

@@ -121,7 +121,7 @@ def test_the_dedup_tau_reads_only_prompts_not_in_train(monkeypatch):
 
     def seen_in_training(data, spec):
         seen_by["labels"] = spec.labels
-        return in_train, in_train
+        return in_train
 
     monkeypatch.setattr(label_data, "seen_in_training", seen_in_training)
     trained.predictor = SimpleNamespace(spec=PredictorSpec("length", {}, "", labels="trace"))
@@ -1171,7 +1171,7 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     trace_trained.spec = PredictorSpec(kind="length", feature_spec={}, data_hash="", labels="trace")
     monkeypatch.setattr(predictor, "load", lambda path: trace_trained)
     report = evaluate.evaluate(Path("stand-in"), "trace", limit=200, measure_latency=False)
-    own_strict = ~label_data.seen_in_training(test, trace_trained.spec)[1]
+    own_strict = ~label_data.last_message_seen_in_training(test, trace_trained.spec)
     assert 0 < (~own_strict).sum() and own_strict.sum() != strict.sum()
     assert (report.num_examples_dedup, report.num_examples_dedup_last_message) == (200, own_strict.sum())
     assert report.kendall_tau_dedup == pytest.approx(report.kendall_tau)
@@ -1192,7 +1192,7 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     stacked.spec = PredictorSpec(kind="length", feature_spec={"prior": {"labels": "sharegpt", "held_out": "trace:h"}},
                                  data_hash="", labels="trace")
     sharegpt_test = label_data.subsample(label_data.load_split("test", "sharegpt"), 400, seed=2)
-    seen, _ = label_data.seen_in_training(sharegpt_test, stacked.spec)
+    seen = label_data.seen_in_training(sharegpt_test, stacked.spec)
     from training.trace import load_trace, prompt_key
 
     trace_keys = set(load_trace()["key"])

@@ -140,10 +140,9 @@ def evaluate(predictor_path: Path, labels: str = "sharegpt", limit: int | None =
     whole = prediction_metrics(test.lengths, predictions, test.censored)
     # Dedup drops the prompts of the train splits the predictor learned from, whichever labels it
     # is scored on: against ShareGPT's alone, a trace-trained one lost 29 trace prompts it never saw.
-    prompt_seen, message_seen = label_data.seen_in_training(test, model.spec)
-    keep = ~prompt_seen
+    keep = ~label_data.seen_in_training(test, model.spec)
     dedup = prediction_metrics(test.lengths[keep], [p for p, k in zip(predictions, keep) if k])
-    strict = keep & ~message_seen
+    strict = keep & ~label_data.last_message_seen_in_training(test, model.spec)
     dedup_strict = prediction_metrics(test.lengths[strict], [p for p, k in zip(predictions, strict) if k])
     latency = {size: latency_ms_per_prompt(model, test.prompts, size, calls) if measure_latency else None
                for size, calls in LATENCY_CALLS.items()}

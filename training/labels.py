@@ -69,21 +69,26 @@ def load_split(split: str, labels: LabelSource = "sharegpt", held_out: HeldOut |
     )
 
 
-def seen_in_training(split: LabelledSplit, spec) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt seen, last message seen), bool [N]: whether the prompt text, and whether its last
-    user message (stricter: "continue" after any history matches, and a predictor reading only
-    the last message could have memorized it), occur in a train split whose labels the predictor
+def seen_in_training(split: LabelledSplit, spec) -> np.ndarray:
+    """bool [N]: whether the prompt text occurs in a train split whose labels the predictor
     learned. `spec` is its PredictorSpec: its own labels' split, and a stacked prior's. ShareGPT's
     train split counts without the trace's prompts when that model held them out (`held_out`);
     the trace's train split holds none of its test prompts. (Against ShareGPT's alone, a
     trace-trained predictor lost 29 trace test prompts it never saw.)"""
-    prompt_seen = np.zeros(len(split), dtype=bool)
-    message_seen = np.zeros(len(split), dtype=bool)
+    seen = np.zeros(len(split), dtype=bool)
     for labels, held_out in _learned_label_sets(spec):
-        train_prompts, seen = _train_prompts(labels, split, held_out)
-        prompt_seen |= seen
-        message_seen |= _last_message_in(split.prompts, train_prompts)
-    return prompt_seen, message_seen
+        seen |= _prompts_seen(labels, split, held_out)
+    return seen
+
+
+def last_message_seen_in_training(split: LabelledSplit, spec) -> np.ndarray:
+    """bool [N]: whether the prompt's last user message occurs as the last user message of a
+    prompt in those train splits (`seen_in_training`). Stricter: "continue" after any history
+    matches, and a predictor reading only the last message could have memorized it."""
+    seen = np.zeros(len(split), dtype=bool)
+    for labels, held_out in _learned_label_sets(spec):
+        seen |= _last_message_in(split.prompts, _train_prompts(labels, held_out))
+    return seen
 
 
 def _learned_label_sets(spec) -> list[tuple[str, str]]:
@@ -95,27 +100,42 @@ def _learned_label_sets(spec) -> list[tuple[str, str]]:
     return learned
 
 
-def _train_prompts(labels: str, split: LabelledSplit, held_out: str) -> tuple[list[str], np.ndarray]:
-    """(the train split's prompts, whether each of `split`'s prompts is among them)."""
+def _held_out_keys(held_out: str) -> set[str]:
+    """The prompt keys a model trained without: every trace prompt's for "trace:...", else none."""
+    from training import trace
+
+    return set(trace.load_trace()["key"]) if held_out.startswith("trace:") else set()
+
+
+def _train_prompts(labels: str, held_out: str) -> list[str]:
+    """The prompts of the train split of `labels`, less those held out."""
     from training import trace
 
     if labels == "trace":
-        table = trace.load_trace("train")
-        keys = set(table["key"])
-        return list(table["prompt"]), np.asarray([trace.prompt_key(p) in keys for p in split.prompts], dtype=bool)
+        return list(trace.load_trace("train")["prompt"])
     prompts = list(dataset.load_turns("train")["prompt"])
+    held = _held_out_keys(held_out)
+    return [p for p in prompts if trace.prompt_key(p) not in held] if held else prompts
+
+
+def _prompts_seen(labels: str, split: LabelledSplit, held_out: str) -> np.ndarray:
+    """Whether each of `split`'s prompts is in the train split of `labels`, less those held out."""
+    from training import trace
+
+    if labels == "trace":
+        keys = set(trace.load_trace("train")["key"])
+        return np.asarray([trace.prompt_key(p) in keys for p in split.prompts], dtype=bool)
     seen = split.in_train.copy()  # both tables flag prompts against ShareGPT's train split
-    if held_out.startswith("trace:"):
-        held = set(trace.load_trace()["key"])
-        prompts = [p for p in prompts if trace.prompt_key(p) not in held]
+    held = _held_out_keys(held_out)
+    if held:
         seen &= np.asarray([trace.prompt_key(p) not in held for p in split.prompts], dtype=bool)
-    return prompts, seen
+    return seen
 
 
 def last_message_in_train(prompts: list[str]) -> np.ndarray:
     """bool [N]: the prompt's last user message occurs verbatim as the last user message of a
     ShareGPT train split prompt."""
-    return _last_message_in(prompts, dataset.load_turns("train")["prompt"])
+    return _last_message_in(prompts, _train_prompts("sharegpt", ""))
 
 
 def _last_message_in(prompts: Sequence[str], train_prompts: Sequence[str]) -> np.ndarray:

@@ -100,7 +100,7 @@ def evaluate_trained(data, trained) -> dict[str, float]:
     for prefix, split, predictions in (("val_", data.valid, trained.valid_predictions),
                                        ("test_", data.test, trained.test_predictions)):
         metrics.update(prediction_metrics(split.lengths, predictions, split.censored).as_dict(prefix))
-    dedup = ~label_data.seen_in_training(data.test, trained.predictor.spec)[0]
+    dedup = ~label_data.seen_in_training(data.test, trained.predictor.spec)
     dedup_predictions = [p for p, keep in zip(trained.test_predictions, dedup) if keep]
     metrics["test_kendall_tau_dedup"] = prediction_metrics(data.test.lengths[dedup], dedup_predictions).kendall_tau
     return metrics

@@ -442,9 +442,13 @@ class AdmissionController:
         work drains first, the prompts still to feed and then their decodes, which take no less
         than the wait for its seat. (Never less than the prompts and the seat alone, so that a
         longer queue never reads as a shorter delay.)"""
-        prefill = queued.prefill + sum(tokens_to_prefill(r) for r in running)
         decode = queued.work - queued.prefill + sum(predicted_output_tokens(r) for r in running)
-        return prefill / drain + max(seat_s, decode / drain)
+        return self._prefill_ahead_s(queued, running, drain) + max(seat_s, decode / drain)
+
+    @staticmethod
+    def _prefill_ahead_s(queued: QueuedSums, running: list[Request], drain: float) -> float:
+        """Seconds to feed the prompts still to feed of the queued requests ahead and the running."""
+        return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain
 
     def _interactive_delay_s(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
                              running: list[Request], drain: float) -> float:
@@ -456,7 +460,7 @@ class AdmissionController:
         seat_s = self._seat_wait_s(short, running)
         if short > len(running):
             return self._whole_work_s(queued, running, drain, seat_s)
-        return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain + seat_s
+        return self._prefill_ahead_s(queued, running, drain) + seat_s
 
     def _standard_delay_s(self, request: Request, queued_ahead: list[Request], queued: QueuedSums,
                           running: list[Request], drain: float) -> float:
@@ -472,7 +476,7 @@ class AdmissionController:
                       + request.group_size * self._blocks_to_finish(request))
             # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
             if blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark):
-                return (queued.prefill + sum(tokens_to_prefill(r) for r in running)) / drain + seat_s
+                return self._prefill_ahead_s(queued, running, drain) + seat_s
         return self._whole_work_s(queued, running, drain, seat_s)
 
     def _blocks_to_finish(self, request: Request) -> int:

@@ -205,17 +205,17 @@ class LLMEngine:
             outside = sorted({t for t in ids if t >= vocab})
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary of {vocab}: {outside[:5]}")
-        if params.allowed_token_ids and params.min_tokens:  # the end tokens are ruled out under ignore_eos too
-            stops = set(params.stop_token_ids) | {self.eos_token_id, *self.extra_eos_token_ids}
-            if stops.issuperset(params.allowed_token_ids):
-                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens rules out")
-        if params.allowed_token_ids:
-            banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
-            if params.min_tokens:
-                banned |= set(params.stop_token_ids) | {self.eos_token_id, *self.extra_eos_token_ids}
-            if banned.issuperset(params.allowed_token_ids):
-                raise ValueError("allowed_token_ids: every allowed token is a one-token bad word"
-                                 + (" or a stop token, which min_tokens rules out" if params.min_tokens else ""))
+        if not params.allowed_token_ids:
+            return
+        # min_tokens rules the end tokens out under ignore_eos too.
+        stops = ({*params.stop_token_ids, self.eos_token_id, *self.extra_eos_token_ids} if params.min_tokens
+                 else set())
+        if stops.issuperset(params.allowed_token_ids):
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens rules out")
+        banned = stops | {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError("allowed_token_ids: every allowed token is a one-token bad word"
+                             + (" or a stop token, which min_tokens rules out" if params.min_tokens else ""))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     tier: Tier = Tier.STANDARD, priority: int = 0, arrival_time: float | None = None,

@@ -68,7 +68,7 @@ def build_chunks(plan: StepPlan, finished_ids: tuple[str, ...], now: float) -> S
         request.num_computed_tokens = start + num_new
         chunks.append(ScheduledChunk(
             request_id=request.request_id, token_ids=tokens, start_position=start,
-            block_ids=tuple(request.block_ids), sample=request.num_computed_tokens == request.num_tokens))
+            block_ids=tuple(request.block_ids), sample=request.num_tokens_to_feed == 0))
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
         if request.requeued_at is not None:

@@ -83,7 +83,10 @@ def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     """Dequantize the GGUF into float32 safetensors plus tokenizer files in `out_dir`."""
     # Offline: the GGUF is local; nothing may reach the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    check_out_dir(out_dir)  # before the half-minute load
+    # Checked before the half-minute load, and resolved: a symlinked model folder is replaced where
+    # it points, and the renames below then move real folders (renaming the link itself would leave
+    # its target orphaned).
+    out_dir = check_out_dir(out_dir)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,9 +98,6 @@ def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = _plain_copy(loaded)
-    # Resolved: a symlinked model folder is replaced where it points, and the renames below then
-    # move real folders (renaming the link itself would leave its target orphaned).
-    out_dir = Path(out_dir).resolve()
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
     partial.mkdir(parents=True)

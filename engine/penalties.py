@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from engine.logit_range import within_range
 from scheduler.request import SamplingParams
 
 
@@ -59,11 +60,12 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Se
         rows, ids, factor = _pairs(repeated, [params[r].repetition_penalty for r, _ in repeated], logits)
         # Any penalty > 0 is valid, but in float32 one below ~1e-38 is 0 (or above ~3e38 inf), and
         # the division then gives inf and the sampler's softmax NaN: the factor keeps to normal
-        # floats and a logit to finite ones, so such a penalty means "as strong as can be".
+        # floats and a logit to finite ones (a masked one stays masked), so such a penalty means
+        # "as strong as can be".
         limits = torch.finfo(logits.dtype)
         factor = factor.clamp(min=limits.tiny, max=limits.max)
         values = penalized[rows, ids]
-        penalized[rows, ids] = torch.where(values > 0, values / factor, values * factor).clamp(max=limits.max)
+        penalized[rows, ids] = within_range(torch.where(values > 0, values / factor, values * factor), values)
     counted = [(r, torch.unique(output_ids[r], return_counts=True)) for r, p in enumerate(params)
                if len(output_ids[r]) and (p.frequency_penalty or p.presence_penalty)]
     if counted:

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from engine.logit_range import within_range
 from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
 
@@ -133,7 +134,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
     largest = torch.finfo(logits.dtype).max
     temperature = torch.tensor([min(p.temperature, largest) for p in params], dtype=logits.dtype,
                                device=device)[:, None]
-    logits = (logits / temperature).clamp(max=largest)  # a logit at the float range stays finite
+    logits = within_range(logits / temperature, logits)  # a logit at the float range stays finite
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         ratio = torch.tensor([p.min_p for p in params], device=device)[:, None]

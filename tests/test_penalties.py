@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.logits_processors import default_processors, process_logits
 from engine.penalties import apply_penalties
+from engine.sampler import Sampler
 from hf_reference import hf_greedy_penalized, hf_logprobs, random_prompts
-from scheduler.request import SamplingParams
+from scheduler.request import Request, SamplingParams
 
 NUM_TOKENS = 10
 LENGTHS = [30, 45, 3, 60]
@@ -50,6 +52,19 @@ def test_a_repetition_penalty_beyond_float32_is_as_strong_as_can_be_not_nan() ->
     assert weakest[0, 1] < -1e38 and 0 < weakest[0, 3] < 1e-37  # seen: lowered
     assert strongest[0, [2, 4]].tolist() == weakest[0, [2, 4]].tolist() == [0.5, -2.0]  # unseen: as they were
     assert strongest.softmax(dim=-1)[0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_a_huge_repetition_penalty_keeps_the_allowed_tokens_finite_and_the_masked_masked() -> None:
+    # A negative logit times 1e39 was -inf: with every allowed token seen and negative, the row
+    # was all -inf, and the sampler drew token 0 (greedy) or the last id, outside the allowed set.
+    logits = torch.full((1, 100), -3.0)
+    logits[0, 50] = 5.0
+    for temperature in (0.0, 1.0, 0.5):
+        params = SamplingParams(temperature=temperature, repetition_penalty=1e39, allowed_token_ids=(7, 8, 9))
+        request = Request("r", [7, 8, 9, 1], params, 0.0, eos_token_id=2)
+        processed = process_logits(logits, [request], default_processors())
+        assert torch.isfinite(processed[0, 7:10]).all() and torch.isneginf(processed[0, 50])
+        assert Sampler(seed=0).sample(processed, [4], [params])[0] in (7, 8, 9)
 
 
 def test_an_out_of_range_stop_token_id_under_min_tokens_is_left_alone(tiny_model_dir) -> None:

@@ -284,6 +284,17 @@ def test_a_logit_past_float32_after_temperature_stays_finite() -> None:
     assert probs[0].tolist() == [0.5, 0.5, 0.0]
 
 
+def test_a_logit_below_float32_after_temperature_stays_finite_and_a_mask_stays() -> None:
+    # -3e38 / 0.5 is past float32's range: with the allowed tokens all there, the row was all -inf,
+    # softmax NaN, and the draw the last token id, which the mask had ruled out.
+    largest = torch.finfo(torch.float32).max
+    row = torch.full((1, 100), float("-inf"))
+    row[0, 7:10] = -largest
+    probs = _filtered_probs(row, [SamplingParams(temperature=0.5)])
+    assert probs[0, 7:10].tolist() == pytest.approx([1 / 3] * 3) and probs[0].sum() == pytest.approx(1.0)
+    assert Sampler(seed=0).sample(row, [4], [SamplingParams(temperature=0.5)])[0] in (7, 8, 9)
+
+
 def test_a_top_k_row_without_top_p_keeps_its_tail() -> None:
     # A peaked row: in float32 the mass before its tail tokens rounds to 1.0, so a top-p of 1.0
     # compared at all would drop them. Top-k 999 of 1,000 keeps 999 tokens.

@@ -93,7 +93,13 @@ def test_a_broken_stream_fails_its_request_not_the_run():
                # Not a failure: a reply that is only its end-of-sequence token (empty text), as
                # vLLM's benchmark counts it.
                "eos only": ['data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n',
-                            'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n', "data: [DONE]\n\n"]}
+                            'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n', "data: [DONE]\n\n"],
+               # Not a failure either: an error key set to null reports no error.
+               "null error": ['data: {"choices": [{"text": "hi"}], "error": null}\n\n',
+                              'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n', "data: [DONE]\n\n"],
+               "null usage count": ['data: {"choices": [{"text": "hi"}]}\n\n',
+                                    'data: {"choices": [], "usage": {"completion_tokens": null}}\n\n',
+                                    "data: [DONE]\n\n"]}
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -114,10 +120,13 @@ def test_a_broken_stream_fails_its_request_not_the_run():
     assert separated.success and separated.output_tokens == 1, separated.error
     eos_only = results.pop("eos only")
     assert eos_only.success and eos_only.ttft_s is not None and eos_only.output_tokens == 1, eos_only.error
+    null_error = results.pop("null error")
+    assert null_error.success and null_error.output_tokens == 1, null_error.error
     assert not any(r.success for r in results.values())
     assert all(r.error for r in results.values()), {name: r.error for name, r in results.items()}
     assert results["error field"].error == "stream error: boom"
     assert results["no text"].error == "no token received" and "usage" in results["no usage"].error
+    assert "usage" in results["null usage count"].error
 
 
 def test_load_against_a_tiny_server_completes_every_request(tiny_model_dir):

@@ -194,8 +194,8 @@ def _completed(result: report.RequestResult) -> bool:
 def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
     """Record what one SSE chunk says; True when it carried choices (a token arrived). As in vLLM's
     benchmark, a choice with empty text counts: a reply's end-of-sequence token arrives as one."""
-    if "error" in chunk:
-        error = chunk["error"]
+    error = chunk.get("error")
+    if error is not None:  # a key set to null reports no error
         result.error = f"stream error: {error.get('message', '') if isinstance(error, dict) else error}"
         return False
     choices = chunk.get("choices") or []
@@ -204,7 +204,8 @@ def _on_chunk(chunk: dict, result: report.RequestResult, sent: float) -> bool:
     if any(choice.get("finish_reason") == "abort" for choice in choices):
         result.error = "aborted by the server"
     if chunk.get("usage"):
-        result.output_tokens = chunk["usage"]["completion_tokens"]
+        # A null count is none: _completed then names the missing count (a TypeError did).
+        result.output_tokens = chunk["usage"].get("completion_tokens") or 0
     return bool(choices)
 
 

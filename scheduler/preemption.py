@@ -48,7 +48,7 @@ class Preemption:
         budget = self.config.max_num_batched_tokens - len(self.running)
         limit = self._resume_limit(plan, now)
         for request in list(self.waiting):
-            if budget <= 0 or not self.running:
+            if not self.running:
                 return
             key = self.policy.sort_key(request, now)  # its rank while waiting (goodput's changes on admission)
             if limit is not None and key >= limit:
@@ -65,15 +65,18 @@ class Preemption:
             available = budget - ahead_tokens
             num_new = self._num_new_tokens(request, available, prefix)
             min_victims = 0
-            if num_new <= 0 < available:
-                # Without chunking a whole prefill gets all of it or nothing. Each victim's decode
-                # gives its token back, so enough victims let the prompt in whole; otherwise it
-                # waited behind batch decodes until one finished.
-                whole = self._num_new_tokens(request, self.config.max_num_batched_tokens, prefix)
-                min_victims = whole - available
-                if whole <= 0 or min_victims > len(candidates):
+            if num_new <= 0 and (available > 0 or not ahead_tokens):
+                # No room left by the running decodes (without chunking, a whole prefill gets all
+                # of it or nothing; with it, a budget of max_num_seqs tokens is all theirs once
+                # every seat is taken). Each victim's decode gives its token back, so enough
+                # victims let in its smallest first chunk; otherwise it waited behind batch
+                # decodes until one finished.
+                smallest = 1 if self.config.enable_chunked_prefill else self.config.max_num_batched_tokens
+                first = self._num_new_tokens(request, smallest, prefix)
+                min_victims = first - available
+                if first <= 0 or min_victims > len(candidates):
                     return
-                num_new = whole
+                num_new = first
             if num_new <= 0:
                 return  # the requests ranked ahead take the whole budget: nothing to make room for
             need = self.block_manager.num_new_blocks_needed(request, num_new, prefix) + ahead_blocks

@@ -695,6 +695,35 @@ def test_without_chunking_an_urgent_prompt_longer_than_the_budget_left_preempts_
         assert request.output_token_ids == expected
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_urgent_request_preempts_batch_decodes_that_hold_a_budget_of_one_token_a_seat(chunked: bool) -> None:
+    # A budget of max_num_seqs tokens is all the running decodes' once every seat is taken: the
+    # interactive request returned before looking for a victim, and waited until a batch request
+    # finished. Each victim's decode gives its token back: one lets in a first chunk of one token,
+    # and without chunking two let in the whole 2-token prompt.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
+                                          max_model_len=8, enable_chunked_prefill=chunked))
+    runner = PagedTokenRunner(64, 4)
+    batch = [make_request(f"r{index}", 1, 6, tier=Tier.BATCH) for index in range(8)]
+    for request in batch:
+        scheduler.add_request(request)
+    for now in range(3):
+        step(scheduler, runner, float(now))
+    urgent = make_request("r9", 2, 3, arrival=3.0, tier=Tier.INTERACTIVE)
+    scheduler.add_request(urgent)
+    output = step(scheduler, runner, 3.0)
+    granted = {c.request_id: len(c.token_ids) for c in output.chunks}
+    assert granted.get("r9") == len(output.preempted_ids) == (1 if chunked else 2)
+    assert output.num_batched_tokens == 8
+    for now in range(4, 100):  # every request still gets the tokens of a run never preempted
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner, float(now))
+    for request in [*batch, urgent]:
+        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+        assert request.output_token_ids == expected
+
+
 def test_an_urgent_request_that_cannot_get_room_keeps_its_turn() -> None:
     # r3 needs 10 blocks; preempting the batch request frees 2 of the 6 it would need beyond
     # the 4 free, so nobody is preempted, and r4, behind it in its tier, does not jump it.

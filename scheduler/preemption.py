@@ -48,7 +48,9 @@ class Preemption:
         budget = self.config.max_num_batched_tokens - len(self.running)
         limit = self._resume_limit(plan, now)
         for request in list(self.waiting):
-            if not self.running:
+            if not self.running or (budget <= 0 and plan.urgent_key is not None):
+                # An urgent request admitted in this step took the budget: the next waits a step
+                # (a victim for a one-token chunk would cost its recompute or swap for nothing).
                 return
             key = self.policy.sort_key(request, now)  # its rank while waiting (goodput's changes on admission)
             if limit is not None and key >= limit:

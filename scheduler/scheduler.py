@@ -202,15 +202,19 @@ class Scheduler(Preemption):
     def _schedule_running(self, plan: StepPlan, now: float) -> None:
         # By tier, then decodes (one token left to feed) before unfinished prefills, in policy
         # order. Tier first: when blocks run out, victims come from requests not yet scheduled, so
-        # an interactive prefill chunk placed after batch decodes could only preempt itself.
+        # an interactive prefill chunk placed after batch decodes could only preempt itself. But
+        # decodes first in the budget: a prefill chunk leaves a token for each decode after it.
         order = sorted(self.running, key=lambda r: (int(r.tier), r.num_tokens_to_feed > 1,
                                                     self.policy.sort_key(r, now)))
-        for request in order:
+        for index, request in enumerate(order):
             if plan.budget <= 0:
                 return
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.scheduled_ids:
                 continue  # preempted as a victim earlier in this loop, or admitted as urgent
-            num_new = self._num_new_tokens(request, plan.budget)
+            budget = plan.budget
+            if request.num_tokens_to_feed > 1:
+                budget -= self._decodes_to_come(order[index + 1:], plan)
+            num_new = self._num_new_tokens(request, budget)
             if num_new > 1 and plan.urgent_key is not None and self.policy.sort_key(request, now) > plan.urgent_key:
                 # The room an urgent request was let into counted one token of this one's growth
                 # (preemption.py): its chunk takes what the free blocks hold, and preempts nobody.
@@ -219,6 +223,13 @@ class Scheduler(Preemption):
                 granted = self._allocate_or_preempt(request, num_new, plan, now) if num_new > 0 else 0
             if granted:
                 plan.add(request, granted)
+
+    @staticmethod
+    def _decodes_to_come(later: list[Request], plan: StepPlan) -> int:
+        """Decodes of a lower tier still to be scheduled in this step. A higher tier's prefill
+        chunk that took the whole budget stalled them for as many steps as its prompt took."""
+        return sum(1 for r in later if r.num_tokens_to_feed == 1 and r.status is RequestStatus.RUNNING
+                   and r.request_id not in plan.scheduled_ids)
 
     def _allocate_what_fits(self, request: Request, num_new: int, plan: StepPlan) -> int:
         """Blocks for as much of `num_new` as the free blocks hold (all of it or none without

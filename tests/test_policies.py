@@ -784,9 +784,10 @@ def test_an_urgent_arrival_never_takes_the_chunk_of_an_earlier_running_request_o
     # itself, losing its 32 computed tokens.
     ("fcfs", 11, [(0, "a", Tier.STANDARD, 0, 40, 3)], 2, ("b", Tier.INTERACTIVE, 0, 8), "a", ("a", 4)),
     # An interactive prefill (priority 5) ranked after the arrival (priority 0) took the block
-    # left to a standard decode, which it then preempted.
+    # left to a standard decode, which it then preempted. (Its chunks before leave the decode its
+    # token: 30 of its 40 tokens are in, and its 8 blocks and the one free hold 6 more.)
     ("priority", 13, [(0, "d", Tier.STANDARD, 0, 4, 20), (1, "p", Tier.INTERACTIVE, 5, 40, 1)], 3,
-     ("u", Tier.INTERACTIVE, 0, 8), "d", ("p", 5)),
+     ("u", Tier.INTERACTIVE, 0, 8), "d", ("p", 6)),
     # The same, with the standard decode due a new block in the urgent step: the prefill leaves it
     # that block (and so the budget for its token) rather than take 8 tokens and drop the decode.
     ("priority", 10, [(0, "d", Tier.STANDARD, 0, 7, 20), (1, "p", Tier.INTERACTIVE, 5, 40, 1)], 2,

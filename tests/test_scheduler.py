@@ -724,6 +724,51 @@ def test_an_urgent_request_preempts_batch_decodes_that_hold_a_budget_of_one_toke
         assert request.output_token_ids == expected
 
 
+def test_an_urgent_request_finding_the_budget_taken_by_another_in_its_step_preempts_nobody() -> None:
+    # The first interactive arrival's chunk takes the 6 tokens the two batch decodes leave; the
+    # second would preempt a batch request (its recompute) for a one-token chunk: it waits a step.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                                          max_model_len=64))
+    runner = PagedTokenRunner(64, 4)
+    batch = [make_request(f"r{index}", 1, 20, tier=Tier.BATCH) for index in range(2)]
+    for request in batch:
+        scheduler.add_request(request)
+    step(scheduler, runner, 0.0)
+    urgent = [make_request(f"r{index}", 20, 2, arrival=1.0, tier=Tier.INTERACTIVE) for index in (7, 8)]
+    for request in urgent:
+        scheduler.add_request(request)
+    output = step(scheduler, runner, 1.0)
+    assert {c.request_id: len(c.token_ids) for c in output.chunks} == {"r7": 6, "r0": 1, "r1": 1}
+    assert output.preempted_ids == ()
+
+
+def test_a_higher_tier_prefill_leaves_a_token_for_each_lower_tier_decode() -> None:
+    # Decodes first, then prefill chunks, across tiers too: the interactive prompt's chunks took
+    # the whole budget ahead of the batch decodes (tier order, kept so that its victims are
+    # chosen among requests not yet scheduled), which then got no token for five steps.
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                                          max_model_len=64))
+    runner = PagedTokenRunner(64, 4)
+    batch = [make_request(f"r{index}", 1, 30, tier=Tier.BATCH) for index in range(3)]
+    for request in batch:
+        scheduler.add_request(request)
+    for now in range(3):
+        step(scheduler, runner, float(now))
+    urgent = make_request("r9", 40, 4, arrival=3.0, tier=Tier.INTERACTIVE)
+    scheduler.add_request(urgent)
+    for now in range(3, 100):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = step(scheduler, runner, float(now))
+        granted = {c.request_id: len(c.token_ids) for c in output.chunks}
+        if urgent.num_computed_tokens < 40:  # its prompt is still being fed
+            assert all(granted.get(r.request_id) == 1 for r in batch), (now, granted)
+            assert granted["r9"] == 5, (now, granted)  # and it takes the rest
+    for request in [*batch, urgent]:
+        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+        assert request.output_token_ids == expected
+
+
 def test_an_urgent_request_that_cannot_get_room_keeps_its_turn() -> None:
     # r3 needs 10 blocks; preempting the batch request frees 2 of the 6 it would need beyond
     # the 4 free, so nobody is preempted, and r4, behind it in its tier, does not jump it.

@@ -98,6 +98,10 @@ class AsyncLLMEngine:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._threads:
+            # Its engine thread's worker closed for good at the first shutdown: started again, it
+            # refused every request (or every call) while /health read healthy.
+            raise RuntimeError("an AsyncLLMEngine starts once: build a new one for another run")
         self._loop = asyncio.get_running_loop()
         self._no_streams = asyncio.Event()
         self._no_streams.set()
@@ -251,8 +255,11 @@ class AsyncLLMEngine:
                 self._forget(request_id)
             if isinstance(exc, asyncio.CancelledError) and submission.abandoned is None:
                 self._queue_abort(request_id)
-            else:
-                self._tell(self.listener.on_rejected, tier, exc)
+                raise
+            error = self._answer_for(submission, exc)
+            self._tell(self.listener.on_rejected, tier, error)
+            if error is not exc:
+                raise error from None
             raise
         finally:
             if self._pending.get(request_id) is submission:  # not a later request reusing the id
@@ -266,6 +273,15 @@ class AsyncLLMEngine:
             self._drop_aborted(request_id, stream)
             raise submission.abandoned
         return stream
+
+    @staticmethod
+    def _answer_for(submission: Submission, exc: BaseException) -> BaseException:
+        """What a submit that ended before admission raises: the abandonment's error when the loop
+        cancelled the submission itself (a drain or an abort), not the caller's task; else `exc`."""
+        task = asyncio.current_task()
+        cancelled_here = (isinstance(exc, asyncio.CancelledError) and submission.abandoned is not None
+                          and submission.admitted.cancelled() and (task is None or task.cancelling() == 0))
+        return submission.abandoned if cancelled_here else exc
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next step boundary; its stream ends with
@@ -285,6 +301,10 @@ class AsyncLLMEngine:
         pending = self._pending.get(request_id)
         if pending is not None:
             pending.abandoned = error  # first: the abort may reach the engine thread before it
+            # Answered now unless a thread has taken it (both skip a cancelled one): it waited for
+            # the predictor or the engine thread to come to it, which at a shutdown could outlast
+            # the server's flush, and the client got a plain 500 instead of the 503.
+            pending.admitted.cancel()
         self._queue_abort(request_id)
 
     def _queue_abort(self, request_id: str) -> None:
@@ -350,7 +370,9 @@ class AsyncLLMEngine:
     def _fail_all(self, message: str) -> None:
         for request_id, stream in self._streams.items():
             stream.put(StreamEnd("error", message))
-            self._tell(self.listener.on_aborted, request_id, stream.tier, reason="error")
+            pending = self._pending.get(request_id)
+            if pending is None or pending.was_admitted():  # one never admitted is counted by its submit
+                self._tell(self.listener.on_aborted, request_id, stream.tier, reason="error")
         self._streams.clear()
         self._no_streams.set()
 

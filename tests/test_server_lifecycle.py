@@ -170,9 +170,11 @@ def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, 
             await async_engine.drain(grace_s=0)
         else:
             async_engine.abort("held")
-        recorder.release.set()
+        # Answered at once, not when the predictor lets it go: at a shutdown that could outlast
+        # the server's flush, and the client got a plain 500.
         with pytest.raises(error):
-            await asyncio.wait_for(waiting, 60)
+            await asyncio.wait_for(waiting, 30)
+        recorder.release.set()
         running = await asyncio.wrap_future(async_engine.call_in_engine(lambda e: e.has_unfinished_requests()))
         await async_engine.shutdown(grace_s=0)
         return running
@@ -182,6 +184,54 @@ def test_a_request_aborted_while_the_predictor_holds_it_never_runs(engine, how, 
     assert free == total
     if how == "drain":  # never admitted: counted once, as refused, not also as an abort
         assert reports == [("rejected", EngineShuttingDown)]
+
+
+def test_an_engine_failure_counts_a_request_the_predictor_holds_once_as_refused(engine):
+    # It was counted as a request finished with an error too, though the engine never held it.
+    recorder, reports = BatchRecorder(chars_predictor()), []
+
+    class Recording(NullListener):
+        def on_rejected(self, tier, error):
+            reports.append(("rejected", type(error)))
+
+        def on_aborted(self, request_id, tier, reason="abort"):
+            reports.append(("aborted", request_id, reason))
+
+    def engine_thread_dies(_):
+        raise SystemExit("the engine thread dies")
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine, recorder, overlap_prediction=True, listener=Recording())
+        await async_engine.start()
+        waiting = asyncio.ensure_future(async_engine.submit(
+            "held", prompt_ids(engine, "Hello"), "Hello", SamplingParams(max_tokens=5)))
+        for _ in range(6000):  # until the predictor thread holds it
+            if recorder.batches:
+                break
+            await asyncio.sleep(0.01)
+        assert recorder.batches, "the predictor never received the request"
+        with pytest.raises(BaseException):
+            await asyncio.wrap_future(async_engine.call_in_engine(engine_thread_dies))
+        while async_engine.state is not EngineState.FAILED:
+            await asyncio.sleep(0.01)
+        recorder.release.set()
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(waiting, 60)
+        await async_engine.shutdown(grace_s=0)
+
+    asyncio.run(scenario())
+    assert reports == [("rejected", EngineDead)]
+
+
+def test_an_engine_started_a_second_time_says_so(engine):
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        await async_engine.shutdown(grace_s=0)
+        with pytest.raises(RuntimeError, match="starts once"):
+            await async_engine.start()
+
+    asyncio.run(scenario())
 
 
 def test_shutdown_without_grace_aborts_in_flight_and_frees_blocks(engine):

@@ -1189,10 +1189,14 @@ def test_eval_predictor_reports_each_figure_on_its_own_rows(monkeypatch):
     # Stacked on a ShareGPT prior that held the trace out, scored on ShareGPT's labels: the prior
     # learned ShareGPT's train split less the trace's prompts, and dedup drops what it learned.
     stacked = Stand()
-    stacked.spec = PredictorSpec(kind="length", feature_spec={"prior": {"labels": "sharegpt", "held_out": "trace:h"}},
-                                 data_hash="", labels="trace")
+    prior = {"labels": "sharegpt", "held_out": label_data.trace_held_out_tag()}
+    stacked.spec = PredictorSpec(kind="length", feature_spec={"prior": prior}, data_hash="", labels="trace")
     sharegpt_test = label_data.subsample(label_data.load_split("test", "sharegpt"), 400, seed=2)
     seen = label_data.seen_in_training(sharegpt_test, stacked.spec)
+    # Held out from another trace than today's: which prompts it learned is unknown, so is its dedup.
+    stale = dataclasses.replace(stacked.spec, feature_spec={"prior": {**prior, "held_out": "trace:0123"}})
+    with pytest.raises(ValueError, match="held out the trace 0123"):
+        label_data.seen_in_training(sharegpt_test, stale)
     from training.trace import load_trace, prompt_key
 
     trace_keys = set(load_trace()["key"])

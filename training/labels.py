@@ -101,10 +101,18 @@ def _learned_label_sets(spec) -> list[tuple[str, str]]:
 
 
 def _held_out_keys(held_out: str) -> set[str]:
-    """The prompt keys a model trained without: every trace prompt's for "trace:...", else none."""
+    """The prompt keys a model trained without: every trace prompt's for "trace:HASH", else none.
+    HASH must be the trace's now: a trace extended since would count prompts the model learned
+    (their ShareGPT train copies) as held out, and flatter its dedup figures."""
     from training import trace
 
-    return set(trace.load_trace()["key"]) if held_out.startswith("trace:") else set()
+    if not held_out.startswith("trace:"):
+        return set()
+    if held_out != trace_held_out_tag():
+        raise ValueError(f"the predictor held out the trace {held_out.removeprefix('trace:')}, and the "
+                         f"trace is now {trace_hash()}: which prompts it learned is unknown, so its dedup "
+                         "is too; retrain it with --hold-out-trace")
+    return set(trace.load_trace()["key"])
 
 
 def _train_prompts(labels: str, held_out: str) -> list[str]:

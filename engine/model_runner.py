@@ -1,7 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-Per step: apply the swap copies (out before in; the scheduler never swaps in during a step that
-swapped out, but the order would keep a freed block safe if it did), flatten every chunk into one
+Per step: apply the swap copies (out or in: the scheduler never swaps in during a step that
+swapped out, and no order of the two would be safe, since a swap-out may write the host block a
+swap-in frees and a swap-in the device block a swap-out frees; a step with both is refused), flatten every chunk into one
 [N] token batch with positions and slot mapping, build the AttentionMetadata once (every layer
 shares it), run the forward, and compute logits only at the last row of each chunk that samples
 (and at the prompt rows of requests that ask for prompt logprobs). The sampled rows pass the
@@ -103,6 +104,8 @@ class ModelRunner:
         prompt positions' logprobs a request already has (a prefill recomputed after a preemption
         need not score them again)."""
         start = self._clock()
+        if output.swap_out and output.swap_in:
+            raise ValueError("a step may swap out or swap in, not both (a freed block may be the other's)")
         self.kv_cache.swap_out(output.swap_out)
         self.kv_cache.swap_in(output.swap_in)
         if output.is_empty:

@@ -394,6 +394,9 @@ def test_an_empty_step_still_applies_its_swap_copies(tiny_model_dir):
     torch.testing.assert_close(cache.host_cache[:, :, 0], cache.device_cache[:, :, 2])
     runner.execute(SchedulerOutput((), (), (), (), ((0, 3),), 0), lambda _: None)
     torch.testing.assert_close(cache.device_cache[:, :, 3], cache.device_cache[:, :, 2])
+    # Both in one step: no order of the copies is safe (a freed block may be the other's).
+    with pytest.raises(ValueError, match="not both"):
+        runner.execute(SchedulerOutput((), (), (), ((1, 1),), ((0, 2),), 0), lambda _: None)
 
 
 def test_a_call_after_the_engine_thread_failed_is_answered_with_the_failure(tiny_model_dir, monkeypatch):

@@ -1,15 +1,14 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-Per step: apply the swap copies (out or in: the scheduler never swaps in during a step that
-swapped out, and no order of the two would be safe, since a swap-out may write the host block a
-swap-in frees and a swap-in the device block a swap-out frees; a step with both is refused),
-flatten every chunk into one [N] token batch with positions and slot mapping, build the
-AttentionMetadata once (every layer shares it), run the forward, and compute logits only at the
-last row of each chunk that samples (and at the prompt rows of requests that ask for prompt
-logprobs). The sampled rows pass the
-logits processors their requests ask for (logits_processors.py: allowed tokens, min_tokens, logit
-bias, penalties), then are sampled; logprobs, where asked for, come from the raw logits. Tensors
-are built from a handful of vectorised ops per step, never per token or per layer.
+Per step: apply the swap copies (out or in: the scheduler never swaps in during a step that swapped
+out, and no order of the two would be safe, since a swap-out may write the host block a swap-in
+frees and a swap-in the device block a swap-out frees; a step with both is refused), flatten every
+chunk into one [N] token batch with positions and slot mapping, build the AttentionMetadata once
+(every layer shares it), run the forward, and compute logits only at the last row of each chunk
+that samples (and at the prompt rows of requests that ask for prompt logprobs). The sampled rows
+pass the logits processors their requests ask for (logits_processors.py: allowed tokens,
+min_tokens, logit bias, penalties), then are sampled; logprobs, where asked for, come from the raw
+logits. Tensors are built from a handful of vectorised ops per step, never per token or per layer.
 """
 
 from __future__ import annotations

@@ -616,6 +616,19 @@ def step(scheduler: Scheduler, runner: PagedTokenRunner, now: float):
     return output
 
 
+def finish_with_reference_tokens(scheduler: Scheduler, runner: PagedTokenRunner, requests: list[Request],
+                                 start: int) -> None:
+    """Step from `start` until every request has finished; each has the tokens of a run never
+    preempted."""
+    for now in range(start, start + 200):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner, float(now))
+    for request in requests:
+        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+        assert request.output_token_ids == expected
+
+
 def test_the_watermark_never_keeps_a_request_out_of_an_empty_cache() -> None:
     # 6 of 8 blocks would leave less than the 50% watermark free, but nothing else can use them.
     scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, block_size=4, max_model_len=64, kv_watermark=0.5))
@@ -686,13 +699,7 @@ def test_without_chunking_an_urgent_prompt_longer_than_the_budget_left_preempts_
     output = step(scheduler, runner, 1.0)
     assert {c.request_id: len(c.token_ids) for c in output.chunks}.get("r3") == 31
     assert len(output.preempted_ids) == 1 and output.num_batched_tokens == 32
-    for now in range(2, 100):  # every request still gets the tokens of a run never preempted
-        if not scheduler.has_unfinished_requests():
-            break
-        step(scheduler, runner, float(now))
-    for request in [*batch, urgent]:
-        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
-        assert request.output_token_ids == expected
+    finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=2)  # as if never preempted
 
 
 @pytest.mark.parametrize("chunked", [True, False])
@@ -715,13 +722,7 @@ def test_an_urgent_request_preempts_batch_decodes_that_hold_a_budget_of_one_toke
     granted = {c.request_id: len(c.token_ids) for c in output.chunks}
     assert granted.get("r9") == len(output.preempted_ids) == (1 if chunked else 2)
     assert output.num_batched_tokens == 8
-    for now in range(4, 100):  # every request still gets the tokens of a run never preempted
-        if not scheduler.has_unfinished_requests():
-            break
-        step(scheduler, runner, float(now))
-    for request in [*batch, urgent]:
-        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
-        assert request.output_token_ids == expected
+    finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=4)  # as if never preempted
 
 
 def test_an_urgent_request_finding_the_budget_taken_by_another_in_its_step_preempts_nobody() -> None:
@@ -757,16 +758,13 @@ def test_a_higher_tier_prefill_leaves_a_token_for_each_lower_tier_decode() -> No
     urgent = make_request("r9", 40, 4, arrival=3.0, tier=Tier.INTERACTIVE)
     scheduler.add_request(urgent)
     for now in range(3, 100):
-        if not scheduler.has_unfinished_requests():
+        if urgent.num_computed_tokens >= 40:  # its prompt is in
             break
         output = step(scheduler, runner, float(now))
         granted = {c.request_id: len(c.token_ids) for c in output.chunks}
-        if urgent.num_computed_tokens < 40:  # its prompt is still being fed
-            assert all(granted.get(r.request_id) == 1 for r in batch), (now, granted)
-            assert granted["r9"] == 5, (now, granted)  # and it takes the rest
-    for request in [*batch, urgent]:
-        expected = reference_output(request.prompt_token_ids, request.sampling_params.max_tokens)
-        assert request.output_token_ids == expected
+        assert all(granted.get(r.request_id) == 1 for r in batch), (now, granted)
+        assert granted["r9"] == 5, (now, granted)  # and it takes the rest
+    finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=now)
 
 
 def test_an_urgent_request_that_cannot_get_room_keeps_its_turn() -> None:

@@ -48,6 +48,13 @@ def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], on_step=None, 
                                                             request.sampling_params.max_tokens)
 
 
+def run_recording(scheduler: Scheduler, arrivals: dict[int, list[Request]]) -> dict[int, object]:
+    """`run`, keeping each step's output by step."""
+    seen: dict[int, object] = {}
+    run(scheduler, arrivals, on_step=lambda step, output: seen.setdefault(step, output))
+    return seen
+
+
 def grants(output) -> dict[str, int]:
     return {c.request_id: len(c.token_ids) for c in output.chunks}
 
@@ -97,8 +104,7 @@ def test_a_decode_swapped_out_earlier_in_the_step_is_no_decode_to_come() -> None
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=2, max_tokens=12)
     s = req("s", 1.0, tier=Tier.STANDARD, prompt_len=28, max_tokens=2)
     i = req("i", 3.0, tier=Tier.INTERACTIVE, prompt_len=17, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [b], 1: [s], 3: [i]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [b], 1: [s], 3: [i]})
     assert seen[3].preempted_ids == () and grants(seen[3]) == {"i": 10, "s": 1, "b": 1}
     assert seen[4].preempted_ids == ("b",) and grants(seen[4]) == {"i": 7, "s": 5}
 
@@ -133,8 +139,7 @@ def test_an_urgent_arrival_preempts_nobody_when_an_earlier_urgent_prefill_takes_
     batch = [req(f"b{k}", 0.0, tier=Tier.BATCH, prompt_len=1, max_tokens=30) for k in range(3)]
     i1 = req("i1", 1.0, tier=Tier.INTERACTIVE, prompt_len=first_prompt, max_tokens=2)
     i2 = req("i2", 2.0, tier=Tier.INTERACTIVE, prompt_len=8, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: batch, 1: [i1], 2: [i2]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: batch, 1: [i1], 2: [i2]})
     assert grants(seen[1]) == {"i1": 13, "b0": 1, "b1": 1, "b2": 1}
     assert seen[2].preempted_ids == () and grants(seen[2]) == {"i1": 13, "b0": 1, "b1": 1, "b2": 1}
     assert all(b.num_preemptions == 0 for b in batch)
@@ -150,8 +155,7 @@ def test_without_chunking_an_urgent_prompt_may_need_every_candidate_as_a_victim(
     x = req("x", 0.0, tier=Tier.INTERACTIVE, prompt_len=1, max_tokens=20)
     batch = [req(f"b{k}", 0.0, tier=Tier.BATCH, prompt_len=1, max_tokens=20) for k in range(2)]
     u = req("u", 1.0, tier=Tier.INTERACTIVE, prompt_len=31, max_tokens=1)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [x, *batch], 1: [u]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [x, *batch], 1: [u]})
     assert sorted(seen[1].preempted_ids) == ["b0", "b1"] and grants(seen[1]) == {"u": 31, "x": 1}
 
 
@@ -164,8 +168,7 @@ def test_a_second_urgent_arrival_gets_the_decode_tokens_the_first_ones_victims_g
                                           max_model_len=64))
     batch = [req(f"b{k}", float(k), tier=Tier.BATCH, prompt_len=6, max_tokens=20) for k in range(2)]
     urgent = [req(f"i{k}", 3.0, tier=Tier.INTERACTIVE, prompt_len=16, max_tokens=2) for k in range(2)]
-    seen: dict[int, object] = {}
-    run(scheduler, {0: batch, 3: urgent}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: batch, 3: urgent})
     assert sorted(seen[3].preempted_ids) == ["b0", "b1"] and grants(seen[3]) == {"i0": 16, "i1": 16}
 
 
@@ -182,8 +185,7 @@ def test_an_urgent_arrival_reserves_a_prefill_ranked_ahead_its_chunk_beyond_the_
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=1, max_tokens=20)
     p = req("p", 1.0, tier=Tier.INTERACTIVE, prompt_len=20, max_tokens=2)
     u = req("u", 2.0, tier=Tier.INTERACTIVE, prompt_len=10, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [b], 1: [p], 2: [u]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [b], 1: [p], 2: [u]})
     assert grants(seen[1]) == {"p": 12, "b": 1}
     assert seen[2].preempted_ids == () and grants(seen[2]) == {"u": 4, "p": 8, "b": 1}
 
@@ -202,8 +204,7 @@ def test_a_prefill_chunk_short_of_blocks_gives_way_to_a_waiting_request_ranked_b
     d = req("d", 0.0, predicted=30, prompt_len=20, max_tokens=30)
     r = req("r", 1.0, predicted=10, prompt_len=35, max_tokens=10)
     w = req("w", 7.0, predicted=2, prompt_len=4, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [d], 1: [r], 7: [w]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [d], 1: [r], 7: [w]})
     assert grants(seen[6]) == {"d": 1, "r": 7}
     assert seen[7].preempted_ids == ("r",) and grants(seen[7]) == {"d": 1, "w": 4}
     assert d.num_preemptions == 0 and w.first_token_time == 7.0
@@ -267,8 +268,7 @@ def test_a_request_admitted_as_urgent_is_no_victim_for_a_later_one_in_its_step_w
     b = req("b", 0.0, prompt_len=4, max_tokens=10)
     u1 = req("u1", 1.0, prompt_len=4, max_tokens=4)
     u2 = req("u2", 1.5, prompt_len=4, max_tokens=4)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [b], 1: [u1, u2]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [b], 1: [u1, u2]})
     assert seen[1].preempted_ids == ("b",) and grants(seen[1]) == {"u1": 4, "u2": 4}
 
 
@@ -284,8 +284,7 @@ def test_a_two_token_prefill_chunk_ranked_after_an_urgent_admission_takes_what_i
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=1, max_tokens=8)
     p = req("p", 1.0, tier=Tier.INTERACTIVE, priority=1, prompt_len=8, max_tokens=2)
     u = req("u", 2.0, tier=Tier.INTERACTIVE, priority=0, prompt_len=1, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [b], 1: [p], 2: [u]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [b], 1: [p], 2: [u]})
     assert grants(seen[1]) == {"p": 3, "b": 1}
     assert seen[2].preempted_ids == () and grants(seen[2]) == {"u": 1, "p": 1, "b": 1}
 
@@ -305,7 +304,6 @@ def test_a_one_token_prefill_chunk_short_of_blocks_keeps_its_blocks_when_nobody_
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=2, max_tokens=12)
     s = req("s", 2.0, tier=Tier.STANDARD, prompt_len=16, max_tokens=2)
     x = req("x", 3.0, tier=Tier.INTERACTIVE, prompt_len=22, max_tokens=2)
-    seen: dict[int, object] = {}
-    run(scheduler, {0: [b], 2: [s], 3: [x]}, on_step=lambda step, output: seen.setdefault(step, output))
+    seen = run_recording(scheduler, {0: [b], 2: [s], 3: [x]})
     assert grants(seen[3]) == {"x": 10, "s": 1, "b": 1}
     assert grants(seen[4]) == {"x": 11} and seen[4].preempted_ids == ("b",)

@@ -616,6 +616,23 @@ def step(scheduler: Scheduler, runner: PagedTokenRunner, now: float):
     return output
 
 
+def batch_decoding(config: SchedulerConfig, indices, prompt_len: int, max_tokens: int, steps: int):
+    """A scheduler and its runner after `steps` steps of batch requests r{i} (i in `indices`); and
+    those requests."""
+    scheduler = Scheduler(config)
+    runner = PagedTokenRunner(config.num_gpu_blocks, config.block_size)
+    batch = [make_request(f"r{index}", prompt_len, max_tokens, tier=Tier.BATCH) for index in indices]
+    for request in batch:
+        scheduler.add_request(request)
+    for now in range(steps):
+        step(scheduler, runner, float(now))
+    return scheduler, runner, batch
+
+
+def chunk_sizes(output) -> dict[str, int]:
+    return {c.request_id: len(c.token_ids) for c in output.chunks}
+
+
 def finish_with_reference_tokens(scheduler: Scheduler, runner: PagedTokenRunner, requests: list[Request],
                                  start: int) -> None:
     """Step from `start` until every request has finished; each has the tokens of a run never
@@ -687,17 +704,13 @@ def test_without_chunking_an_urgent_prompt_longer_than_the_budget_left_preempts_
     # A 31-token interactive prompt does not fit the 30 tokens two batch decodes leave of 32, and
     # without chunking it gets its whole prompt or nothing: it had waited 27 steps, until a batch
     # request finished. One batch victim gives its decode token back and lets it in whole.
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
-                                          max_model_len=32, enable_chunked_prefill=False))
-    runner = PagedTokenRunner(64, 4)
-    batch = [make_request(f"r{index}", 4, 20, tier=Tier.BATCH) for index in (1, 2)]
-    for request in batch:
-        scheduler.add_request(request)
-    step(scheduler, runner, 0.0)
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                             max_model_len=32, enable_chunked_prefill=False)
+    scheduler, runner, batch = batch_decoding(config, (1, 2), prompt_len=4, max_tokens=20, steps=1)
     urgent = make_request("r3", 31, 1, arrival=1.0, tier=Tier.INTERACTIVE)
     scheduler.add_request(urgent)
     output = step(scheduler, runner, 1.0)
-    assert {c.request_id: len(c.token_ids) for c in output.chunks}.get("r3") == 31
+    assert chunk_sizes(output).get("r3") == 31
     assert len(output.preempted_ids) == 1 and output.num_batched_tokens == 32
     finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=2)  # as if never preempted
 
@@ -708,19 +721,13 @@ def test_an_urgent_request_preempts_batch_decodes_that_hold_a_budget_of_one_toke
     # interactive request returned before looking for a victim, and waited until a batch request
     # finished. Each victim's decode gives its token back: one lets in a first chunk of one token,
     # and without chunking two let in the whole 2-token prompt.
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
-                                          max_model_len=8, enable_chunked_prefill=chunked))
-    runner = PagedTokenRunner(64, 4)
-    batch = [make_request(f"r{index}", 1, 6, tier=Tier.BATCH) for index in range(8)]
-    for request in batch:
-        scheduler.add_request(request)
-    for now in range(3):
-        step(scheduler, runner, float(now))
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
+                             max_model_len=8, enable_chunked_prefill=chunked)
+    scheduler, runner, batch = batch_decoding(config, range(8), prompt_len=1, max_tokens=6, steps=3)
     urgent = make_request("r9", 2, 3, arrival=3.0, tier=Tier.INTERACTIVE)
     scheduler.add_request(urgent)
     output = step(scheduler, runner, 3.0)
-    granted = {c.request_id: len(c.token_ids) for c in output.chunks}
-    assert granted.get("r9") == len(output.preempted_ids) == (1 if chunked else 2)
+    assert chunk_sizes(output).get("r9") == len(output.preempted_ids) == (1 if chunked else 2)
     assert output.num_batched_tokens == 8
     finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=4)  # as if never preempted
 
@@ -728,18 +735,14 @@ def test_an_urgent_request_preempts_batch_decodes_that_hold_a_budget_of_one_toke
 def test_an_urgent_request_finding_the_budget_taken_by_another_in_its_step_preempts_nobody() -> None:
     # The first interactive arrival's chunk takes the 6 tokens the two batch decodes leave; the
     # second would preempt a batch request (its recompute) for a one-token chunk: it waits a step.
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                                          max_model_len=64))
-    runner = PagedTokenRunner(64, 4)
-    batch = [make_request(f"r{index}", 1, 20, tier=Tier.BATCH) for index in range(2)]
-    for request in batch:
-        scheduler.add_request(request)
-    step(scheduler, runner, 0.0)
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                             max_model_len=64)
+    scheduler, runner, _ = batch_decoding(config, range(2), prompt_len=1, max_tokens=20, steps=1)
     urgent = [make_request(f"r{index}", 20, 2, arrival=1.0, tier=Tier.INTERACTIVE) for index in (7, 8)]
     for request in urgent:
         scheduler.add_request(request)
     output = step(scheduler, runner, 1.0)
-    assert {c.request_id: len(c.token_ids) for c in output.chunks} == {"r7": 6, "r0": 1, "r1": 1}
+    assert chunk_sizes(output) == {"r7": 6, "r0": 1, "r1": 1}
     assert output.preempted_ids == ()
 
 
@@ -747,21 +750,16 @@ def test_a_higher_tier_prefill_leaves_a_token_for_each_lower_tier_decode() -> No
     # Decodes first, then prefill chunks, across tiers too: the interactive prompt's chunks took
     # the whole budget ahead of the batch decodes (tier order, kept so that its victims are
     # chosen among requests not yet scheduled), which then got no token for five steps.
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                                          max_model_len=64))
-    runner = PagedTokenRunner(64, 4)
-    batch = [make_request(f"r{index}", 1, 30, tier=Tier.BATCH) for index in range(3)]
-    for request in batch:
-        scheduler.add_request(request)
-    for now in range(3):
-        step(scheduler, runner, float(now))
+    config = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                             max_model_len=64)
+    scheduler, runner, batch = batch_decoding(config, range(3), prompt_len=1, max_tokens=30, steps=3)
     urgent = make_request("r9", 40, 4, arrival=3.0, tier=Tier.INTERACTIVE)
     scheduler.add_request(urgent)
     for now in range(3, 100):
         if urgent.num_computed_tokens >= 40:  # its prompt is in
             break
         output = step(scheduler, runner, float(now))
-        granted = {c.request_id: len(c.token_ids) for c in output.chunks}
+        granted = chunk_sizes(output)
         assert all(granted.get(r.request_id) == 1 for r in batch), (now, granted)
         assert granted["r9"] == 5, (now, granted)  # and it takes the rest
     finish_with_reference_tokens(scheduler, runner, [*batch, urgent], start=now)

@@ -176,7 +176,7 @@ class Preemption:
         while self.block_manager.allocate_slots(request, num_new) is None:
             candidates = [r for r in self.running if r.request_id not in plan.scheduled_ids]
             victim = self.policy.choose_victim(candidates, now)
-            if victim is request and request.num_tokens_to_feed > 1 and not self._queued_ranks_before(request, now):
+            if victim is request and request.feeds_a_prefill_chunk and not self._queued_ranks_before(request, now):
                 return self._allocate_what_fits(request, num_new, plan)
             self._preempt(victim, plan)
             if victim is request:

@@ -332,6 +332,12 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def feeds_a_prefill_chunk(self) -> bool:
+        """More than one token to feed: a prompt (or, after a recompute, its generated tokens)
+        still prefilling. A decode feeds one: the token sampled last."""
+        return self.num_tokens_to_feed > 1
+
+    @property
     def predicted_total(self) -> float:
         """The first point estimate of output length within [max(1, min_tokens), max_tokens];
         max_tokens when nothing was predicted."""

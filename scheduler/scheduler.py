@@ -204,7 +204,7 @@ class Scheduler(Preemption):
         # order. Tier first: when blocks run out, victims come from requests not yet scheduled, so
         # an interactive prefill chunk placed after batch decodes could only preempt itself. But
         # decodes first in the budget: a prefill chunk leaves a token for each decode after it.
-        order = sorted(self.running, key=lambda r: (int(r.tier), r.num_tokens_to_feed > 1,
+        order = sorted(self.running, key=lambda r: (int(r.tier), r.feeds_a_prefill_chunk,
                                                     self.policy.sort_key(r, now)))
         for index, request in enumerate(order):
             if plan.budget <= 0:
@@ -212,7 +212,7 @@ class Scheduler(Preemption):
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.scheduled_ids:
                 continue  # preempted as a victim earlier in this loop, or admitted as urgent
             budget = plan.budget
-            if request.num_tokens_to_feed > 1:
+            if request.feeds_a_prefill_chunk:
                 budget -= self._decodes_to_come(order[index + 1:], plan)
             num_new = self._num_new_tokens(request, budget)
             if num_new > 1 and plan.urgent_key is not None and self.policy.sort_key(request, now) > plan.urgent_key:
@@ -228,7 +228,7 @@ class Scheduler(Preemption):
     def _decodes_to_come(later: list[Request], plan: StepPlan) -> int:
         """Decodes of a lower tier still to be scheduled in this step. A higher tier's prefill
         chunk that took the whole budget stalled them for as many steps as its prompt took."""
-        return sum(1 for r in later if r.num_tokens_to_feed == 1 and r.status is RequestStatus.RUNNING
+        return sum(1 for r in later if not r.feeds_a_prefill_chunk and r.status is RequestStatus.RUNNING
                    and r.request_id not in plan.scheduled_ids)
 
     def _allocate_what_fits(self, request: Request, num_new: int, plan: StepPlan) -> int:

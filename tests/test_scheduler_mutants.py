@@ -55,6 +55,13 @@ def run_recording(scheduler: Scheduler, arrivals: dict[int, list[Request]]) -> d
     return seen
 
 
+def sjf_without_aging(mode: str) -> SchedulerConfig:
+    """15 blocks of 4, 4 seats, an 8-token budget; `mode` preemption (swap: a 30-block host pool)."""
+    return SchedulerConfig(num_gpu_blocks=15, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                           max_model_len=64, policy="sjf", aging_tokens_per_s=0.0, preemption_mode=mode,
+                           num_cpu_blocks=30 if mode == "swap" else 0)
+
+
 def grants(output) -> dict[str, int]:
     return {c.request_id: len(c.token_ids) for c in output.chunks}
 
@@ -66,10 +73,7 @@ def test_a_prefill_chunk_short_of_blocks_never_preempts_a_decode_of_its_tier_it_
     # r's chunk takes what the free blocks hold (none for four steps) and preempts nobody. (Kills
     # ordering running requests by tier and policy key alone: r's chunk went first, found no
     # block and took d, its worst-ranked victim, losing d's computed tokens.)
-    config = SchedulerConfig(num_gpu_blocks=15, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                             max_model_len=64, policy="sjf", aging_tokens_per_s=0.0, preemption_mode=mode,
-                             num_cpu_blocks=30 if mode == "swap" else 0)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(sjf_without_aging(mode))
     d = req("d", 0.0, predicted=30, prompt_len=20, max_tokens=9)
     r = req("r", 1.0, predicted=2, prompt_len=35, max_tokens=2)
     preempted: list[str] = []
@@ -197,10 +201,7 @@ def test_a_prefill_chunk_short_of_blocks_gives_way_to_a_waiting_request_ranked_b
     # arrived and ranks before r: r gives way, and w is admitted in the blocks r freed. (Kills
     # dropping `_queued_ranks_before`, or reading only the swapped-out queue: r kept its blocks
     # and took nothing for four steps, w waited, and d was preempted at step 11.)
-    config = SchedulerConfig(num_gpu_blocks=15, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                             max_model_len=64, policy="sjf", aging_tokens_per_s=0.0, preemption_mode=mode,
-                             num_cpu_blocks=30 if mode == "swap" else 0)
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(sjf_without_aging(mode))
     d = req("d", 0.0, predicted=30, prompt_len=20, max_tokens=30)
     r = req("r", 1.0, predicted=10, prompt_len=35, max_tokens=10)
     w = req("w", 7.0, predicted=2, prompt_len=4, max_tokens=2)

@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from scheduler.expected_length import capped_lognormal_mean
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -343,6 +345,18 @@ class Request:
         max_tokens when nothing was predicted."""
         params = self.sampling_params
         return params.clamp_length(params.max_tokens if self.predicted_len is None else self.predicted_len)
+
+    @property
+    def predicted_mean(self) -> float:
+        """The mean of the predicted output length, what sums of token work add up: a lognormal
+        through the predicted p50 and p90, capped at max_tokens (expected_length.py), then within
+        [max(1, min_tokens), max_tokens]. The point estimate when no spread was predicted (no p90
+        above p50)."""
+        p50, p90 = self.predicted_p50, self.predicted_p90
+        if self.predicted_len is None or p50 is None or p90 is None or not 0.0 < p50 < p90:
+            return self.predicted_total
+        params = self.sampling_params
+        return params.clamp_length(capped_lognormal_mean(p50, p90, float(params.max_tokens)))
 
     @property
     def all_token_ids(self) -> list[int]:

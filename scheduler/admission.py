@@ -299,8 +299,8 @@ class AdmissionController:
         alone read 0.1-0.3 while the simulated queue grew without bound. With the cache full, fewer
         seats are filled and steps get faster, so the seat term too read a median 0.8-0.9 under a
         load of 1.3 (a probe with placeholder step costs and 16k KV tokens). With all three terms,
-        `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.40 at load
-        0.9, 0.81 at 1.0 and 1.34 at 1.3."""
+        `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.43 at load
+        0.9, 0.87 at 1.0 and 1.35 at 1.3."""
         self._prune(now)
         if not self._steps or not self._arrivals:
             self._overloaded = False  # idle: the next crossing of 1 is logged again

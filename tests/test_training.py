@@ -833,6 +833,23 @@ def test_held_out_conversations_and_prompts_leave_train_and_validation():
     assert data.held_out == labels.trace_held_out_tag() and len(data.test) == 100  # test rows stay
 
 
+@pytest.mark.integration
+def test_a_held_out_models_seen_test_prompts_are_those_its_training_rows_hold():
+    from predictor.saved import PredictorSpec
+    from training import labels
+
+    spec = PredictorSpec("length", {}, "h", labels="sharegpt", held_out=labels.trace_held_out_tag())
+    test = labels.load_split("test")
+    trained_on = set(labels.load_split("train", "sharegpt", labels.trace_held_out()).prompts)
+    seen = labels.seen_in_training(test, spec)
+    assert seen.tolist() == [p in trained_on for p in test.prompts]
+    # Test prompts whose train copies all lie in conversations the trace drew from: in the train
+    # split, but not learned.
+    assert (test.in_train & ~seen).sum() > 100
+    last = labels.last_message_seen_in_training(test, spec)
+    assert (last >= seen).all() and not last.all()
+
+
 def test_a_prior_must_have_been_trained_without_the_traces_conversations(tmp_path):
     from predictor.heads import LgbmHeads
     from predictor.saved import PredictorSpec, write_spec

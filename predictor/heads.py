@@ -92,3 +92,11 @@ class LgbmHeads:
         chosen = json.loads((folder / HEADS_FILENAME).read_text())
         score_head = chosen["score_head"]
         return cls(boosters, score_head, chosen.get("length_head", legacy_length_head(score_head)))
+
+    def check_num_features(self, expected: int, what: str) -> None:
+        """Refuse boosters trained on another width than the `expected` features (`what` they
+        are): LightGBM would refuse only at the first prediction, with its own error."""
+        for name, booster in self.boosters.items():
+            if booster.num_feature() != expected:
+                raise ValueError(f"its {name} head reads {booster.num_feature()} features, "
+                                 f"and {what} are {expected}")

@@ -28,6 +28,12 @@ class LengthParams:
     residual_p50: float
     residual_p90: float
 
+    def __post_init__(self) -> None:
+        # Read back from JSON: a null or a string loaded, and failed at the first prediction.
+        for name, value in self.__dict__.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{PARAMS_FILENAME}: {name} must be a finite number, got {value!r}")
+
 
 def prompt_length_feature(prompts: Sequence[str]) -> np.ndarray:
     return np.log1p(np.asarray([len(prompt) for prompt in prompts], dtype=np.float64))

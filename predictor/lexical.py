@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from predictor.base import Prediction
-from predictor.features import check_lexical_spec, lexical_matrix
+from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
 from predictor.heads import LgbmHeads, to_predictions
 from predictor.saved import PredictorSpec
 
@@ -29,4 +29,6 @@ class LexicalPredictor:
     @classmethod
     def load(cls, folder: Path, spec: PredictorSpec) -> "LexicalPredictor":
         check_lexical_spec(spec.feature_spec)
-        return cls(LgbmHeads.load(folder), spec)
+        heads = LgbmHeads.load(folder)
+        heads.check_num_features(len(FEATURE_NAMES), "the lexical features")
+        return cls(heads, spec)

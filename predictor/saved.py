@@ -16,6 +16,7 @@ from predictor.base import Predictor
 
 SPEC_FILENAME = "predictor.json"
 FORMAT_VERSION = 1
+LABELS = ("sharegpt", "trace")  # whose output lengths a predictor can have learned
 # kind -> "module:class"; the class has `load(folder, spec)` and `save(folder)`.
 KINDS: dict[str, str] = {
     "length": "predictor.length:LengthPredictor",
@@ -43,8 +44,33 @@ class PredictorSpec:
             raise ValueError(f"unknown predictor kind {self.kind!r}; known: {sorted(KINDS)}")
         if not isinstance(self.feature_spec, dict):  # a kind's loader reads its fields by name
             raise ValueError(f"feature_spec must be a JSON object, got {type(self.feature_spec).__name__}")
+        if not is_int(self.version):
+            raise ValueError(f"version must be an integer, got {self.version!r}")
         if self.version > FORMAT_VERSION:
             raise ValueError(f"predictor format {self.version} is newer than this code ({FORMAT_VERSION})")
+        # Evaluation reads these to tell which test prompts the predictor saw in training: a wrong
+        # type failed there, after the whole test split was predicted.
+        _check_provenance(self.labels, self.held_out, "")
+        if not isinstance(self.data_hash, str):
+            raise ValueError(f"data_hash must be a string, got {self.data_hash!r}")
+        if not isinstance(self.metrics, dict):
+            raise ValueError(f"metrics must be a JSON object, got {type(self.metrics).__name__}")
+        prior = self.feature_spec.get("prior")
+        if prior is not None:
+            if not isinstance(prior, dict):
+                raise ValueError(f"feature_spec's prior must be a JSON object, got {type(prior).__name__}")
+            _check_provenance(prior.get("labels"), prior.get("held_out", ""), "the prior's ")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_provenance(labels: Any, held_out: Any, whose: str) -> None:
+    if labels not in LABELS:
+        raise ValueError(f"{whose}labels must be one of {LABELS}, got {labels!r}")
+    if not isinstance(held_out, str):
+        raise ValueError(f"{whose}held_out must be a string, got {held_out!r}")
 
 
 def write_spec(folder: Path, spec: PredictorSpec) -> None:

@@ -123,11 +123,30 @@ def test_length_predictor_round_trip(tmp_path):
     # Was an AttributeError (a traceback from serve --predictor) once the kind read a field of it.
     ('{"kind": "lexical", "feature_spec": null, "data_hash": ""}', "feature_spec must be a JSON object"),
     ('{"kind": "lexical", "feature_spec": [], "data_hash": ""}', "feature_spec must be a JSON object"),
+    # Evaluation reads these to find the prompts it trained on: a wrong type failed there, late.
+    ('{"kind": "length", "feature_spec": {}, "data_hash": "", "held_out": 5}', "held_out must be a string"),
+    ('{"kind": "length", "feature_spec": {}, "data_hash": "", "labels": "bogus"}', "labels must be one of"),
+    ('{"kind": "length", "feature_spec": {}, "data_hash": 7}', "data_hash must be a string"),
+    ('{"kind": "length", "feature_spec": {}, "data_hash": "", "metrics": 5}', "metrics must be a JSON object"),
+    ('{"kind": "length", "feature_spec": {}, "data_hash": "", "version": "1"}', "version must be an integer"),
+    ('{"kind": "length", "feature_spec": {"prior": "x"}, "data_hash": ""}', "prior must be a JSON object"),
+    ('{"kind": "length", "feature_spec": {"prior": {"labels": "x"}}, "data_hash": ""}', "the prior's labels"),
+    ('{"kind": "length", "feature_spec": {"prior": {"labels": "sharegpt", "held_out": 1}}, "data_hash": ""}',
+     "the prior's held_out"),
 ])
 def test_a_spec_that_is_not_a_predictors_is_a_value_error_naming_the_file(tmp_path, text, message):
     (tmp_path / "predictor.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         predictor.load(tmp_path)
+
+
+@pytest.mark.parametrize("value", [None, "abc", True, float("nan")])
+def test_length_params_that_are_not_finite_numbers_are_refused_at_load(tmp_path, value):
+    folder = save(_length_predictor(), tmp_path / "p")
+    params = json.loads((folder / "length_params.json").read_text())
+    (folder / "length_params.json").write_text(json.dumps({**params, "intercept": value}))
+    with pytest.raises(ValueError, match="intercept must be a finite number"):
+        predictor.load(folder)
 
 
 def test_predict_in_batches_keeps_order():
@@ -209,6 +228,17 @@ def test_lexical_predictor_refuses_other_features(tmp_path):
     spec = PredictorSpec(kind="lexical", feature_spec={"lexical_names": ["old"]}, data_hash="h")
     folder = save(LexicalPredictor(_tiny_heads(lexical_matrix(prompts), lengths), spec), tmp_path / "lex")
     with pytest.raises(ValueError):
+        predictor.load(folder)
+
+
+def test_lexical_heads_of_another_width_are_refused_at_load(tmp_path):
+    from predictor.lexical import LexicalPredictor
+
+    prompts, lengths = _synthetic_prompts(100)
+    narrow = _tiny_heads(lexical_matrix(prompts)[:, :5], lengths)  # five features where 43 are read
+    spec = PredictorSpec(kind="lexical", feature_spec=lexical_spec(), data_hash="h")
+    folder = save(LexicalPredictor(narrow, spec), tmp_path / "lex")
+    with pytest.raises(ValueError, match="reads 5 features, and the lexical features are"):
         predictor.load(folder)
 
 

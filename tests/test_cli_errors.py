@@ -47,6 +47,9 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["serve", "--srpt-max-preempt-share", "1.5"], "--srpt-max-preempt-share"),
     (["simulate", "--batch-shed-share", "0"], "--batch-shed-share"),
     (["simulate", "--slo-e2e-standard", "nan"], "--slo-e2e-standard"),
+    # An empty path would mean the working folder: a run wrote mlflow.db there.
+    (["train", "--store", ""], "--store"), (["eval-predictor", "--store", ""], "--store"),
+    (["train", "--save", " "], "--save"), (["eval-predictor", "--json", ""], "--json"),
 ])
 def test_values_that_can_be_checked_alone_are_usage_errors(capsys, argv, flag) -> None:
     err = usage_error(capsys, argv)

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.arg_types import check_output_location, positive_int, prepare_output_file
+from engine.arg_types import check_output_location, named_path, positive_int, prepare_output_file
 from engine.config import DEFAULT_PREDICTOR
 from predictor.saved import SPEC_FILENAME
 from training.labels import LABEL_SOURCES
@@ -170,8 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repository's store, data/predictors/default)")
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt")
     parser.add_argument("--limit", type=positive_int, default=None, help="evaluate on a seeded subsample of the test split")
-    parser.add_argument("--store", type=Path, default=None, help="MLflow store folder for 'champion'")
-    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--store", type=named_path, default=None, help="MLflow store folder for 'champion'")
+    parser.add_argument("--json", type=named_path, default=None, help="write the report here")
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--resample", default="default", metavar="PARQUET|none",
                         help="with --labels trace: a second sample of the test prompts to score against too "

@@ -13,7 +13,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from engine.arg_types import check_output_location, non_negative_int, positive_int, ranked_rows
+from engine.arg_types import check_output_location, named_path, non_negative_int, positive_int, ranked_rows
 from predictor.saved import KINDS
 from training import fitters
 from training.labels import LABEL_SOURCES
@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
     parser.add_argument("--max-train", type=ranked_rows, default=None, help="train rows (default per model)")
     parser.add_argument("--max-eval", type=ranked_rows, default=None, help="validation and test rows (default per model)")
-    parser.add_argument("--store", type=Path, default=None, help="MLflow store folder (default mlruns/)")
-    parser.add_argument("--save", type=Path, default=None, help="also copy the predictor folder here")
+    parser.add_argument("--store", type=named_path, default=None, help="MLflow store folder (default mlruns/)")
+    parser.add_argument("--save", type=named_path, default=None, help="also copy the predictor folder here")
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
-    parser.add_argument("--prior", type=Path, default=None,
+    parser.add_argument("--prior", type=named_path, default=None,
                         help="embed_lgbm with --labels trace: stack on this saved embed_lgbm predictor, trained "
                              "with --hold-out-trace (its outputs become features)")
     parser.add_argument("--hold-out-trace", action="store_true",

@@ -298,6 +298,20 @@ def test_missing_field_and_bad_json_are_400(served):
     assert error_of(post(served[0], "/v1/completions", "{not json"), 400)["param"] is None
 
 
+def test_an_engine_side_parameter_error_names_its_field(served):
+    # Only the engine knows the stop tokens, so it finds this one, after the body's own checks.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "allowed_token_ids": [2], "min_tokens": 2}
+    error = error_of(post(served[0], "/v1/completions", body), 400)
+    assert error["param"] == "allowed_token_ids" and "min_tokens rules out" in error["message"]
+
+
+def test_a_body_not_in_utf8_is_answered_as_bad_json(served):
+    response = httpx.post(served[0] + "/v1/completions", content=b'{"prompt": "\xff\xfe", "max_tokens": 1}',
+                          headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    error = error_of(response, 400)
+    assert error["code"] == "invalid_value" and "JSON in UTF-8" in error["message"]
+
+
 def test_openai_client_raises_bad_request_with_the_param(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-3)

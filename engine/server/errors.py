@@ -167,8 +167,11 @@ async def _on_body_too_large(request: Request, exc: BodyTooLarge) -> JSONRespons
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message, code = str(exc.detail), None
+    if exc.status_code == 400:  # FastAPI's: a body it could not decode (not UTF-8), answered as bad JSON is
+        message, code = f"{message}: the body must be JSON in UTF-8", "invalid_value"
     # Starlette's headers carry what the status needs, such as a 405's Allow.
-    return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+    return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

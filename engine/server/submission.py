@@ -25,6 +25,9 @@ from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import SEED_MAX, ChoiceGroup, SamplingParams, Tier
 
+# The body fields an engine-side ValueError can be about: its messages begin with the field's name.
+REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
 SERVICE_TIERS = {None: Tier.STANDARD, "auto": Tier.STANDARD, "default": Tier.STANDARD, "scale": Tier.STANDARD,
                  "priority": Tier.INTERACTIVE, "flex": Tier.BATCH}
 
@@ -106,7 +109,7 @@ class EngineSubmission:
                                   else tuple(body.allowed_token_ids),
                                   bad_words_token_ids=bad_words, cache_salt=body.cache_salt)
         except ValueError as exc:
-            raise errors.invalid_field(None, str(exc)) from exc
+            raise errors.invalid_field(field_named(str(exc)), str(exc)) from exc
 
     async def _all_admitted(self, submissions: list[Awaitable[RequestStream]]) -> list[RequestStream]:
         """The streams of submissions made at once, so they reach the engine (and the predictor)
@@ -141,7 +144,7 @@ class EngineSubmission:
         except (EngineShuttingDown, EngineDead) as exc:
             raise errors.engine_state_error(exc) from exc
         except ValueError as exc:
-            raise errors.invalid_field(None, str(exc)) from exc
+            raise errors.invalid_field(field_named(str(exc)), str(exc)) from exc
 
     def _abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
         for stream in streams:
@@ -167,3 +170,10 @@ def _choice_params(params: SamplingParams, index: int, streamed: bool) -> Sampli
         return params
     seed = None if params.seed is None else (params.seed + index) & SEED_MAX
     return replace(params, seed=seed, prompt_logprobs=params.prompt_logprobs if streamed else None)
+
+
+def field_named(message: str) -> str | None:
+    """The request field a sampling-parameter error names (`min_tokens must be ...`, `allowed_token_ids
+    holds only ...`), for the 400's `param`; None when it names none."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in REQUEST_FIELDS else None

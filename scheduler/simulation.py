@@ -55,15 +55,19 @@ class StepCostModel:
         """Reads either these field names or the calibration's short keys a, b, c, d (d optional). A
         least-squares fit may give a slightly negative b or c; those are clamped to 0 (a cost cannot
         be negative)."""
-        def coefficient(long: str, short: str, default: float | None = None) -> float:
+        def coefficient(long: str, short: str, default: float | None = None, clamp: bool = False) -> float:
             value = data.get(long, data.get(short, default))
             if value is None:
                 raise KeyError(f"step cost needs {long!r} (or {short!r})")
+            # JSON's true read as 1 s a step, and a string as its number.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"step cost {long!r} must be a number, got {value!r}")
             value = float(value)
-            return value if math.isnan(value) else max(0.0, value)  # NaN is refused, not clamped to 0
+            # Only where a fit can undershoot: a negative a or d is refused, not read as 0.
+            return max(0.0, value) if clamp and not math.isnan(value) else value
 
-        return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b"),
-                   coefficient("c_s_per_context_token", "c"), coefficient("d_s_per_swapped_block", "d", 0.0))
+        return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b", clamp=True),
+                   coefficient("c_s_per_context_token", "c", clamp=True), coefficient("d_s_per_swapped_block", "d", 0.0))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -95,6 +95,12 @@ def test_step_time_follows_the_cost_model() -> None:
     with_swaps = StepCostModel.from_dict({"a": 0.01, "b": 0.001, "c": 1e-5, "d": 0.002})
     assert with_swaps.step_time(swapping) == pytest.approx(COST.step_time(output) + 0.002 * 3)
     assert StepCostModel.from_dict({"a": 0.01, "b": 0.001, "c": 1e-5}).d_s_per_swapped_block == 0.0
+    # A fit may undershoot b or c a little (read as 0); a negative a or d, or a number that is not
+    # one, is refused.
+    assert StepCostModel.from_dict({"a": 0.01, "b": -1e-9, "c": -1e-12}).b_s_per_token == 0.0
+    for bad in ({"a": -5.0}, {"d": -0.1}, {"a": True}, {"b": "0.001"}):
+        with pytest.raises(ValueError):
+            StepCostModel.from_dict({"a": 0.01, "b": 0.001, "c": 1e-5, **bad})
 
 
 def test_single_seat_oracle_runs_shortest_first_and_the_clock_adds_up() -> None:
@@ -181,6 +187,8 @@ def test_metrics_match_hand_computation() -> None:
     unjudged = goal_checks(tiny_gain, aging_bound_s=10.0)
     assert unjudged["sjf_share_of_oracle_gain"] == pytest.approx(math.log(1.008) / math.log(1.01))
     assert unjudged["meets_oracle_share_60pct"] is None and "under 2%" in unjudged["oracle_share_note"]
+    slower = goal_checks({**tiny_gain, "oracle": {"mean_e2e_s": 9.5, "num_rejected": 0}}, aging_bound_s=10.0)
+    assert slower["meets_oracle_share_60pct"] is None and "slower than FCFS" in slower["oracle_share_note"]
     # A policy outside the goals shedding requests changes nothing.
     assert goal_checks({**policies, "srpt": {"num_rejected": 7}}, aging_bound_s=10.0) == checks
     # Shedding different requests per policy: the ratios compare different sets; no goal claimed.

@@ -67,7 +67,8 @@ class StepCostModel:
             return max(0.0, value) if clamp and not math.isnan(value) else value
 
         return cls(coefficient("a_s", "a"), coefficient("b_s_per_token", "b", clamp=True),
-                   coefficient("c_s_per_context_token", "c", clamp=True), coefficient("d_s_per_swapped_block", "d", 0.0))
+                   coefficient("c_s_per_context_token", "c", clamp=True),
+                   coefficient("d_s_per_swapped_block", "d", 0.0))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -61,6 +61,24 @@ def test_step_cost_fit_keeps_every_coefficient_non_negative():
     assert fit["b"] == 0.0 and fit["a"] > 0 and fit["c"] >= 0
 
 
+@pytest.mark.parametrize("sizes", [[(4, 40)], [(4, 40), (9, 300)], [(4, 40)] * 6, [(n, 10 * n) for n in (1, 5, 50)]])
+def test_steps_that_cannot_separate_the_costs_are_refused(sizes):
+    # One or two steps, or steps all of one size, or context in step with tokens: every second
+    # went to the intercept, and R^2 1 called it a perfect fit.
+    steps = [StepRecord(tokens, 1, context, 0.01 + 1e-4 * tokens + i * 1e-4, 0.0)
+             for i, (tokens, context) in enumerate(sizes)]
+    with pytest.raises(ValueError, match="cannot separate"):
+        fit_step_cost(steps)
+
+
+def test_a_fit_with_neither_a_fixed_nor_a_per_token_cost_is_refused():
+    # Every second on the context: a = b = 0, which the simulator refuses (a step could take no time).
+    steps = [StepRecord(tokens, 1, context, 3e-6 * context, 0.0)
+             for tokens, context in ((1, 100), (32, 900), (512, 512), (300, 4000))]
+    with pytest.raises(ValueError, match="no step cost the simulator can use"):
+        fit_step_cost(steps)
+
+
 def test_hf_baseline_gets_the_engines_kv_capacity(tiny_model_dir):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -170,8 +188,9 @@ def test_a_calibration_with_no_fixed_cost_is_a_usable_step_cost(tmp_path) -> Non
     # simulate refused the file --calibrate had just written ("not a step-cost file").
     from training.simulate import load_cost_model
 
-    steps = [StepRecord(n, 4, 4 * (n + 100), 0.0015 * n - 0.002 + 1e-6 * 4 * (n + 100), 0.0)
-             for n in (32, 64, 128, 256, 512)]
+    # (Contexts not in step with the tokens fed, or the costs could not be told apart.)
+    steps = [StepRecord(n, 4, 4 * (n + 100) + n * n // 64, 0.0015 * n - 0.002 + 1e-6 * (4 * (n + 100) + n * n // 64),
+                        0.0) for n in (32, 64, 128, 256, 512)]
     fit = fit_step_cost(steps)
     assert fit["a"] == 0.0 and fit["b"] > 0
     path = tmp_path / "cost.json"

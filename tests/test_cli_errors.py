@@ -296,6 +296,12 @@ def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken
     same = str(tmp_path / "b.json")
     assert "the same file as --json" in one_line_error(
         capsys, ["bench", "engine", *model, "--json", same, "--calibrate", "--step-cost-out", same], "bench engine")
+    # The plot is the .png beside --json: it overwrote a --json X.png, or a step cost written there.
+    assert "the plot is written to the .png beside it" in one_line_error(
+        capsys, ["bench", "engine", *model, "--json", str(tmp_path / "b.png")], "bench engine")
+    assert "the same file as --json or its plot" in one_line_error(
+        capsys, ["bench", "engine", *model, "--json", same, "--calibrate", "--step-cost-out",
+                 str(tmp_path / "b.png")], "bench engine")
     # Input that is wrong is named before any output folder is made.
     assert "no first turn of the test split fits" in one_line_error(
         capsys, ["bench", "engine", *model, "--max-prompt-tokens", "1", "--json", str(tmp_path / "new" / "b.json")],

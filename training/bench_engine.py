@@ -27,6 +27,7 @@ import numpy as np
 from engine.arg_types import cpu_threads, positive_float, positive_int, power_of_two, prepare_output_file
 from engine.config import DEFAULT_MODEL, REPO_ROOT, EngineConfig
 from engine.llm_engine import StepRecord
+from scheduler.simulation import StepCostModel
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
 BASELINES = ("hf_static", "hf_continuous")
@@ -87,13 +88,24 @@ def fit_step_cost(steps: list[StepRecord]) -> dict[str, float]:
     from scipy.optimize import nnls
 
     times = np.array([s.step_time_s for s in steps])
-    design = np.array([[1.0, s.num_batched_tokens, s.sum_context_tokens] for s in steps])
-    scale = np.maximum(np.abs(design).max(axis=0), 1e-12)  # columns of one size for the solver
+    design = np.array([[1.0, s.num_batched_tokens, s.sum_context_tokens] for s in steps]).reshape(-1, 3)
+    scale = np.maximum(np.abs(design).max(axis=0, initial=0.0), 1e-12)  # columns of one size for the solver
+    if np.linalg.matrix_rank(design / scale) < 3:
+        # Steps all of one size (or too few of them) cannot tell the fixed cost from the per-token
+        # ones: every second went to a, and an R^2 of 1 said the fit was perfect.
+        raise ValueError(f"--calibrate: the engine's {len(steps)} steps cannot separate the fixed, per-token "
+                         "and per-context costs (too few, or all of one size): run more prompts")
     coef = nnls(design / scale, times)[0] / scale
     residual = times - design @ coef
     total = float(((times - times.mean()) ** 2).sum())
-    r2 = 1.0 - float((residual ** 2).sum()) / total if total > 0 else 1.0
-    return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "r2": r2, "num_steps": len(steps)}
+    # Step times all but equal leave a spread of rounding noise, whose ratio means nothing.
+    r2 = 1.0 - float((residual ** 2).sum()) / total if total > 1e-12 * float((times ** 2).sum()) else 1.0
+    fit = {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "r2": r2, "num_steps": len(steps)}
+    try:  # what simulate will read: a fit may put every second on the context (a = b = 0)
+        StepCostModel.from_dict(fit)
+    except ValueError as exc:
+        raise ValueError(f"--calibrate: the fit is no step cost the simulator can use ({exc})") from None
+    return fit
 
 
 def _peak_rss_mb() -> float:
@@ -145,10 +157,20 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """The plot goes beside --json, as its .png: no two outputs may be one file, or one would
+    overwrite the other after the whole run."""
+    json_path = Path(args.json)
+    if json_path.suffix == ".png":
+        raise ValueError(f"--json {json_path}: the plot is written to the .png beside it")
+    if args.calibrate and Path(args.step_cost_out).resolve() in (json_path.resolve(),
+                                                                 json_path.with_suffix(".png").resolve()):
+        raise ValueError(f"--step-cost-out {args.step_cost_out}: the same file as --json or its plot")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.calibrate and Path(args.step_cost_out).resolve() == Path(args.json).resolve():
-        raise ValueError(f"--step-cost-out {args.step_cost_out}: the same file as --json")
+    check_output_paths(args)
     if args.max_prompt_tokens + args.max_output_tokens > args.max_model_len:
         # The engine ends a reply at max_model_len; the HF baselines would run it to max_tokens.
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-output-tokens "
@@ -179,10 +201,16 @@ def run(args: argparse.Namespace) -> int:
                                                      args.max_num_batched_tokens, kv_tokens)
         log.info("hf_continuous: %.1f tokens/s", results["hf_continuous"].tokens_per_s)
     summary = summarise(results, config, len(items))
+    refused = None
     if args.calibrate:
-        summary["step_cost"] = write_step_cost(results["engine"].steps, config, args.step_cost_out)
+        try:
+            summary["step_cost"] = write_step_cost(results["engine"].steps, config, args.step_cost_out)
+        except ValueError as exc:  # the throughput figures are still written
+            refused = exc
     args.json.write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, args.json.with_suffix(".png"))
+    if refused is not None:
+        raise refused
     print(json.dumps({k: summary[k] for k in ("tokens_per_s", "ratio_vs_hf_static", "ratio_vs_hf_continuous",
                                               "overhead_share", "peak_rss_mb")}, indent=2))
     return 0

@@ -349,6 +349,18 @@ def test_trace_refuses_a_reply_budget_that_leaves_no_room_for_a_prompt(capsys, t
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_trace_refuses_a_prompt_budget_no_prompt_fits_before_loading(capsys, tmp_path, tiny_model_dir,
+                                                                     monkeypatch) -> None:
+    # It traced nothing, exited 0 and wrote a table of no rows, which the next run refused.
+    import engine.llm
+
+    monkeypatch.setattr(engine.llm, "LLM", lambda **kwargs: pytest.fail("the model loaded"))
+    assert "--max-prompt-tokens 5: no prompt fits" in one_line_error(
+        capsys, ["trace", "--num-prompts", "1", "--max-prompt-tokens", "5", "--model", str(tiny_model_dir),
+                 "--log", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "t.parquet")], "trace")
+    assert not (tmp_path / "t.parquet").exists() and not (tmp_path / "t.jsonl").exists()
+
+
 def test_trace_and_train_argument_errors_are_exit_status_2(capsys, tmp_path) -> None:
     # They were SystemExit messages: exit status 1 and no "lengthwise trace: error:" prefix.
     assert "--num-prompts is required" in one_line_error(capsys, ["trace"], "trace")

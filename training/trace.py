@@ -398,12 +398,16 @@ def run(args: argparse.Namespace) -> int:
     # What the run would resume, log and table, sampled as this run would: known before the model loads.
     from_table = records_not_logged(logged, args.out)
     check_resume_settings(logged + from_table, args.max_tokens, args.temperature, args.seed, max_prompt_tokens)
-    llm = LLM(model=args.model)
-    append_records(args.log, from_table)  # once the model has loaded: a failed load writes nothing
     if args.resample_split is not None:
         rows = trace_rows(args.resample_split)[: args.num_prompts]
     else:
         rows = candidate_rows(max_prompt_tokens, args.seed)[: args.num_prompts]
+    if not rows:  # it traced nothing, wrote a table of no rows and no column types, and refused it next run
+        where = (f"--resample-split {args.resample_split}: the trace has no prompt there" if args.resample_split
+                 else f"--max-prompt-tokens {args.max_prompt_tokens}: no prompt fits")
+        raise ValueError(where)
+    llm = LLM(model=args.model)
+    append_records(args.log, from_table)  # once the model has loaded: a failed load writes nothing
     added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed,
                          max_prompt_tokens)
     total = write_trace_table(args.log, args.out)

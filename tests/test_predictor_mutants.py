@@ -418,7 +418,8 @@ def test_a_saved_embed_lgbm_predicts_what_it_predicted(tmp_path, fake_minilm, st
     base = embed_lgbm_features(FakeEncoder().encode(prompts), prompts)
     prior = real_heads(base, score_head="rank") if stacked else None
     heads = real_heads(with_prior(base, prior))
-    feature_spec = {**lexical_spec(), "encoder": EncoderConfig().as_dict(), **({"prior": {}} if stacked else {})}
+    prior_spec = {"prior": {"labels": "sharegpt"}} if stacked else {}
+    feature_spec = {**lexical_spec(), "encoder": EncoderConfig().as_dict(), **prior_spec}
     model = EmbedLgbmPredictor(FakeEncoder(), heads, PredictorSpec("embed_lgbm", feature_spec, "h"), prior)
     folder = save(model, tmp_path / "emb")
     assert (folder / PRIOR_FOLDER).is_dir() == stacked

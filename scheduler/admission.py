@@ -497,9 +497,9 @@ class AdmissionController:
         share = self.config.batch_shed_share if request.tier == Tier.BATCH else 1.0
         limit = bound * share
         own_work = request.group_prompt_tokens + predicted_output_tokens(request) * request.group_size
-        # A request larger than the limit on its own would fit only an empty queue, which steady
+        # A request as large as the limit on its own would fit only an empty queue, which steady
         # traffic never leaves (every retry refused): it is refused only while the queue is full.
-        if one_work > limit:  # it waits for the queue to drain below the limit, not to empty
+        if one_work >= limit:  # it waits for the queue to drain below the limit, not to empty
             overflows, excess = queued >= limit, queued - limit
         else:
             overflows, excess = queued + own_work > limit, queued + min(own_work, limit) - limit

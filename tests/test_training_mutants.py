@@ -370,7 +370,7 @@ def _trace_run_on_a_fake_engine(tmp_path: Path, monkeypatch, flags: list[str], c
     monkeypatch.setattr(engine.llm, "LLM", lambda model: SimpleNamespace(
         engine=SimpleNamespace(config=SimpleNamespace(max_model_len=context))))
     asked = []
-    monkeypatch.setattr(trace, "candidate_rows", lambda tokens, seed: asked.append(tokens) or [])
+    monkeypatch.setattr(trace, "candidate_rows", lambda tokens, seed: asked.append(tokens) or [{"key": "k"}])
     monkeypatch.setattr(trace, "record_trace", lambda *args: 0)
     monkeypatch.setattr(trace, "write_trace_table", lambda log, out: 0)
     parser = argparse.ArgumentParser()

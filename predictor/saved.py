@@ -44,7 +44,7 @@ class PredictorSpec:
             raise ValueError(f"unknown predictor kind {self.kind!r}; known: {sorted(KINDS)}")
         if not isinstance(self.feature_spec, dict):  # a kind's loader reads its fields by name
             raise ValueError(f"feature_spec must be a JSON object, got {type(self.feature_spec).__name__}")
-        if not is_int(self.version):
+        if not _is_int(self.version):
             raise ValueError(f"version must be an integer, got {self.version!r}")
         if self.version > FORMAT_VERSION:
             raise ValueError(f"predictor format {self.version} is newer than this code ({FORMAT_VERSION})")
@@ -62,7 +62,7 @@ class PredictorSpec:
             _check_provenance(prior.get("labels"), prior.get("held_out", ""), "the prior's ")
 
 
-def is_int(value: Any) -> bool:
+def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

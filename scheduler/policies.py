@@ -44,10 +44,10 @@ import math
 from typing import Sequence
 
 from scheduler.config import SchedulerConfig
+from scheduler.expected_length import Z90
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, Tier
 
-Z90 = 1.2815515655446004  # standard normal quantile at 0.9
 DEFAULT_LOG_SPREAD = 0.8  # lognormal sigma when no p90 is known
 
 

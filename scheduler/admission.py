@@ -11,8 +11,9 @@ alongside it divided by the throughput.
 - interactive: predicted TTFT = (prompt tokens still to feed of the interactive requests ahead,
   running or queued before it in the policy's order, + its own prompt) / throughput, plus the
   wait for a seat when interactive requests hold them all (until as many of the running ones end,
-  by their predicted steps left, as the queue ahead and it need; a queue ahead longer than that
-  counts its whole token work, as standard requests do); rejected above
+  by their predicted steps left, as the queue ahead and it need; a queue ahead longer than that,
+  or one whose KV blocks at their predicted ends leave no room for its prompt, counts its whole
+  token work, as standard requests do); rejected above
   `slo_ttft_interactive_s`. A fluid estimate: it leaves out the rest of the step in flight
   and the other tiers' decodes that share each step, work that tier order cannot move and a
   refusal would not shorten, so where steps are slow it reads low (on the CPU a step of 32 seats
@@ -461,7 +462,10 @@ class AdmissionController:
         queue ahead outlasts one turn of the running requests' seats, their whole work."""
         short = self._seats_short(request, queued_ahead, running)
         seat_s = self._seat_wait_s(short, running)
-        if short > len(running):
+        # Its prompt's blocks beside theirs at their predicted ends: interactive requests ahead are
+        # no one's victims, so without room it waits for them to end, as without a seat.
+        prompt_blocks = request.group_size * math.ceil(request.num_prompt_tokens / self.config.block_size)
+        if short > len(running) or not self._fits_beside(queued_ahead + running, prompt_blocks):
             return self._whole_work_s(queued, running, drain, seat_s)
         return self._prefill_ahead_s(queued, running, drain) + seat_s
 
@@ -473,14 +477,18 @@ class AdmissionController:
         Batch requests are not ahead: a standard one preempts them for a seat or blocks."""
         short = self._seats_short(request, queued_ahead, running)
         seat_s = self._seat_wait_s(short, running)
-        if short <= len(running):  # a few: their blocks are summed only when seats allow
-            ahead = queued_ahead + running
-            blocks = (sum(self._blocks_to_finish(r) for r in ahead)
-                      + request.group_size * self._blocks_to_finish(request))
-            # Less the watermark's reserve, which a request (or a swapped-out one) leaves free to start.
-            if blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark):
-                return self._prefill_ahead_s(queued, running, drain) + seat_s
+        # A few: their blocks are summed only when seats allow.
+        if short <= len(running) and self._fits_beside(queued_ahead + running,
+                                                       request.group_size * self._blocks_to_finish(request)):
+            return self._prefill_ahead_s(queued, running, drain) + seat_s
         return self._whole_work_s(queued, running, drain, seat_s)
+
+    def _fits_beside(self, ahead: list[Request], own_blocks: int) -> bool:
+        """Whether `own_blocks` fit beside the blocks of the requests `ahead` at their predicted
+        ends, in the cache less the watermark's reserve, which a request (or a swapped-out one)
+        leaves free to start."""
+        blocks = sum(self._blocks_to_finish(r) for r in ahead) + own_blocks
+        return blocks <= self.config.num_gpu_blocks * (1.0 - self.config.kv_watermark)
 
     def _blocks_to_finish(self, request: Request) -> int:
         """KV blocks the request holds at its predicted end."""

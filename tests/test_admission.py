@@ -647,9 +647,9 @@ def test_a_group_with_nothing_ahead_is_admitted_and_its_retry_waits_only_for_the
     assert info.value.retry_after_s == pytest.approx(3.0)
 
 
-def decoding(request_id: str, prompt_len: int, remaining: float) -> Request:
+def decoding(request_id: str, prompt_len: int, remaining: float, tier: Tier = Tier.STANDARD) -> Request:
     """A running request with its prompt fed, `remaining` predicted tokens still to generate."""
-    running = req(request_id, prompt_len, remaining)
+    running = req(request_id, prompt_len, remaining, tier)
     running.num_computed_tokens = prompt_len
     return running
 
@@ -713,7 +713,7 @@ def test_with_no_room_for_it_the_whole_work_ahead_counts() -> None:
 def test_an_interactive_request_waits_for_a_seat_held_by_interactive_decodes() -> None:
     # Every seat held by interactive decodes (no lower tier to preempt), nothing left to feed:
     # its first token waits for a seat, 380 steps of 0.1 s. It was priced at no wait and admitted.
-    ctl = controller(slo_ttft_interactive_s=0.5, max_num_seqs=4)
+    ctl = controller(num_gpu_blocks=2048, slo_ttft_interactive_s=0.5, max_num_seqs=4)
     running = [decoding(f"i{k}", 50, 380) for k in range(4)]
     for each in running:
         each.tier = Tier.INTERACTIVE
@@ -724,6 +724,22 @@ def test_an_interactive_request_waits_for_a_seat_held_by_interactive_decodes() -
     ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)  # 0.3 s + 0.05 s
     # Standard decodes hold seats it takes by preemption: no wait.
     ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], [decoding(f"s{k}", 50, 380) for k in range(4)])
+    assert ctl.num_rejected == 1
+
+
+def test_an_interactive_request_without_room_for_its_prompt_waits_for_the_interactive_work_ahead() -> None:
+    # A free seat, but two interactive requests that end at 69 blocks of 16 tokens each leave no
+    # room for its 4-block prompt in 140 blocks less the 1% watermark: they are no one's victims,
+    # so it waits for their decodes, 2 x 1,000 tokens at 1,000 tokens/s. It was priced at their
+    # prompts still to feed (none) and admitted.
+    ctl = controller(num_gpu_blocks=140, kv_watermark=0.01, slo_ttft_interactive_s=0.5, max_num_seqs=4)
+    running = [decoding(f"i{k}", 100, 1000, Tier.INTERACTIVE) for k in range(2)]
+    with pytest.raises(AdmissionRejected, match="TTFT 2.05s"):
+        ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running)
+    # With room for it (and beside batch decodes, whose blocks it takes by preemption): no wait.
+    ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], running[:1])
+    batch = [decoding(f"b{k}", 100, 1000, Tier.BATCH) for k in range(2)]
+    ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [], batch)
     assert ctl.num_rejected == 1
 
 
@@ -975,7 +991,7 @@ def test_a_queue_of_exactly_one_turn_of_the_seats_waits_for_a_seat_not_the_whole
     # One seat running (2 steps left) and one queued ahead of it with a 1,000-token reply: the
     # queued one takes the free seat, the arrival the next, 0.2 s on; the queued reply's 1,000
     # tokens are decoded beside it, not before it.
-    ctl = controller(slo_ttft_interactive_s=0.5, max_num_seqs=2)
+    ctl = controller(num_gpu_blocks=2048, slo_ttft_interactive_s=0.5, max_num_seqs=2)
     running = decoding("r", 50, 2)
     running.tier = Tier.INTERACTIVE
     ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [req("q", 50, 1000, Tier.INTERACTIVE)], [running])

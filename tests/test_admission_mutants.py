@@ -10,7 +10,7 @@ from scheduler.admission import AdmissionController, AdmissionRejected
 from scheduler.config import SchedulerConfig
 from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier
 from scheduler.scheduler import Scheduler
-from test_admission import controller, req
+from test_admission import controller, decoding, req
 
 
 def slow_controller(**kwargs) -> AdmissionController:
@@ -18,13 +18,6 @@ def slow_controller(**kwargs) -> AdmissionController:
     ctl = AdmissionController(SchedulerConfig(**{"num_gpu_blocks": 64, **kwargs}))
     ctl.record_step(0.0, 100, 1.0)
     return ctl
-
-
-def decoding(request_id: str, prompt_len: int, remaining: float, tier: Tier = Tier.STANDARD) -> Request:
-    """A running request with its prompt fed, `remaining` predicted tokens still to generate."""
-    running = req(request_id, prompt_len, remaining, tier)
-    running.num_computed_tokens = prompt_len
-    return running
 
 
 def test_an_overrun_request_does_not_offset_the_decodes_ahead() -> None:

@@ -464,7 +464,7 @@ class AdmissionController:
         seat_s = self._seat_wait_s(short, running)
         # Its prompt's blocks beside theirs at their predicted ends: interactive requests ahead are
         # no one's victims, so without room it waits for them to end, as without a seat.
-        prompt_blocks = request.group_size * math.ceil(request.num_prompt_tokens / self.config.block_size)
+        prompt_blocks = request.group_size * self._blocks_for(request.num_prompt_tokens)
         if short > len(running) or not self._fits_beside(queued_ahead + running, prompt_blocks):
             return self._whole_work_s(queued, running, drain, seat_s)
         return self._prefill_ahead_s(queued, running, drain) + seat_s
@@ -492,7 +492,9 @@ class AdmissionController:
 
     def _blocks_to_finish(self, request: Request) -> int:
         """KV blocks the request holds at its predicted end."""
-        tokens = request.num_tokens + predicted_output_tokens(request)
+        return self._blocks_for(request.num_tokens + predicted_output_tokens(request))
+
+    def _blocks_for(self, tokens: float) -> int:
         return math.ceil(tokens / self.config.block_size)
 
     def _check_queue_bound(self, request: Request, one_work: float, queued: float,

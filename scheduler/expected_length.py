@@ -5,7 +5,7 @@ up predicted output tokens over many requests (Little's law in tokens), and a su
 estimated by their means, not their medians: output lengths are right-skewed, so the point
 estimate, fitted in log space, sits below the mean. On 2,000 ShareGPT test prompts the default
 predictor's point averaged 241.5 tokens against a true mean of 291.3 (0.83x), while the mean of a
-lognormal through each prediction's p50 and p90, capped at max_tokens, averaged 295.2
+lognormal through each prediction's p50 and p90, capped at max_tokens, averaged 295.0
 (`scripts/expected_length_calibration.py`).
 """
 

@@ -18,19 +18,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.arg_types import positive_int, prepare_output_file_or_exit  # noqa: E402
-from scheduler.expected_length import capped_lognormal_mean  # noqa: E402
-from training.sim_workload import load_test_turns, predictor_predictions  # noqa: E402
+from scheduler.request import Request, SamplingParams  # noqa: E402
+from training.sim_workload import Predicted, load_test_turns, predictor_predictions  # noqa: E402
 
 
 def positive_ints(text: str) -> list[int]:
     return [positive_int(part) for part in text.split(",")]
 
 
-def capped_mean(p50: float, p90: float, cap: int) -> float:
-    """What `Request.predicted_mean` gives a request with these predictions and max_tokens."""
-    p50 = max(1.0, p50)
-    mean = capped_lognormal_mean(p50, p90, float(cap)) if p90 > p50 else p50
-    return max(1.0, min(mean, float(cap)))
+def as_request(prediction: Predicted, cap: int) -> Request:
+    """A request carrying the prediction as the simulator builds one (`build_workload`), so the
+    estimates below are the ones admission reads."""
+    return Request("r", [0], SamplingParams(max_tokens=cap), arrival_time=0.0,
+                   predicted_len=max(1.0, prediction.point), predicted_p50=max(1.0, prediction.p50),
+                   predicted_p90=max(1.0, prediction.p90))
 
 
 def calibration(predictor: Path, num_requests: int, caps: list[int], seed: int) -> dict:
@@ -39,10 +40,11 @@ def calibration(predictor: Path, num_requests: int, caps: list[int], seed: int) 
     by_cap = {}
     for cap in caps:
         true_mean = statistics.fmean(min(t.output_tokens, cap) for t in turns)
+        requests = [as_request(p, cap) for p in predictions]
         estimates = {
-            "point": statistics.fmean(max(1.0, min(p.point, cap)) for p in predictions),
-            "p50": statistics.fmean(max(1.0, min(p.p50, cap)) for p in predictions),
-            "capped_lognormal_mean": statistics.fmean(capped_mean(p.p50, p.p90, cap) for p in predictions),
+            "point": statistics.fmean(r.predicted_total for r in requests),
+            "p50": statistics.fmean(r.sampling_params.clamp_length(r.predicted_p50) for r in requests),
+            "capped_lognormal_mean": statistics.fmean(r.predicted_mean for r in requests),
         }
         by_cap[str(cap)] = {"true_mean": true_mean,
                             "mean": estimates,

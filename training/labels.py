@@ -115,14 +115,18 @@ def _held_out(held_out: str) -> HeldOut | None:
 
 
 def _train_prompts(labels: str, held_out: str) -> list[str]:
-    """The prompts of the train split of `labels` that the model learned: with the trace held out,
-    those `load_split` keeps, outside the trace's conversations as well as its prompts."""
+    """The prompts of the train split of `labels` that the model learned."""
     from training import trace
 
     if labels == "trace":
         return list(trace.load_trace("train")["prompt"])
+    return _sharegpt_train_prompts(_held_out(held_out))
+
+
+def _sharegpt_train_prompts(held: HeldOut | None) -> list[str]:
+    """ShareGPT's train prompts less `held`: with the trace held out, those `load_split` keeps,
+    outside the trace's conversations as well as its prompts."""
     table = dataset.load_turns("train")
-    held = _held_out(held_out)
     if held is None:
         return list(table["prompt"])
     return [p for c, p in zip(table["conversation_id"], table["prompt"]) if held.keeps(c, p)]
@@ -138,9 +142,10 @@ def _prompts_seen(labels: str, split: LabelledSplit, held_out: str) -> np.ndarra
     if labels == "trace":
         keys = set(trace.load_trace("train")["key"])
         return np.asarray([trace.prompt_key(p) in keys for p in split.prompts], dtype=bool)
-    if _held_out(held_out) is None:
+    held = _held_out(held_out)
+    if held is None:
         return split.in_train.copy()  # both tables flag prompts against ShareGPT's train split
-    learned = set(_train_prompts(labels, held_out))
+    learned = set(_sharegpt_train_prompts(held))
     return np.asarray([p in learned for p in split.prompts], dtype=bool)
 
 

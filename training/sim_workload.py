@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from engine.config import REPO_ROOT
+from scheduler.expected_length import Z90
 from scheduler.request import Tier
 from scheduler.simulation import SimRequest
 
 CACHE_DIR = REPO_ROOT / "data" / "cache" / "sim_predictions"
 NOISY_ORACLE = "noisy-oracle"
 NOISY_ORACLE_SIGMA = 0.6  # log-space noise of the development predictions
-Z90 = 1.2815515655446004
 
 ArrivalProcess = Literal["poisson", "gamma"]
 

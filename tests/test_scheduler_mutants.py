@@ -23,6 +23,11 @@ def req(request_id: str, arrival: float = 0.0, predicted: float | None = None, t
                    arrival_time=arrival, predicted_len=predicted, tier=tier, priority=priority)
 
 
+def swap_config(**sizes) -> SchedulerConfig:
+    """A small swap-mode cache with room on the host for every victim and no watermark."""
+    return SchedulerConfig(**sizes, max_model_len=64, kv_watermark=0.0, preemption_mode="swap", num_cpu_blocks=64)
+
+
 def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], on_step=None, steps: int = 500) -> None:
     """Step to the end with the paged reference runner; `on_step(step, output)` sees each step.
     Every request finishes with the reference tokens and every block comes back."""
@@ -102,9 +107,7 @@ def test_a_decode_swapped_out_earlier_in_the_step_is_no_decode_to_come() -> None
     # tokens find the blocks short and swap b out; s's chunk then takes the token b left as
     # well (5). (Kills counting a swapped-out victim, which keeps its computed tokens and so has
     # one token to feed, as a decode still to come: s got 4 and the token went unused.)
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=12,
-                                          max_model_len=64, kv_watermark=0.0, preemption_mode="swap",
-                                          num_cpu_blocks=64))
+    scheduler = Scheduler(swap_config(num_gpu_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=12))
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=2, max_tokens=12)
     s = req("s", 1.0, tier=Tier.STANDARD, prompt_len=28, max_tokens=2)
     i = req("i", 3.0, tier=Tier.INTERACTIVE, prompt_len=17, max_tokens=2)
@@ -229,8 +232,7 @@ def test_a_prefill_chunk_short_of_blocks_gives_way_to_a_swapped_out_request_rank
     # (a's decode went first): s, swapped out and now ranked before r, is a queued request r
     # gives way to, as to a waiting one. (Kills reading only the waiting queue in
     # `_queued_ranks_before`: r kept its blocks and took the 2 tokens they held.)
-    config = SchedulerConfig(num_gpu_blocks=11, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                             max_model_len=64, kv_watermark=0.0, preemption_mode="swap", num_cpu_blocks=64)
+    config = swap_config(num_gpu_blocks=11, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     ranks = {"a": 1.0, "r": 2.0, "s": 3.0}
     scheduler = Scheduler(config, Reranked(config, ranks))
     a = req("a", 0.0, prompt_len=12, max_tokens=30)
@@ -299,9 +301,7 @@ def test_a_one_token_prefill_chunk_short_of_blocks_keeps_its_blocks_when_nobody_
     # (told apart by num_new > 1, not by the tokens it has to feed); with 2 tokens of budget it
     # kept them. (Here x's decode takes s as its victim two steps later anyway; the test pins
     # the step's decision.)
-    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=17, block_size=2, max_num_seqs=3, max_num_batched_tokens=12,
-                                          max_model_len=64, kv_watermark=0.0, preemption_mode="swap",
-                                          num_cpu_blocks=64))
+    scheduler = Scheduler(swap_config(num_gpu_blocks=17, block_size=2, max_num_seqs=3, max_num_batched_tokens=12))
     b = req("b", 0.0, tier=Tier.BATCH, prompt_len=2, max_tokens=12)
     s = req("s", 2.0, tier=Tier.STANDARD, prompt_len=16, max_tokens=2)
     x = req("x", 3.0, tier=Tier.INTERACTIVE, prompt_len=22, max_tokens=2)

@@ -361,6 +361,22 @@ def test_trace_refuses_a_prompt_budget_no_prompt_fits_before_loading(capsys, tmp
     assert not (tmp_path / "t.parquet").exists() and not (tmp_path / "t.jsonl").exists()
 
 
+def test_trace_says_which_damaged_log_lines_it_skipped(capsys, tmp_path, tiny_model_dir, monkeypatch) -> None:
+    # They were skipped without a word, and their prompts traced again.
+    import engine.llm
+
+    monkeypatch.setattr(engine.llm, "LLM", lambda **kwargs: pytest.fail("the model loaded"))
+    record = {"key": "k", "conversation_id": "c", "turn_index": 0, "prompt": "p", "prompt_tokens": 1,
+              "output_tokens": 3, "finish_reason": "stop", "split": "test", "in_train": False}
+    log = tmp_path / "t.jsonl"
+    log.write_text(json.dumps(record) + "\n{oops\n" + json.dumps(record) + "\n")
+    assert main(["trace", "--num-prompts", "1", "--max-prompt-tokens", "5", "--model", str(tiny_model_dir),
+                 "--log", str(log), "--out", str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"--log {log}: skipped unreadable line(s) 2; their prompts are traced again"
+    assert "no prompt fits" in err[1]
+
+
 def test_trace_and_train_argument_errors_are_exit_status_2(capsys, tmp_path) -> None:
     # They were SystemExit messages: exit status 1 and no "lengthwise trace: error:" prefix.
     assert "--num-prompts is required" in one_line_error(capsys, ["trace"], "trace")

@@ -73,6 +73,18 @@ def test_cut_lines_between_whole_records_are_skipped_and_an_empty_log_is_empty(t
         read_log(log)
 
 
+def test_damaged_lines_are_named_but_an_interrupted_last_line_is_not(tmp_path: Path):
+    from training.trace import read_log_contents
+
+    log = tmp_path / "t.jsonl"
+    whole = [json.dumps(_record("a")), "garbage", json.dumps(_record("b")), "", json.dumps(_record("c"))]
+    log.write_text("\n".join(whole) + '\n{"key": "cut')  # lines 2 and 4 damaged, line 6 cut by an interrupt
+    contents = read_log_contents(log)
+    assert contents.records == [_record("a"), _record("b"), _record("c")] and contents.damaged_lines == [2, 4]
+    log.write_text("\n".join(whole) + '\n{"key": "cut\n')  # ended by a line break: no interrupted write
+    assert read_log_contents(log).damaged_lines == [2, 4, 6]
+
+
 def test_each_prompts_seed_is_its_key_plus_the_run_seed_modulo_a_31_bit_prime():
     # Pinned by hand: the committed trace's rows were drawn with these seeds, so a rerun that
     # derives them otherwise no longer redraws its prompts from the same seeds.

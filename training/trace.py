@@ -26,6 +26,8 @@ import argparse
 import hashlib
 import json
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,32 +81,47 @@ def candidate_rows(max_prompt_tokens: int, seed: int) -> list[dict]:
 LOG_RECORD_FIELDS = TRACE_COLUMNS
 
 
+@dataclass(frozen=True)
+class LogContents:
+    records: list[dict]
+    # 1-based numbers of unreadable lines before the last: not an interrupted write (the next
+    # append trims that one), so a damaged file, whose prompts are traced again.
+    damaged_lines: list[int]
+
+
 def read_log(log_path: Path) -> list[dict]:
-    """The log's records. ValueError, before anything is appended, for a file that is no trace log:
-    another file given as --log lost its last line to `trim_partial_line` and took JSON lines, and
-    JSON lines of other records were a KeyError traceback after the model had loaded."""
+    """The log's records (`read_log_contents`)."""
+    return read_log_contents(log_path).records
+
+
+def read_log_contents(log_path: Path) -> LogContents:
+    """The log's records, and which lines were unreadable. ValueError, before anything is appended,
+    for a file that is no trace log: another file given as --log lost its last line to
+    `trim_partial_line` and took JSON lines, and JSON lines of other records were a KeyError
+    traceback after the model had loaded."""
     if not log_path.exists():
-        return []
+        return LogContents([], [])
     try:
         text = log_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"--log {log_path}: not a trace log (not UTF-8 text)") from None
-    records, unparsed = [], 0
-    for number, line in enumerate(text.splitlines(), 1):
+    records, unparsed = [], []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            unparsed += 1  # a line cut off by an interrupted write; the lines around it are good
+            unparsed.append(number)  # a line cut off by an interrupted write; the lines around it are good
             continue
         if not (isinstance(record, dict) and all(name in record for name in LOG_RECORD_FIELDS)):
             raise ValueError(f"--log {log_path}: line {number} is no trace record (one has "
                              f"{', '.join(LOG_RECORD_FIELDS)}): pass another --log")
         records.append(record)
     # Unparsed lines are cut-off writes only beside records, or alone as one unterminated last line.
-    cut_first_record = unparsed == 1 and not text.endswith("\n")
-    if unparsed and not records and not cut_first_record:
+    interrupted_last = bool(unparsed) and unparsed[-1] == len(lines) and not text.endswith("\n")
+    if unparsed and not records and not (interrupted_last and len(unparsed) == 1):
         raise ValueError(f"--log {log_path}: not a trace log (no line is a JSON record): pass another --log")
-    return records
+    return LogContents(records, unparsed[:-1] if interrupted_last else unparsed)
 
 
 def trim_partial_line(log_path: Path) -> None:
@@ -389,7 +406,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: the same file as --log")
     if args.out.is_file():  # resumed from once the model has loaded: a table of another kind fails now
         check_trace_table(args.out, "--out", columns=TRACE_COLUMNS)
-    logged = read_log(args.log) if args.log.is_file() else []  # likewise the log, which is appended to
+    contents = read_log_contents(args.log) if args.log.is_file() else LogContents([], [])  # likewise the log
+    logged = contents.records
+    if contents.damaged_lines:
+        print(f"--log {args.log}: skipped unreadable line(s) {', '.join(map(str, contents.damaged_lines))}; "
+              "their prompts are traced again", file=sys.stderr)
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
     # The trace's own prompts for a resample, whatever their budget was.

@@ -273,6 +273,28 @@ def test_champion_follows_best_validation_tau(tmp_path):
     assert loaded.params.intercept == 2.0
 
 
+def test_a_run_records_whether_its_tracked_files_differed_from_its_commit(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above it counts
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert tracking.git_tags(tmp_path) == {"git_sha": "unknown", "git_dirty": "unknown"}  # no repository
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "first")
+    tags = tracking.git_tags(tmp_path)
+    assert len(tags["git_sha"]) == 40 and tags["git_dirty"] == "false"
+    (tmp_path / "notes.txt").write_text("untracked files are not the code the run had\n")
+    assert tracking.git_tags(tmp_path)["git_dirty"] == "false"
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert tracking.git_tags(tmp_path) == {"git_sha": tags["git_sha"], "git_dirty": "true"}
+
+
 def test_champion_is_chosen_among_runs_on_the_same_turn_table(tmp_path):
     # A run on a rebuilt (e.g. smaller) table scored its tau on other selection rows: a higher
     # tau there must not take the alias from the runs on the table being trained on.

@@ -1,8 +1,8 @@
 """MLflow tracking and registry of predictor runs.
 
-Every `lengthwise train` run logs its config, data hash, git sha, metrics, plots and the saved
-predictor folder (artifact path `predictor`). After each run the registry is reconciled: the
-run with the best validation Kendall's tau in the experiment is the `champion` alias of model
+Every `lengthwise train` run logs its config, data hash, git sha (and whether tracked files
+differed from it), metrics, plots and the saved predictor folder (artifact path `predictor`).
+After each run the registry is reconciled: the run with the best validation Kendall's tau in the experiment is the `champion` alias of model
 `lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
 whose validation taus are comparable compete: tagged with this code's lexical feature version (a
 predictor trained on other features would not load) and with the tau of the scheduler's order
@@ -92,12 +92,17 @@ def comparison_tags(labels: str, held_out: str, candidate: bool = True) -> dict[
     return {"labels": labels, "held_out": held_out or "none", "candidate": str(candidate).lower()}
 
 
-def git_sha() -> str:
+def git_tags(repo: Path = REPO_ROOT) -> dict[str, str]:
+    """The commit a run was trained from, and whether tracked files differed from it (the sha
+    alone named a commit whose code the run may not have had)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return {"git_sha": git("rev-parse", "HEAD"),
+                "git_dirty": str(bool(git("status", "--porcelain", "--untracked-files=no"))).lower()}
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return {"git_sha": "unknown", "git_dirty": "unknown"}
 
 
 def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_dir: Path,
@@ -106,7 +111,7 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
     import mlflow
 
     with mlflow.start_run(run_name=run_name) as run:
-        mlflow.set_tags({"git_sha": git_sha(), "feature_version": str(FEATURE_SPEC_VERSION), "tau_of": TAU_OF,
+        mlflow.set_tags({**git_tags(), "feature_version": str(FEATURE_SPEC_VERSION), "tau_of": TAU_OF,
                          **tags})
         mlflow.log_params({key: str(value)[:500] for key, value in params.items()})
         mlflow.log_metrics({key: float(value) for key, value in metrics.items()})

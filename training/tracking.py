@@ -1,17 +1,16 @@
 """MLflow tracking and registry of predictor runs.
 
 Every `lengthwise train` run logs its config, data hash, git sha (and whether tracked files
-differed from it), metrics, plots and the saved predictor folder (artifact path `predictor`).
-After each run the registry is reconciled: the run with the best validation Kendall's tau in the experiment is the `champion` alias of model
-`lengthwise-predictor` (a new model version is made only when the champion changes). Only runs
-whose validation taus are comparable compete: tagged with this code's lexical feature version (a
-predictor trained on other features would not load) and with the tau of the scheduler's order
-(`tau_of`), trained and validated on ShareGPT's labels with nothing held out (a trace run is
-validated on other labels, a `--hold-out-trace` run on a smaller validation split), logged as a
-candidate (not `--no-register`), and scored on the same fixed validation rows
-(`SELECTION_METRIC`: each kind validates on its own number of rows, and a small set flatters). The
-tracking URI is set inside `tracking_session`, never at import.
-"""
+differed from it), metrics, plots and the saved predictor folder (artifact path `predictor`). After
+each run the registry is reconciled: the run with the best validation Kendall's tau in the
+experiment is the `champion` alias of model `lengthwise-predictor` (a new model version is made
+only when the champion changes). Only runs whose validation taus are comparable compete: tagged
+with this code's lexical feature version (a predictor trained on other features would not load) and
+with the tau of the scheduler's order (`tau_of`), trained and validated on ShareGPT's labels with
+nothing held out (a trace run is validated on other labels, a `--hold-out-trace` run on a smaller
+validation split), logged as a candidate (not `--no-register`), and scored on the same fixed
+validation rows (`SELECTION_METRIC`: each kind validates on its own number of rows, and a small set
+flatters). The tracking URI is set inside `tracking_session`, never at import."""
 
 from __future__ import annotations
 

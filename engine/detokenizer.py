@@ -71,7 +71,8 @@ def append_tokens(tokenizer, state: DetokenizerState, new_token_ids: list[int], 
 
 def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, int] | None:
     """(begin, end) of the earliest stop string newly found in `text` (the shortest of those
-    beginning there), or None."""
+    beginning there), or None. Earliest, not first in the list as vLLM takes them: the text
+    returned must hold no stop string, and a later-listed one may begin before the first."""
     found = None
     for stop in stops:
         start = max(0, len(text) - num_new_chars - len(stop) + 1)

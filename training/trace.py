@@ -376,17 +376,37 @@ def sample_agreement(first: Path, second: Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.agreement is not None:
-        if not args.agreement.exists():
-            raise ValueError(f"--agreement: no trace table at {args.agreement}")
-        check_trace_table(args.agreement, "--agreement")
-        agreement = sample_agreement(DEFAULT_TRACE, args.agreement)
-        if agreement["num_prompts"] < 2:  # no tau to report: it printed NaN, which is no JSON, and exit 0
-            raise ValueError(f"--agreement {args.agreement}: shares {agreement['num_prompts']} prompts with "
-                             f"{DEFAULT_TRACE}; a tau needs at least 2")
-        print(json.dumps(agreement))
-        return 0
-    from engine.config import EngineConfig
+        return report_agreement(args.agreement)
     from engine.llm import LLM
+
+    from_table, rows, max_prompt_tokens = check_before_loading(args)
+    llm = LLM(model=args.model)
+    append_records(args.log, from_table)  # once the model has loaded: a failed load writes nothing
+    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed,
+                         max_prompt_tokens)
+    total = write_trace_table(args.log, args.out)
+    print(f"traced {added} new prompts; {total} in {args.out}")
+    if args.resample_split is not None:
+        print(json.dumps(sample_agreement(DEFAULT_TRACE, args.out)))
+    return 0
+
+
+def report_agreement(path: Path) -> int:
+    if not path.exists():
+        raise ValueError(f"--agreement: no trace table at {path}")
+    check_trace_table(path, "--agreement")
+    agreement = sample_agreement(DEFAULT_TRACE, path)
+    if agreement["num_prompts"] < 2:  # no tau to report: it printed NaN, which is no JSON, and exit 0
+        raise ValueError(f"--agreement {path}: shares {agreement['num_prompts']} prompts with "
+                         f"{DEFAULT_TRACE}; a tau needs at least 2")
+    print(json.dumps(agreement))
+    return 0
+
+
+def check_before_loading(args: argparse.Namespace) -> tuple[list[dict], list[dict], int | None]:
+    """Every refusal a trace run can know before the model loads; (the table's records the log
+    lacks, the rows to trace, the prompt budget)."""
+    from engine.config import EngineConfig
     from engine.llm_engine import check_model_dir
 
     if args.num_prompts is None:
@@ -406,11 +426,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: the same file as --log")
     if args.out.is_file():  # resumed from once the model has loaded: a table of another kind fails now
         check_trace_table(args.out, "--out", columns=TRACE_COLUMNS)
-    contents = read_log_contents(args.log) if args.log.is_file() else LogContents([], [])  # likewise the log
-    logged = contents.records
-    if contents.damaged_lines:
-        print(f"--log {args.log}: skipped unreadable line(s) {', '.join(map(str, contents.damaged_lines))}; "
-              "their prompts are traced again", file=sys.stderr)
+    logged = read_resumable_log(args.log)  # likewise the log
     prepare_output_file(args.log, "--log")  # before the model loads and the prompts run
     prepare_output_file(args.out, "--out")
     # The trace's own prompts for a resample, whatever their budget was.
@@ -427,12 +443,15 @@ def run(args: argparse.Namespace) -> int:
         where = (f"--resample-split {args.resample_split}: the trace has no prompt there" if args.resample_split
                  else f"--max-prompt-tokens {args.max_prompt_tokens}: no prompt fits")
         raise ValueError(where)
-    llm = LLM(model=args.model)
-    append_records(args.log, from_table)  # once the model has loaded: a failed load writes nothing
-    added = record_trace(llm, rows, args.log, args.max_tokens, args.temperature, args.window, args.seed,
-                         max_prompt_tokens)
-    total = write_trace_table(args.log, args.out)
-    print(f"traced {added} new prompts; {total} in {args.out}")
-    if args.resample_split is not None:
-        print(json.dumps(sample_agreement(DEFAULT_TRACE, args.out)))
-    return 0
+    return from_table, rows, max_prompt_tokens
+
+
+def read_resumable_log(log_path: Path) -> list[dict]:
+    """The records a run resumes from, naming on stderr the damaged lines it skips."""
+    if not log_path.is_file():
+        return []
+    contents = read_log_contents(log_path)
+    if contents.damaged_lines:
+        print(f"--log {log_path}: skipped unreadable line(s) {', '.join(map(str, contents.damaged_lines))}; "
+              "their prompts are traced again", file=sys.stderr)
+    return contents.records

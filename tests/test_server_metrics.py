@@ -55,6 +55,17 @@ def test_first_token_inter_token_and_end_to_end_are_observed_when_they_happen():
     assert not metrics._last_token_time  # nothing kept for a finished request
 
 
+def test_every_tier_and_finish_reason_has_a_zero_series_from_the_start():
+    # A series born at 1 hides its first event from Prometheus' increase() and rate().
+    samples = samples_of(ServerMetrics(MODEL, lambda: None))
+    for tier in ("interactive", "standard", "batch"):
+        for reason in ("stop", "length", "abort"):
+            key = ("lengthwise:request_success_total",
+                   (("finished_reason", reason), ("model_name", MODEL), ("tier", tier)))
+            assert samples[key] == 0
+        assert total(samples, "lengthwise:admission_rejections_total", tier=tier) == 0
+
+
 def test_prompt_tokens_count_when_the_prefill_is_done_not_at_admission():
     # As vLLM counts them: a request that leaves before its first token was never prefilled.
     metrics = ServerMetrics(MODEL, lambda: None)

@@ -4,10 +4,11 @@ Each app owns a private CollectorRegistry (no process-global state, so tests can
 servers). Two sources feed it:
 - events from the async engine (admitted, rejected, each request's outputs, prediction batches,
   finished requests), recorded into counters and per-tier histograms as they happen (ServerMetrics
-  is the engine's EngineListener). As in vLLM, TTFT and queue time are observed when the first
-  token comes (so an aborted request that had one counts, and a scrape during a long run is not
-  behind by whole requests), the inter-token latency once per token after the first, and the
-  end-to-end latency and a request's mean time per output token when it finishes;
+  is the engine's EngineListener). As in vLLM, TTFT is observed when the first token comes, and
+  the inter-token latency once per token after the first; the queue time is observed with the
+  first token too (vLLM's code waits for the request to finish), so that an aborted request that
+  had one counts and a scrape during a long run is not behind by whole requests. The end-to-end
+  latency and a request's mean time per output token are observed when it finishes;
 - the engine's latest stats snapshot (running, waiting, KV usage, preemptions, stability margin),
   read at scrape time by a custom collector, together with Kendall's tau of predicted against
   actual output length over the most recently finished requests.
@@ -161,11 +162,13 @@ class ServerMetrics:
         self.predictor_prompts = Counter(PREFIX + "predictor_prompts", "Prompts scored by the predictor.",
                                          labels, registry=reg)
         # Zero-valued series exist from the start, so dashboards and rate() see a refusal-free
-        # server as 0 rather than as missing data.
+        # server as 0 rather than as missing data, and increase() counts a series' first event.
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
         for tier in Tier:
             self.rejections.labels(model_name, tier.name.lower())
+            for reason in ("stop", "length", "abort"):  # vLLM's three; "error" only after a failure
+                self.finished.labels(model_name, tier.name.lower(), reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -534,6 +534,11 @@ class AdmissionController:
             return ahead_s - slo.target_s
         return None  # its own work makes it miss, the work ahead alone would not: refusing helps no one
 
+    def refuse_again(self, rejection: AdmissionRejected) -> None:
+        """Refuse another member of a group refused as a unit (group_verdicts.py), counted."""
+        self.num_rejected += 1
+        raise AdmissionRejected(rejection.reason, rejection.retry_after_s)
+
     def _reject(self, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1
         retry = retry_after_s if math.isfinite(retry_after_s) else MAX_RETRY_AFTER_S

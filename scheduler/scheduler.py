@@ -45,6 +45,7 @@ from scheduler.admission import AdmissionController, QueuedWork
 from scheduler.block_manager import NO_PREFIX, BlockManager, CachedPrefix
 from scheduler.config import SchedulerConfig
 from scheduler.eviction import free_for_recompute, make_eviction
+from scheduler.group_verdicts import GroupVerdicts
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.policies import make_policy
 from scheduler.policy import SchedulingPolicy
@@ -62,6 +63,7 @@ class Scheduler(Preemption):
         prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
         self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, prefix_cache)
         self.admission = AdmissionController(config)
+        self._group_verdicts = GroupVerdicts()  # one admission verdict for a request's choices
         self._queued_work = QueuedWork()  # kept between arrivals; invalidated by any other queue change
         self.waiting: list[Request] = []  # new and recompute-preempted requests
         self.running: list[Request] = []
@@ -81,9 +83,10 @@ class Scheduler(Preemption):
         # is asked to do, and shedding is the answer to it.
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
-            self.admission.check(request, self.waiting + self.swapped, self.running,
-                                 self._served_before(request, now), self._queued_work,
-                                 lambda running: self.policy.should_preempt_for(request, running, now))
+            self._group_verdicts.judge(request, lambda: self.admission.check(
+                request, self.waiting + self.swapped, self.running, self._served_before(request, now),
+                self._queued_work, lambda running: self.policy.should_preempt_for(request, running, now)),
+                self.admission.refuse_again)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

@@ -996,3 +996,43 @@ def test_a_queue_of_exactly_one_turn_of_the_seats_waits_for_a_seat_not_the_whole
     running.tier = Tier.INTERACTIVE
     ctl.check(req("new", 50, 20, Tier.INTERACTIVE), [req("q", 50, 1000, Tier.INTERACTIVE)], [running])
     assert ctl.num_rejected == 0
+
+
+def test_a_groups_later_members_get_its_first_members_verdict_whatever_the_queue_did() -> None:
+    # Members reach the scheduler one by one, not always between the same two steps. Judged
+    # afresh, a later member could be refused after its siblings were admitted (the server then
+    # aborted them: one 429 counted as a refusal and n - 1 aborts), or admitted after they were
+    # refused (and aborted again at once).
+    scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=128, enable_admission=True, max_queued_tokens=1000))
+    admitted = ChoiceGroup("cmpl-in", 2)  # 2 x 300 tokens
+    scheduler.add_request(choice(0, 100, admitted))
+    scheduler.add_request(req("outside", 550, 100))  # 300 + 650 queued: within the bound
+    # Judged afresh: 650 outside its group + its 600 exceed 1000.
+    with pytest.raises(AdmissionRejected, match="650 queued tokens"):
+        scheduler.admission.check(choice(1, 100, admitted), scheduler.waiting, [])
+    scheduler.add_request(choice(1, 100, admitted))
+    refused = ChoiceGroup("cmpl-out", 2)
+    with pytest.raises(AdmissionRejected, match="exceed") as first:
+        scheduler.add_request(choice(0, 100, refused))
+    for request_id in ("cmpl-in-0", "cmpl-in-1", "outside"):
+        scheduler.abort_request(request_id)
+    assert not scheduler.waiting  # an empty queue would admit it afresh
+    with pytest.raises(AdmissionRejected) as second:
+        scheduler.add_request(choice(1, 100, refused))
+    assert (second.value.reason, second.value.retry_after_s) == (first.value.reason, first.value.retry_after_s)
+    assert scheduler.admission.num_rejected == 3  # the probe and both refused members
+    assert len(scheduler._group_verdicts) == 0  # every member came: nothing kept
+
+
+def test_the_group_verdicts_kept_are_bounded_and_a_single_choice_keeps_none() -> None:
+    from scheduler.group_verdicts import GroupVerdicts
+
+    verdicts = GroupVerdicts(max_open_groups=2)
+    calls = []
+    for name in ("a", "b", "c"):
+        verdicts.judge(choice(0, 100, ChoiceGroup(name, 3)), lambda: calls.append(name), pytest.fail)
+    assert len(verdicts) == 2
+    verdicts.judge(choice(1, 100, ChoiceGroup("a", 3)), lambda: calls.append("a again"), pytest.fail)
+    assert calls == ["a", "b", "c", "a again"]  # "a" was let go, oldest first, so judged afresh
+    verdicts.judge(choice(0, 100, ChoiceGroup("alone", 1)), lambda: calls.append("alone"), pytest.fail)
+    assert len(verdicts) == 2 and calls[-1] == "alone"

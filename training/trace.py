@@ -111,7 +111,7 @@ def read_log_contents(log_path: Path) -> LogContents:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            unparsed.append(number)  # a line cut off by an interrupted write; the lines around it are good
+            unparsed.append(number)  # a last line an interrupted write cut off, or damage; the rest are good
             continue
         if not (isinstance(record, dict) and all(name in record for name in LOG_RECORD_FIELDS)):
             raise ValueError(f"--log {log_path}: line {number} is no trace record (one has "

@@ -909,6 +909,37 @@ def test_trace_agreement_with_no_shared_prompt_is_one_line_not_nan(capsys, tmp_p
     assert sample_agreement(single, single) == {"num_prompts": 1, "kendall_tau_two_samples": None}
 
 
+def test_trace_agreement_refuses_the_trace_itself_and_samples_of_one_length(capsys, tmp_path) -> None:
+    # The trace against itself read a perfect 0.9999999999999998; a resample cut at a tiny cap,
+    # every length the same, printed NaN (no JSON) and a ceiling fitted to it.
+    import shutil
+
+    from training.trace import DEFAULT_TRACE, load_trace, sample_agreement
+
+    copy = tmp_path / "copy.parquet"
+    shutil.copy(DEFAULT_TRACE, copy)
+    assert "holds the trace itself" in one_line_error(capsys, ["trace", "--agreement", str(copy)], "trace")
+    keys = load_trace("test")["key"][:4]
+    flat = write_table(tmp_path / "flat.parquet", {"key": keys, "output_tokens": [8] * 4})
+    assert sample_agreement(DEFAULT_TRACE, flat) == {"num_prompts": 4, "kendall_tau_two_samples": None}
+    assert main(["trace", "--agreement", str(flat)]) == 2
+    captured = capsys.readouterr()  # datasets' progress lines come first on stderr
+    assert "have one length in one of the samples" in captured.err.splitlines()[-1] and captured.out == ""
+
+
+def test_a_resample_at_another_cap_or_temperature_is_refused_before_loading(capsys, tmp_path, tiny_model_dir,
+                                                                            monkeypatch) -> None:
+    import engine.llm
+
+    monkeypatch.setattr(engine.llm, "LLM", lambda **kwargs: pytest.fail("the model loaded"))
+    base = ["trace", "--num-prompts", "4", "--resample-split", "test", "--seed", "7", "--model", str(tiny_model_dir),
+            "--log", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r.parquet")]
+    for flags, asked in ((["--max-tokens", "8"], "8 and 1"), (["--temperature", "0.5"], "256 and 0.5")):
+        assert f"pass --max-tokens 256 --temperature 1 (this run asks {asked})" in one_line_error(
+            capsys, base + flags, "trace")
+    assert not (tmp_path / "r.jsonl").exists()
+
+
 def test_trace_checks_an_existing_out_table_before_loading_the_model(capsys, tmp_path, tiny_model_dir,
                                                                     monkeypatch) -> None:
     # The table is resumed from once the model has loaded: a KeyError traceback after the load.

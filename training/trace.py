@@ -366,7 +366,9 @@ def sample_agreement(first: Path, second: Path) -> dict:
     a, b = lengths_by_key(first), lengths_by_key(second)
     keys = sorted(set(a) & set(b))
     first_sample, second_sample = [a[k] for k in keys], [b[k] for k in keys]
-    if len(keys) < 2:  # no tau at all: null, not the NaN scipy gives, which is no JSON
+    # No tau at all with fewer than two prompts, or a sample of one length (every reply cut at a
+    # cap): null, not the NaN scipy gives, which is no JSON, and no ceiling fitted to it.
+    if len(keys) < 2 or len(set(first_sample)) < 2 or len(set(second_sample)) < 2:
         return {"num_prompts": len(keys), "kendall_tau_two_samples": None}
     if len(keys) < 3:  # too few for the ceiling's model
         return {"num_prompts": len(keys),
@@ -395,12 +397,34 @@ def report_agreement(path: Path) -> int:
     if not path.exists():
         raise ValueError(f"--agreement: no trace table at {path}")
     check_trace_table(path, "--agreement")
+    if trace_hash(path) == trace_hash():  # it read a perfect 1.0, the trace against itself
+        raise ValueError(f"--agreement {path}: holds the trace itself, not a second sample of its prompts "
+                         "(trace --resample-split writes one)")
     agreement = sample_agreement(DEFAULT_TRACE, path)
     if agreement["num_prompts"] < 2:  # no tau to report: it printed NaN, which is no JSON, and exit 0
         raise ValueError(f"--agreement {path}: shares {agreement['num_prompts']} prompts with "
                          f"{DEFAULT_TRACE}; a tau needs at least 2")
+    if agreement["kendall_tau_two_samples"] is None:
+        raise ValueError(f"--agreement {path}: the prompts it shares with {DEFAULT_TRACE} have one length in "
+                         "one of the samples; a tau needs two")
     print(json.dumps(agreement))
     return 0
+
+
+def trace_sampling(path: Path = DEFAULT_TRACE) -> set[tuple[int, float]]:
+    """The (max_tokens, temperature) pairs a trace table's rows were sampled with."""
+    records = map(table_record, load_trace(path=path).to_list())
+    return {(record.get("max_tokens"), record.get("temperature")) for record in records}
+
+
+def check_resample_sampling(max_tokens: int, temperature: float) -> None:
+    """ValueError unless a resample samples as the trace did: at another cap or temperature, its
+    agreement with the trace measured two distributions, not chance (a cap of 8 gave NaN)."""
+    sampled = trace_sampling()
+    if sampled != {(max_tokens, temperature)}:
+        cap, trace_temperature = sorted(sampled)[0]
+        raise ValueError(f"--resample-split samples the trace's prompts as the trace did: pass --max-tokens {cap} "
+                         f"--temperature {trace_temperature:g} (this run asks {max_tokens} and {temperature:g})")
 
 
 def check_before_loading(args: argparse.Namespace) -> tuple[list[dict], list[dict], int | None]:
@@ -417,6 +441,8 @@ def check_before_loading(args: argparse.Namespace) -> tuple[list[dict], list[dic
     if args.resample_split is not None and args.seed in trace_seeds():
         raise ValueError(f"--resample-split with --seed {args.seed}, a seed the trace was drawn with, would "
                          "redraw its tokens rather than sample again: pass another --seed")
+    if args.resample_split is not None:
+        check_resample_sampling(args.max_tokens, args.temperature)
     check_model_dir(args.model)
     max_model_len = EngineConfig(model=args.model).max_model_len  # what LLM(model=...) runs with
     if args.max_tokens >= max_model_len:  # no prompt would fit: it would trace nothing and say so with 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from engine.arg_types import non_negative_float, positive_int, share_of_one, share_above_zero
 from scheduler.config import SchedulerConfig
@@ -71,10 +71,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                             help=knob.help + shown)
 
 
-def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> dict:
+def scheduler_options(args: argparse.Namespace, policies: Sequence[str] | None = None,
+                      flag: str = "--policy") -> dict:
     """The SchedulerConfig fields the flags set: `enable_admission` and each knob given. With the
-    one `policy` that will run (serve; simulate runs several), a knob that neither it nor admission
-    reads is refused, as an admission knob is without --admission: it would do nothing."""
+    `policies` that will run (serve's one, simulate's list, named by `flag`), a knob that neither
+    one of them nor admission reads is refused, as an admission knob is without --admission: it
+    would do nothing."""
     from scheduler.policies import POLICIES
 
     options = {"enable_admission": bool(args.admission)}
@@ -88,9 +90,10 @@ def scheduler_options(args: argparse.Namespace, policy: str | None = None) -> di
         if knob.replaces is not None and getattr(args, knob.replaces) is not None:
             raise ValueError(f"{knob.flag} replaces {_flag_of(knob.replaces)}: give one of them")
         read_by_admission = knob.read_by_admission and args.admission
-        if (policy is not None and knob.field in policy_knobs and not read_by_admission
-                and knob.field not in POLICIES[policy].reads_knobs):
+        if (policies is not None and knob.field in policy_knobs and not read_by_admission
+                and not any(knob.field in POLICIES[policy].reads_knobs for policy in policies)):
             also = " (nor, without --admission, does admission)" if knob.read_by_admission else ""
-            raise ValueError(f"{knob.flag}: --policy {policy} does not read it{also}")
+            verb = "does" if len(policies) == 1 else "do"
+            raise ValueError(f"{knob.flag}: {flag} {','.join(policies)} {verb} not read it{also}")
         options[knob.field] = value
     return options

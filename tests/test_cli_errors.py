@@ -282,6 +282,29 @@ def test_bench_serve_checks_its_baseline_before_the_load(capsys, tmp_path, monke
         capsys, ["bench", "serve", *out, "--baseline", str(missing)], "bench serve")
 
 
+def test_bench_serve_refuses_to_write_its_result_over_its_baseline(capsys, tmp_path, monkeypatch) -> None:
+    # The label defaults to policy-rate, the baseline's own name when the two runs share a policy
+    # and a folder: the comparison file was replaced without a word.
+    from training import bench_serve, bench_serve_compare
+
+    monkeypatch.setattr(bench_serve_compare, "load_baseline", lambda path: {})
+    monkeypatch.setattr(bench_serve, "server_model", lambda args: "m")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: [])
+    monkeypatch.setattr(bench_serve, "server_state", lambda base_url: ({"policy": "fcfs"}, None))
+    monkeypatch.setattr(bench_serve, "run_load", lambda *args: pytest.fail("the load ran"))
+    out = tmp_path / "results"
+    baseline = out / "fcfs-rate4.json"
+    assert "this run writes its result there (fcfs-rate4.json in --result-dir)" in one_line_error(
+        capsys, ["bench", "serve", "--request-rate", "4", "--result-dir", str(out), "--no-mlflow",
+                 "--baseline", str(baseline)], "bench serve")
+
+
+def test_simulate_refuses_a_knob_none_of_its_policies_reads(capsys) -> None:
+    # Serve refused it; simulate ran and the knob did nothing.
+    assert "--srpt-max-preempt-share: --policies fcfs,sjf do not read it" in one_line_error(
+        capsys, ["simulate", "--policies", "fcfs,sjf", "--srpt-max-preempt-share", "0.3"], "simulate")
+
+
 def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken, tiny_model_dir,
                                                         monkeypatch) -> None:
     from training import bench_engine

@@ -318,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
     out = prepare_output_dir(Path(args.result_dir), "--result-dir")  # before the load, not after it
     info, preemptions_before = server_state(args.base_url)
     label = args.label or f"{info.get('policy', 'server')}-rate{args.request_rate:g}"
+    if args.baseline is not None and (out / f"{label}.json").resolve() == args.baseline.resolve():
+        raise ValueError(f"--baseline {args.baseline}: this run writes its result there ({label}.json in "
+                         "--result-dir) and would replace it: pass another --label or --result-dir")
     offsets = arrival_offsets(len(items), args.request_rate, args.burstiness, args.seed)
     results, duration = asyncio.run(run_load(args, items, model, offsets))
     summary = report.summarize(results, duration, slos)

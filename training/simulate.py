@@ -153,7 +153,7 @@ def scheduler_config(args: argparse.Namespace, calibration: dict | None = None) 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_prompt_tokens + args.max_output_tokens, preemption_mode=args.preemption_mode,
         num_cpu_blocks=engine_host_blocks(kv_blocks) if needs_host_pool(args.preemption_mode) else 0,
-        **scheduler_options(args))
+        **scheduler_options(args, args.policies, "--policies"))
 
 
 def scheduler_report(config: SchedulerConfig) -> dict:

@@ -112,7 +112,7 @@ def build_engine_config(args: argparse.Namespace):
     }
     chosen = {name: value for name, value in overrides.items() if value is not None}
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
-    options = scheduler_options(args, args.policy)
+    options = scheduler_options(args, [args.policy])
     if args.enable_prefix_caching:  # not a shared scheduler flag: simulated prompts are all one token
         options["enable_prefix_caching"] = True
     return EngineConfig(model=model_folder(args), policy=args.policy, scheduler_options=options, **chosen)

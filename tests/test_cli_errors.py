@@ -61,15 +61,18 @@ def test_engine_start_up_errors_are_one_line(capsys, tiny_model_dir) -> None:
     # serve binds its port before the engine is built: port 0, so a server on the default 8000
     # (`make serve` beside `make test`) does not turn these errors into "cannot listen there".
     serve = ["serve", *model, "--port", "0"]
-    assert "holds no KV block" in one_line_error(
+    # Named by the flag, not the config field the engine checks ("kv_cache_memory_gib 1e-07 ...").
+    assert "--kv-cache-memory 1e-07 holds no KV block" in one_line_error(
         capsys, ["generate", "hi", *model, "--kv-cache-memory", "1e-7"], "generate")
+    assert "--max-num-batched-tokens (8) must be >= --max-num-seqs (16)" in one_line_error(
+        capsys, [*serve, "--predictor", "none", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "serve")
     assert "longer than the context" in one_line_error(
         capsys, ["generate", "hi", *model, "--max-model-len", "4"], "generate")
     assert "holds no KV block" in one_line_error(
         capsys, [*serve, "--predictor", "none", "--kv-cache-memory", "1e-7"], "serve")
     assert "exceeds the model's 2048 positions" in one_line_error(
         capsys, [*serve, "--predictor", "none", "--max-model-len", "20000"], "serve")
-    assert "fewer than max_model_len 1024" in one_line_error(
+    assert "fewer than --max-model-len 1024" in one_line_error(
         capsys, [*serve, "--predictor", "none", "--max-model-len", "1024", "--kv-cache-memory", "0.0001"],
         "serve")
     assert "not a saved predictor folder" in one_line_error(

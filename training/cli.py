@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 # command path -> (module, one-line help)
@@ -36,6 +37,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 ARGUMENT_RESOLVERS: dict[tuple[str, ...], str] = {
     ("serve",): "training.serve_predictor:resolve_args",
 }
+# Engine and scheduler config fields an error may name, and the flag that sets each, in the
+# commands that run the engine here: the config classes speak their own field names
+# ("kv_cache_memory_gib 0.0001 holds no KV block"), which a command line user never typed. (In
+# `bench serve` such a name is the remote server's, and stays.)
+FIELD_FLAGS = {"kv_cache_memory_gib": "--kv-cache-memory", "max_num_batched_tokens": "--max-num-batched-tokens",
+               "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len"}
+ENGINE_COMMANDS = {("serve",), ("generate",), ("bench", "engine")}
 
 
 
@@ -77,6 +85,15 @@ def _check_store(args: argparse.Namespace) -> None:
         check_store(args.store, for_writing=False, flag="--store")
 
 
+def _in_flag_terms(message: str, command_parser: argparse.ArgumentParser) -> str:
+    """`message` with each config field in it named by the command's flag for it, where it has one."""
+    flags = {option for action in command_parser._actions for option in action.option_strings}
+    fields = {field: flag for field, flag in FIELD_FLAGS.items() if flag in flags}
+    if not fields:
+        return message
+    return re.sub(r"(?<![\w-])(" + "|".join(fields) + r")(?![\w-])", lambda match: fields[match.group(1)], message)
+
+
 def _resolve_arguments(args: argparse.Namespace) -> None:
     resolver = ARGUMENT_RESOLVERS.get(tuple(args._command.split()))
     if resolver is not None:
@@ -103,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LENGTHWISE_TRACEBACK") == "1":
             raise
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        command = tuple(args._command.split())
+        if command in ENGINE_COMMANDS:
+            message = _in_flag_terms(message, parser.command_parsers[command])
         # The same exceptions also come from bugs (list.remove, max of nothing): the hint says how
         # to see where one was raised.
         print(f"lengthwise {args._command}: error: {message or type(exc).__name__} "

@@ -793,6 +793,31 @@ def test_bench_serve_names_a_base_url_httpx_cannot_parse(capsys, tmp_path, url):
         "bench serve")
 
 
+@pytest.mark.parametrize("status, url, key, hint", [
+    (401, "http://127.0.0.1:1", [], "the server wants an API key: pass --api-key or set $LENGTHWISE_API_KEY"),
+    (401, "http://127.0.0.1:1", ["--api-key", "k"], "the server refused this key (--api-key)"),
+    (404, "http://127.0.0.1:1/v1", [], "--base-url is the server's root, without the /v1"),
+    (404, "http://127.0.0.1:1", [], None),
+])
+def test_bench_serve_says_what_a_refused_model_list_means(capsys, tmp_path, monkeypatch, status, url, key, hint):
+    # A 401 or a 404 on /v1/v1/models said only "Client error '401 Unauthorized'".
+    import httpx
+
+    from training import bench_serve
+
+    monkeypatch.setattr(bench_serve.httpx, "get", lambda target, **kwargs: httpx.Response(
+        status, request=httpx.Request("GET", target)))
+    monkeypatch.delenv("LENGTHWISE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    err = one_line_error(capsys, ["bench", "serve", "--base-url", url, *key, "--no-mlflow", "--result-dir",
+                                  str(tmp_path / "r")], "bench serve")
+    assert f"cannot list its models (Client error '{status}" in err
+    if hint is None:
+        assert "API key" not in err and "/v1 an OpenAI" not in err
+    else:
+        assert hint in err
+
+
 @pytest.fixture
 def broken_model(tmp_path, tiny_model_dir):
     """A copy of the tiny model whose file `name` is replaced by `text`."""

@@ -250,7 +250,8 @@ def server_model(args: argparse.Namespace) -> str:
         response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
         response.raise_for_status()
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (a bad port) is no HTTPError
-        raise ValueError(f"--base-url {args.base_url}: cannot list its models ({exc})") from None
+        status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+        raise ValueError(f"--base-url {args.base_url}: cannot list its models ({exc}){_hint(args, status)}") from None
     try:
         models = response.json()["data"]
         served = models[0]["id"]
@@ -260,6 +261,16 @@ def server_model(args: argparse.Namespace) -> str:
     check_model(args, models)
     check_context(args, models)
     return served
+
+
+def _hint(args: argparse.Namespace, status: int | None) -> str:
+    """What a refused model list most likely means, where the status says."""
+    if status == 401:
+        return ("; the server refused this key (--api-key)" if args.api_key else
+                "; the server wants an API key: pass --api-key or set $LENGTHWISE_API_KEY")
+    if status == 404 and args.base_url.rstrip("/").endswith("/v1"):
+        return "; --base-url is the server's root, without the /v1 an OpenAI client is given"
+    return ""
 
 
 def check_model(args: argparse.Namespace, models: list) -> None:

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", choices=LABEL_SOURCES, default="sharegpt",
                         help="sharegpt: ChatGPT's reply lengths; trace: the served model's")
     parser.add_argument("--max-train", type=ranked_rows, default=None, help="train rows (default per model)")
-    parser.add_argument("--max-eval", type=ranked_rows, default=None, help="validation and test rows (default per model)")
+    parser.add_argument("--max-eval", type=ranked_rows, default=None,
+                        help="validation and test rows (default per model); a run on ShareGPT labels also scores "
+                             f"the same {SELECTION_ROWS:,} validation rows for the champion, whatever this says")
     parser.add_argument("--store", type=named_path, default=None, help="MLflow store folder (default mlruns/)")
     parser.add_argument("--save", type=named_path, default=None, help="also copy the predictor folder here")
     parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")

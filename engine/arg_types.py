@@ -71,7 +71,10 @@ def cpu_threads(text: str) -> int:
 
 def positive_float_list(text: str) -> list[float]:
     """Comma-separated positive numbers; empty text is an empty list."""
-    return [positive_float(part) for part in text.split(",") if part.strip()]
+    try:
+        return [positive_float(part) for part in text.split(",") if part.strip()]
+    except (ValueError, argparse.ArgumentTypeError):  # argparse named the type: "invalid positive_float_list"
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive numbers, got {text}") from None
 
 
 def policy_list(text: str) -> list[str]:

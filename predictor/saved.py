@@ -83,6 +83,8 @@ def write_spec(folder: Path, spec: PredictorSpec) -> None:
 
 def read_spec(folder: Path) -> PredictorSpec:
     path = Path(folder) / SPEC_FILENAME
+    if Path(folder).is_file():  # its predictor.json, say: "predictor.json/predictor.json not found"
+        raise FileNotFoundError(f"{folder} is a file: a saved predictor is a folder (pass the one holding it)")
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a saved predictor folder")
     try:

@@ -351,6 +351,9 @@ def test_a_bad_input_leaves_no_output_behind(capsys, tmp_path) -> None:
     # simulate: a folder that is no predictor, and a prompt bound no turn fits (an IndexError once)
     assert "not a saved predictor folder" in one_line_error(
         capsys, ["simulate", "--predictor", str(tmp_path), "--json", str(new / "s.json")], "simulate")
+    spec = Path("data/predictors/default/predictor.json")  # it said ".../predictor.json/predictor.json not found"
+    assert f"{spec} is a file: a saved predictor is a folder" in one_line_error(
+        capsys, ["simulate", "--predictor", str(spec), "--json", str(new / "s.json")], "simulate")
     assert "--max-prompt-tokens 1: no test turn fits" in one_line_error(
         capsys, ["simulate", "--max-prompt-tokens", "1", "--predictions", "noisy-oracle", "--num-requests", "2",
                  "--json", str(new / "s.json")], "simulate")

@@ -267,6 +267,13 @@ def test_argument_types_refuse_values_with_a_usage_error(parse, text):
         parse(text)
 
 
+def test_a_bad_number_list_is_named_as_a_list_not_by_the_types_name():
+    # argparse said "invalid positive_float_list value: '0.5,abc'".
+    for text in ("0.5,abc", "0.5,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"must be comma-separated positive numbers, got {text}"):
+            arg_types.positive_float_list(text)
+
+
 def test_argument_types_take_their_edge_values():
     assert arg_types.file_stem("x" * 239) == "x" * 239
     assert arg_types.power_of_two("8") == 8

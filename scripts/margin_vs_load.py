@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad input found once it runs (no step-cost file, no predictor there): one line
         cost, cost_source, calibration = sim_cli.load_cost_model(args.step_cost)
         config = replace(sim_cli.scheduler_config(args, calibration), policy="fcfs")
+        sim_cli.arrival_cv_of(args)
         prepare_output_file(args.json, "--json")
         base, source = sim_cli.build_base_workload(args, sim_cli.load_workload_turns(args))
     except (ValueError, OSError) as exc:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"predictions": source, "cost_model": cost_source, "num_requests": len(base), "loads": []}
     for load in args.loads:
         rate = load * saturated / statistics.mean(r.output_tokens for r in base)
-        times = arrival_times(len(base), rate, args.arrival, args.arrival_cv, args.seed)
+        times = arrival_times(len(base), rate, args.arrival, sim_cli.arrival_cv_of(args), args.seed)
         result = simulate(config, [replace(r, arrival_time=t) for r, t in zip(base, times)], cost)
         # While requests still arrive: afterwards the window's rate decays and says nothing.
         samples = [margin for now, margin in result.stability_margins if now <= max(times)]

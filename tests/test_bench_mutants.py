@@ -266,7 +266,7 @@ def test_run_load_offers_load_times_saturated_over_the_mean_reply_on_the_asked_a
     from scheduler.config import SchedulerConfig
     from scheduler.simulation import simulate
     from training import sim_metrics
-    from training.simulate import run_load
+    from training.simulate import arrival_cv_of, run_load
     from training.sim_workload import arrival_times
 
     args = sim_args(*flags)
@@ -277,7 +277,7 @@ def test_run_load_offers_load_times_saturated_over_the_mean_reply_on_the_asked_a
     main, latencies = run_load(config, base, cost, ["fcfs"], load, saturated, args)
     rate = load * saturated / np.mean([r.output_tokens for r in base])  # requests/s
     assert main["load"] == load and main["arrival_rate_per_s"] == pytest.approx(rate)
-    times = arrival_times(len(base), rate, args.arrival, args.arrival_cv, args.seed)
+    times = arrival_times(len(base), rate, args.arrival, arrival_cv_of(args), args.seed)
     assert main["offered_load"] == pytest.approx(load * len(times) / times[-1] / rate)  # what the draw offered
     assert main["offered_load"] != pytest.approx(load, abs=1e-3)
     result = simulate(replace(config, policy="fcfs"), [replace(r, arrival_time=t) for r, t in zip(base, times)], cost)

@@ -302,6 +302,12 @@ def test_bench_serve_refuses_to_write_its_result_over_its_baseline(capsys, tmp_p
                  "--baseline", str(baseline)], "bench serve")
 
 
+def test_simulate_refuses_an_arrival_cv_without_gamma_arrivals(capsys) -> None:
+    # Poisson arrivals ran and the CV did nothing.
+    assert "--arrival-cv: only --arrival gamma reads it (--arrival poisson)" in one_line_error(
+        capsys, ["simulate", "--arrival-cv", "3"], "simulate")
+
+
 def test_simulate_refuses_a_knob_none_of_its_policies_reads(capsys) -> None:
     # Serve refused it; simulate ran and the knob did nothing.
     assert "--srpt-max-preempt-share: --policies fcfs,sjf do not read it" in one_line_error(

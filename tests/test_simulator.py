@@ -262,8 +262,9 @@ def test_simulate_cli_on_sharegpt(tmp_path, monkeypatch) -> None:
     assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--load", "0.7", "--sweep-loads", "1.0,0.7",
                  "--predictions", "noisy-oracle", "--no-plots", "--json", str(out)]) == 0
     assert [entry["load"] for entry in json.loads(out.read_text())["sweep"]] == [0.7, 1.0]  # 0.7 run once
-    # The flags reach the scheduler and the report, with the tiers in their own order.
-    assert main(["simulate", "--policies", "fcfs", "--num-requests", "20", "--sweep-loads", "", "--tier-mix", "3,1,0",
+    # The flags reach the scheduler and the report, with the tiers in their own order (sjf: fcfs
+    # reads no aging, and a knob no policy reads is refused).
+    assert main(["simulate", "--policies", "sjf", "--num-requests", "20", "--sweep-loads", "", "--tier-mix", "3,1,0",
                  "--aging-tokens-per-step", "0.5", "--admission", "--predictions", "noisy-oracle", "--no-plots",
                  "--arrival", "gamma", "--arrival-cv", "4", "--seed", "3", "--max-output-tokens", "256",
                  "--json", str(out)]) == 0

@@ -50,6 +50,16 @@ KV_BYTES_PER_TOKEN_SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 K
 ARRIVAL_CV_RANGE = (0.01, 100.0)
 
 
+DEFAULT_ARRIVAL_CV = 2.0
+
+
+def arrival_cv_of(args: argparse.Namespace) -> float:
+    """The gamma arrivals' CV: --arrival-cv, refused with any other arrival process (it read nothing)."""
+    if args.arrival_cv is not None and args.arrival != "gamma":
+        raise ValueError(f"--arrival-cv: only --arrival gamma reads it (--arrival {args.arrival})")
+    return DEFAULT_ARRIVAL_CV if args.arrival_cv is None else args.arrival_cv
+
+
 def arrival_cv(text: str) -> float:
     """A gamma CV whose shape (1/CV^2) and gaps stay finite floats; past these bounds the draws
     divide by zero or collapse onto one instant."""
@@ -70,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra loads, reported beside --load and plotted against the arrival rate "
                              "(default 0.7,1.0; '' for none)")
     parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    parser.add_argument("--arrival-cv", type=arrival_cv, default=2.0,
-                        help="gamma arrivals: coefficient of variation")
+    parser.add_argument("--arrival-cv", type=arrival_cv, default=None,
+                        help=f"gamma arrivals: coefficient of variation (default {DEFAULT_ARRIVAL_CV:g})")
     parser.add_argument("--tier-mix", type=tier_weights, default="0,1,0", help="weights of interactive,standard,batch")
     parser.add_argument("--predictions", default="predictor", choices=["predictor", NOISY_ORACLE])
     parser.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR)
@@ -197,7 +207,7 @@ def run_load(config: SchedulerConfig, base: list[SimRequest], cost: StepCostMode
              load: float, saturated: float, args: argparse.Namespace) -> tuple[dict, dict]:
     """Summaries per policy at one load, and the e2e latencies for the CDF plot."""
     rate = load * saturated / mean([r.output_tokens for r in base])
-    times = arrival_times(len(base), rate, args.arrival, args.arrival_cv, args.seed)
+    times = arrival_times(len(base), rate, args.arrival, arrival_cv_of(args), args.seed)
     workload = [replace(r, arrival_time=t) for r, t in zip(base, times)]
     summaries, latencies = {}, {}
     for name in policies:
@@ -247,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         read_spec(args.predictor)  # a folder that is no predictor fails here, before the workload loads
     cost, cost_source, calibration = load_cost_model(args.step_cost)
     config = scheduler_config(args, calibration)
+    arrival_cv_of(args)  # a CV without gamma arrivals fails here, before the workload loads
     turns = load_workload_turns(args)
     prepare_output_file(args.json, "--json")  # before the predictions and the simulation, not after them
     base, prediction_source = build_base_workload(args, turns)
@@ -267,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "load": args.load, "offered_load": main["offered_load"], "arrival_rate_per_s": main["arrival_rate_per_s"],
         "arrival": args.arrival,
-        "arrival_cv": args.arrival_cv if args.arrival == "gamma" else 1.0, "seed": args.seed,
+        "arrival_cv": arrival_cv_of(args) if args.arrival == "gamma" else 1.0, "seed": args.seed,
         "max_prompt_tokens": args.max_prompt_tokens, "max_output_tokens": args.max_output_tokens,
         "num_requests": len(base), "saturated_output_tokens_per_s": saturated,
         "predictions": prediction_source, "exclude_train_prompts": args.exclude_train_prompts,

@@ -470,5 +470,5 @@ def test_admission_reads_either_slo_whatever_the_policy():
     from engine.scheduler_args import scheduler_options
 
     args = _scheduler_flags(["--admission", "--slo-ttft-interactive", "0.5", "--slo-e2e-standard", "9"])
-    assert scheduler_options(args, policy="fcfs") == {"enable_admission": True, "slo_ttft_interactive_s": 0.5,
-                                                      "slo_e2e_standard_s": 9.0}
+    assert scheduler_options(args, ["fcfs"]) == {"enable_admission": True, "slo_ttft_interactive_s": 0.5,
+                                                 "slo_e2e_standard_s": 9.0}

@@ -83,14 +83,16 @@ class Scheduler(Preemption):
         # is asked to do, and shedding is the answer to it.
         self.admission.record_arrival(now, request)
         if self.config.enable_admission:
-            self._group_verdicts.judge(request, lambda: self.admission.check(
-                request, self.waiting + self.swapped, self.running, self._served_before(request, now),
-                self._queued_work, lambda running: self.policy.should_preempt_for(request, running, now)),
-                self.admission.refuse_again)
+            self._group_verdicts.judge(request, lambda: self._check_admission(request, now),
+                                       self.admission.refuse_again)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
         self._queued_work.added(request)
+
+    def _check_admission(self, request: Request, now: float) -> None:
+        self.admission.check(request, self.waiting + self.swapped, self.running, self._served_before(request, now),
+                             self._queued_work, lambda running: self.policy.should_preempt_for(request, running, now))
 
     def _served_before(self, request: Request, now: float) -> Callable[[Request], bool] | None:
         """Whether the policy serves a queued request before `request`; None (every queued one

@@ -202,9 +202,11 @@ def test_default_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypa
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(tmp_path)
-    defaults = [EngineConfig().model, simulate.DEFAULT_STEP_COST]
+    from training.bench_engine import DEFAULT_STEP_COST_OUT
+
+    defaults = [EngineConfig().model, simulate.DEFAULT_STEP_COST, DEFAULT_STEP_COST_OUT]
     for argv, names in ((["generate", "hi"], ("model",)),
-                        (["bench", "engine"], ("model", "json", "step_cost_out")), (["bench", "serve"], ("result_dir",)),
+                        (["bench", "engine"], ("model", "json")), (["bench", "serve"], ("result_dir",)),
                         (["simulate"], ("predictor", "json"))):
         args = _build_parser(argv).parse_args(argv)
         defaults += [getattr(args, name) for name in names]
@@ -220,8 +222,10 @@ def test_calibrating_does_not_overwrite_the_committed_step_cost_by_default() -> 
     from training import simulate
     from training.cli import _build_parser
 
+    from training.bench_engine import step_cost_path
+
     args = _build_parser(["bench", "engine"]).parse_args(["bench", "engine", "--calibrate"])
-    assert args.step_cost_out == REPO_ROOT / "out" / "step_cost.json"
+    assert step_cost_path(args) == REPO_ROOT / "out" / "step_cost.json"
     assert simulate.DEFAULT_STEP_COST == REPO_ROOT / "data" / "step_cost.json"
 
 
@@ -325,6 +329,10 @@ def test_bench_engine_checks_its_outputs_before_the_runs(capsys, tmp_path, taken
     assert "--step-cost-out /proc/nope/cost.json: not writable" in one_line_error(
         capsys, ["bench", "engine", *model, "--json", str(tmp_path / "b.json"), "--calibrate",
                  "--step-cost-out", "/proc/nope/cost.json"], "bench engine")
+    # Without --calibrate nothing is fitted, so the file asked for would never be written.
+    assert "--step-cost-out is written only with --calibrate" in one_line_error(
+        capsys, ["bench", "engine", *model, "--json", str(tmp_path / "b.json"), "--step-cost-out",
+                 str(tmp_path / "cost.json")], "bench engine")
     same = str(tmp_path / "b.json")
     assert "the same file as --json" in one_line_error(
         capsys, ["bench", "engine", *model, "--json", same, "--calibrate", "--step-cost-out", same], "bench engine")

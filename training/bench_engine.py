@@ -31,6 +31,9 @@ from scheduler.simulation import StepCostModel
 from training.engine_baselines import RunResult, WorkItem, run_engine, run_hf_continuous, run_hf_static
 
 BASELINES = ("hf_static", "hf_continuous")
+# Not data/step_cost.json, what `simulate` reads: that file is committed and kept fixed so
+# simulator figures stay comparable; replacing it is a deliberate --step-cost-out.
+DEFAULT_STEP_COST_OUT = REPO_ROOT / "out" / "step_cost.json"
 log = logging.getLogger(__name__)
 
 
@@ -52,10 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated baselines to leave out: {','.join(BASELINES)}")
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "out" / "bench_engine.json")
     parser.add_argument("--calibrate", action="store_true", help="fit the step-cost model and write it")
-    # Not data/step_cost.json, what `simulate` reads: that file is committed and kept fixed so
-    # simulator figures stay comparable; replacing it is a deliberate --step-cost-out.
-    parser.add_argument("--step-cost-out", type=Path, default=REPO_ROOT / "out" / "step_cost.json",
-                        help="where --calibrate writes the fit (simulate reads data/step_cost.json)")
+    parser.add_argument("--step-cost-out", type=Path, default=None,
+                        help=f"where --calibrate writes the fit (default {DEFAULT_STEP_COST_OUT}; simulate "
+                             "reads data/step_cost.json)")
 
 
 def baseline_names(text: str) -> frozenset[str]:
@@ -163,9 +165,17 @@ def check_output_paths(args: argparse.Namespace) -> None:
     json_path = Path(args.json)
     if json_path.suffix == ".png":
         raise ValueError(f"--json {json_path}: the plot is written to the .png beside it")
-    if args.calibrate and Path(args.step_cost_out).resolve() in (json_path.resolve(),
-                                                                 json_path.with_suffix(".png").resolve()):
-        raise ValueError(f"--step-cost-out {args.step_cost_out}: the same file as --json or its plot")
+    step_cost_out = step_cost_path(args)
+    if args.calibrate and step_cost_out.resolve() in (json_path.resolve(), json_path.with_suffix(".png").resolve()):
+        raise ValueError(f"--step-cost-out {step_cost_out}: the same file as --json or its plot")
+
+
+def step_cost_path(args: argparse.Namespace) -> Path:
+    """Where --calibrate writes its fit. Given without --calibrate, the path is refused: nothing is
+    fitted, and the file the user asked for would never be written."""
+    if args.step_cost_out is not None and not args.calibrate:
+        raise ValueError("--step-cost-out is written only with --calibrate")
+    return Path(args.step_cost_out or DEFAULT_STEP_COST_OUT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     items = load_workload(tokenizer, args.split, args.num_prompts, args.max_prompt_tokens, args.max_output_tokens)
     prepare_output_file(args.json, "--json")  # before the runs, not after them
     if args.calibrate:
-        prepare_output_file(args.step_cost_out, "--step-cost-out")
+        prepare_output_file(step_cost_path(args), "--step-cost-out")
     # The allocator setting is process-wide: the HF baselines, run after the engine, share it.
     results = {"engine": run_engine(items, config)}
     log.info("engine: %.1f tokens/s", results["engine"].tokens_per_s)
@@ -204,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     refused = None
     if args.calibrate:
         try:
-            summary["step_cost"] = write_step_cost(results["engine"].steps, config, args.step_cost_out)
+            summary["step_cost"] = write_step_cost(results["engine"].steps, config, step_cost_path(args))
         except ValueError as exc:  # the throughput figures are still written
             refused = exc
     args.json.write_text(json.dumps(summary, indent=2) + "\n")

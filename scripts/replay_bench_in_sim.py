@@ -3,8 +3,9 @@
 It checks the simulator against the real server. Pass the bench arguments the run used; the
 arrival times come from the fcfs run's JSON (every policy's run used the same seed). Prints
 simulated and measured mean / p50 / p99 end-to-end latency per policy. Without a measured fcfs
-run in --result-dir, arrivals are drawn as `bench serve` draws them, to try a workload before
-spending server time on it; simulator flags for the server (e.g. --max-num-seqs 16) go in --sim-args.
+run in the default --result-dir, arrivals are drawn as `bench serve` draws them, to try a workload
+before spending server time on it (a --result-dir given must be a folder); the first line says which
+arrivals were replayed; simulator flags for the server (e.g. --max-num-seqs 16) go in --sim-args.
 It always replays fcfs, sjf and oracle on the bench's workload, so --sim-args refuses the
 simulator's workload, policy and report flags (--policies, --load, --num-requests, ...).
 
@@ -73,7 +74,8 @@ def main(argv: list[str]) -> None:
 
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--result-dir", type=Path, default=REPO_ROOT / "out" / "bench_serve")
+    parser.add_argument("--result-dir", type=Path, default=None,
+                        help="bench serve's --result-dir (default out/bench_serve, where one may be missing)")
     parser.add_argument("--predictor", type=Path, default=sim.DEFAULT_PREDICTOR)
     parser.add_argument("--sim-args", default="", help="simulator flags, one quoted string")
     args = parser.parse_args(argv[:split])
@@ -85,7 +87,8 @@ def main(argv: list[str]) -> None:
     if not bench_args.ignore_eos:
         raise ValueError("the replay takes each reply's length to be its max_tokens, which holds only "
                          "for a bench run with --ignore-eos: pass it after --")
-    real = {p.stem: json.loads(p.read_text()) for p in args.result_dir.glob("*.json")}
+    result_dir = measured_runs_folder(args.result_dir, REPO_ROOT / "out" / "bench_serve")
+    real = {p.stem: json.loads(p.read_text()) for p in result_dir.glob("*.json")}
     check_same_workload(real, bench_args)  # before the workload loads
     items = bench_serve.sample_workload(bench_args)
     starts = ({r["index"]: r["start_s"] for r in real["fcfs"]["requests"]} if "fcfs" in real else
@@ -97,7 +100,9 @@ def main(argv: list[str]) -> None:
                               [starts[item.index] for item in items], [Tier[item.tier.upper()] for item in items],
                               max_tokens=None)
     config = replace(sim.scheduler_config(sim_args, calibration), max_model_len=bench_args.max_model_len)
-    print(f"{len(items)} requests, {sum(item.max_tokens for item in items)} output tokens")
+    print(f"{len(items)} requests, {sum(item.max_tokens for item in items)} output tokens, arrivals "
+          + (f"measured in {result_dir / 'fcfs.json'}" if "fcfs" in real else
+             f"drawn as bench serve draws them (no fcfs.json in {result_dir})"))
     print(ranking_taus(workload))
     # sjf once more with every request capped at --max-output-tokens, as a client that does not
     # know its reply's length sends it: the order then comes from the prediction alone.
@@ -114,6 +119,14 @@ def main(argv: list[str]) -> None:
             r = real[label]
             line += f" | real mean {r['mean_e2e_s']:.1f} p50 {r['p50_e2e_s']:.1f} p99 {r['p99_e2e_s']:.1f}"
         print(line)
+
+
+def measured_runs_folder(given: Path | None, default: Path) -> Path:
+    """The folder of measured runs. One given must exist: a mistyped path would otherwise replay
+    drawn arrivals as if no run had been measured, and print no measured figures beside them."""
+    if given is not None and not given.is_dir():
+        raise ValueError(f"--result-dir {given}: no such folder")
+    return default if given is None else given
 
 
 def check_same_workload(real: dict, bench_args: argparse.Namespace) -> None:

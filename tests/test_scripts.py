@@ -323,8 +323,19 @@ def test_replay_in_sim_runs_sjf_again_on_the_prediction_alone_and_compares_only_
     assert [policy for policy, _ in runs] == ["fcfs", "sjf", "oracle", "sjf"]
     assert runs[1][1] == [None, None, None] and runs[3][1] == [capped] * 3  # true lengths, then the cap
     lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"arrivals drawn as bench serve draws them (no fcfs.json in {tmp_path})")
     real = {line.split(" sim ")[0].strip(): "| real" in line for line in lines if " sim mean " in line}
     assert real == {"fcfs": False, "sjf": True, "oracle": False, "sjf, prediction alone": False}
+
+
+def test_replay_in_sim_refuses_a_result_dir_that_is_no_folder_before_loading(tmp_path, monkeypatch) -> None:
+    # A mistyped folder replayed drawn arrivals as if no run had been measured, without a word.
+    from training import bench_serve
+
+    replay = load_script("replay_bench_in_sim")
+    monkeypatch.setattr(bench_serve, "sample_workload", lambda args: pytest.fail("workload loaded first"))
+    with pytest.raises(ValueError, match=f"--result-dir {tmp_path / 'typo'}: no such folder"):
+        replay.main(["--result-dir", str(tmp_path / "typo"), "--", "--num-prompts", "2", "--ignore-eos"])
 
 
 def test_replay_in_sim_refuses_a_measured_run_of_another_workload_before_loading(tmp_path, monkeypatch) -> None:

@@ -49,6 +49,14 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def host_pools(device: torch.device, num_cpu_blocks: int) -> str:
+    """The settings behind the KV memory taken from the host, in the config's words: naming a swap
+    pool that recompute preemption never allocates sent a user looking for it."""
+    pools = (["kv_cache_memory_gib on a CPU"] if device.type == "cpu" else []) + (
+        ["swap_space_gib for swap preemption"] if num_cpu_blocks else [])
+    return " plus ".join(pools)
+
+
 def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int,
                      device: torch.device) -> None:
     """ValueError when the pools would not fit the memory free now, before they are allocated: a
@@ -58,8 +66,8 @@ def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_block
     host = num_cpu_blocks * block + (num_gpu_blocks * block if device.type == "cpu" else 0)
     free_host = available_host_bytes()
     if free_host is not None and host > free_host:
-        raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory (kv_cache_memory_gib on a CPU, "
-                         f"plus swap_space_gib), more than the {free_host / GIB:.1f} GiB available")
+        raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory "
+                         f"({host_pools(device, num_cpu_blocks)}), more than the {free_host / GIB:.1f} GiB available")
     if device.type == "cuda":
         # What torch has reserved but not handed out is free to it, though the driver counts it used
         # (a second engine in one process reuses the first one's freed cache).

@@ -70,6 +70,11 @@ def test_engine_start_up_errors_are_one_line(capsys, tiny_model_dir) -> None:
         capsys, ["generate", "hi", *model, "--max-model-len", "4"], "generate")
     assert "holds no KV block" in one_line_error(
         capsys, [*serve, "--predictor", "none", "--kv-cache-memory", "1e-7"], "serve")
+    # vLLM's --swap-space; the field's name in an error is the flag's.
+    assert "--swap-space 1e-09 holds no KV block" in one_line_error(
+        capsys, [*serve, "--predictor", "none", "--preemption-mode", "swap", "--swap-space", "1e-9"], "serve")
+    assert "--swap-space is used only with --preemption-mode swap" in one_line_error(
+        capsys, [*serve, "--predictor", "none", "--swap-space", "1"], "serve")
     assert "exceeds the model's 2048 positions" in one_line_error(
         capsys, [*serve, "--predictor", "none", "--max-model-len", "20000"], "serve")
     assert "fewer than --max-model-len 1024" in one_line_error(
@@ -685,8 +690,10 @@ def test_port_0_on_every_interface_is_one_port_for_every_address() -> None:
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="the check reads MemAvailable from /proc/meminfo")
 def test_a_kv_cache_larger_than_memory_is_one_line(capsys, tiny_model_dir) -> None:
     # It was a 23-line allocator traceback.
-    assert "of host memory" in one_line_error(
-        capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--kv-cache-memory", "100000"], "generate")
+    err = one_line_error(capsys, ["generate", "hi", "--model", str(tiny_model_dir), "--kv-cache-memory", "100000"],
+                         "generate")
+    # generate has no swap pool, and names the flag it has: a field it had no flag for sent users looking.
+    assert "of host memory (--kv-cache-memory on a CPU)" in err and "swap" not in err
 
 
 def test_an_output_location_is_checked_by_writing_and_nothing_is_made(tmp_path) -> None:

@@ -39,8 +39,11 @@ def test_a_cpu_cache_counts_both_pools_against_host_memory(monkeypatch):
     # On a CPU the device pool is host memory too: 4 host blocks alone would fit, 7 + 4 do not.
     with pytest.raises(ValueError, match="host memory"):
         KVCache(SMALL, num_gpu_blocks=7, num_cpu_blocks=4, device=CPU)
-    with pytest.raises(ValueError, match="host memory"):
+    with pytest.raises(ValueError, match=r"host memory \(kv_cache_memory_gib on a CPU plus swap_space_gib for swap"):
         KVCache(SMALL, num_gpu_blocks=6, num_cpu_blocks=5, device=CPU)
+    # Without a swap pool the message names no swap setting (recompute preemption allocates none).
+    with pytest.raises(ValueError, match=r"host memory \(kv_cache_memory_gib on a CPU\), more"):
+        KVCache(SMALL, num_gpu_blocks=11, num_cpu_blocks=0, device=CPU)
     limit_host_bytes(monkeypatch, None)  # unknown: not refused
     KVCache(SMALL, num_gpu_blocks=7, num_cpu_blocks=5, device=CPU)
 

@@ -42,7 +42,8 @@ ARGUMENT_RESOLVERS: dict[tuple[str, ...], str] = {
 # ("kv_cache_memory_gib 0.0001 holds no KV block"), which a command line user never typed. (In
 # `bench serve` such a name is the remote server's, and stays.)
 FIELD_FLAGS = {"kv_cache_memory_gib": "--kv-cache-memory", "max_num_batched_tokens": "--max-num-batched-tokens",
-               "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len"}
+               "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
+               "swap_space_gib": "--swap-space"}
 ENGINE_COMMANDS = {("serve",), ("generate",), ("bench", "engine")}
 
 

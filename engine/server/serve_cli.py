@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model's positions)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
                         help=f"default {defaults.preemption_mode}")
+    parser.add_argument("--swap-space", type=positive_float, default=None, metavar="GIB",
+                        help=f"host memory in GiB that swap preemption copies KV blocks to (default "
+                             f"{defaults.swap_space_gib:g}; with --preemption-mode swap only)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="find full KV blocks of earlier prompts again by their tokens, so a prompt that "
                              "starts as one before it skips that part of its prefill (vLLM's automatic prefix "
@@ -103,14 +106,18 @@ def warn_if_probing_another_model(length_predictor, served_model: str) -> None:
 
 def build_engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
+    from scheduler.eviction import needs_host_pool
 
     overrides = {
         "kv_cache_memory_gib": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode, "attention_backend": args.attention_backend,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "swap_space_gib": args.swap_space,
     }
     chosen = {name: value for name, value in overrides.items() if value is not None}
+    if args.swap_space is not None and not needs_host_pool(chosen.get("preemption_mode", EngineConfig.preemption_mode)):
+        # Recompute preemption copies nothing to the host: the pool would be allocated unused.
+        raise ValueError("--swap-space is used only with --preemption-mode swap")
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
     options = scheduler_options(args, [args.policy])
     if args.enable_prefix_caching:  # not a shared scheduler flag: simulated prompts are all one token

@@ -10,6 +10,7 @@ and `priority` gives each prompt its priority (lower first, under the `priority`
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
@@ -17,24 +18,43 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, is_int, plain_number
 
 Prompt = str | list[int]
 ParamsLike = SamplingParams | Mapping[str, Any]
-# vLLM's TextPrompt and TokensPrompt: a mapping with exactly one of these keys.
+# vLLM's TextPrompt ({"prompt"}) and TokensPrompt ({"prompt_token_ids"}, whose "prompt" may name the
+# text the ids came from, and is then not read), each with an optional cache_salt.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+OPTIONAL_PROMPT_KEYS = ("cache_salt",)
 
 
-def _as_prompt(prompt: Any) -> Any:
-    """A vLLM prompt mapping as the text or ids it holds; anything else as it is (add_request
-    checks it)."""
+def _as_prompt(prompt: Any) -> tuple[Any, str | None]:
+    """A prompt as the text or ids it holds (an array of ids as a list), with the cache salt of a
+    vLLM prompt mapping; anything else as it is (add_request checks it)."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):  # NumPy, torch
+        return prompt.tolist(), None
     if not isinstance(prompt, Mapping):
-        return prompt
-    if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
-        raise ValueError(f"a prompt mapping holds exactly one of {', '.join(PROMPT_KEYS)}, got keys "
-                         f"{sorted(map(str, prompt))} (sampling settings, cache_salt among them, go in "
-                         "SamplingParams)")
-    return next(iter(prompt.values()))
+        return prompt, None
+    keys = set(map(str, prompt))
+    unknown = sorted(keys - set(PROMPT_KEYS) - set(OPTIONAL_PROMPT_KEYS))
+    if unknown or not keys & set(PROMPT_KEYS):
+        raise ValueError(f"a prompt mapping holds prompt or prompt_token_ids (and optionally cache_salt), got keys "
+                         f"{sorted(keys)}; sampling settings go in SamplingParams")
+    text_or_ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    return _as_prompt(text_or_ids)[0], prompt.get("cache_salt")
+
+
+def _with_salt(params: SamplingParams, salt: str | None) -> SamplingParams:
+    """A prompt mapping's cache_salt set on its sampling params (where the scheduler reads it)."""
+    if salt is None or salt == params.cache_salt:
+        return params
+    if params.cache_salt is not None:
+        raise ValueError(f"cache_salt {salt!r} in a prompt mapping, and {params.cache_salt!r} in its SamplingParams")
+    return replace(params, cache_salt=salt)  # SamplingParams checks the salt
+
+
+def _is_token_id(value: Any) -> bool:
+    return is_int(plain_number(value))
 
 
 def _as_params(params: ParamsLike | None) -> SamplingParams:
@@ -67,19 +87,23 @@ class LLM:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
+        if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
+            prompts = prompts.tolist()  # an array of ids is one prompt; of rows, one per row
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+        elif isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0]):
             prompts = [list(prompts)]  # one prompt of token ids
         elif not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a string, a list of token ids, a prompt mapping, or a list of "
                              f"those; got {type(prompts).__name__}")
-        prompts = [_as_prompt(prompt) for prompt in prompts]
+        prompts, salts = zip(*map(_as_prompt, prompts)) if prompts else ((), ())
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-            return prompts, [_as_params(p) for p in params]
-        return prompts, [_as_params(params)] * len(prompts)
+            params_list = [_as_params(p) for p in params]
+        else:
+            params_list = [_as_params(params)] * len(prompts)
+        return list(prompts), [_with_salt(p, salt) for p, salt in zip(params_list, salts)]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: ParamsLike | Sequence[ParamsLike] | None = None, *,

@@ -35,7 +35,7 @@ from predictor.base import Prediction
 from predictor.batching import predict_in_batches
 from scheduler.eviction import needs_host_pool
 from scheduler.output import SchedulerOutput
-from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, has_utf8_form, is_int
+from scheduler.request import ChoiceGroup, Request, SamplingParams, Tier, has_utf8_form, is_int, plain_number
 from scheduler.scheduler import Scheduler
 from scheduler.step import SchedulerStats
 
@@ -180,7 +180,7 @@ class LLMEngine:
             # completions add them, as vLLM's do.
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
+            ids = list(map(plain_number, prompt))  # NumPy's integers too, as Python's
             if any(not is_int(t) or not 0 <= t < self.arch.vocab_size for t in ids):  # True is no token
                 raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from scheduler.expected_length import capped_lognormal_mean
@@ -70,13 +71,28 @@ def is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def plain_number(value: object) -> object:
+    """An integer or real number of another type (NumPy's, as `tokenizer(..., return_tensors="np")`
+    or a sweep over np.linspace gives them) as Python's int or float, so the checks take it and
+    nothing downstream holds a foreign type; a bool, a Python number or anything else unchanged."""
+    if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+# SamplingParams' number fields, made plain (plain_number) before they are checked.
+NUMBER_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
 def _as_tuple(values: object, name: str) -> tuple:
-    """A list or tuple as a tuple, None as (); anything else is a ValueError naming the field."""
+    """A list or tuple as a tuple of plain numbers (plain_number), None as (); anything else is a
+    ValueError naming the field."""
     if values is None:
         return ()
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{name} must be a list or tuple, got {values!r}")
-    return tuple(values)
+    return tuple(map(plain_number, values))
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Types are checked too: a float seed or a string temperature would otherwise pass here
         # and fail with a TypeError inside an engine step, part-way through a generate call.
+        for name in NUMBER_FIELDS:
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
@@ -220,7 +238,7 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
-        token, value = pair
+        token, value = map(plain_number, pair)
         if not is_int(token) or token < 0 or not is_real(value) or not _finite(value):
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
         clean[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))

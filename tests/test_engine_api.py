@@ -65,10 +65,49 @@ def test_vllms_prompt_mappings_are_their_text_or_ids(llm):
     mapped = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], sampling_params=greedy(4))
     assert [o.token_ids for o in mapped] == plain
     assert llm.generate({"prompt": PROMPT}, greedy(4))[0].token_ids == plain[0]  # one mapping, one prompt
-    for bad in ({"a": 1}, {"prompt": PROMPT, "multi_modal_data": {}}, {}):
-        with pytest.raises(ValueError, match="a prompt mapping holds exactly one of prompt, prompt_token_ids"):
+    # A TokensPrompt may name the text its ids came from: the ids are the prompt.
+    named = llm.generate({"prompt_token_ids": ids[:3], "prompt": PROMPT}, greedy(4))[0]
+    assert named.prompt_token_ids == tuple(ids[:3])
+    for bad in ({"a": 1}, {"prompt": PROMPT, "multi_modal_data": {}}, {}, {"cache_salt": "t"}):
+        with pytest.raises(ValueError, match="a prompt mapping holds prompt or prompt_token_ids"):
             llm.generate([PROMPT, bad], greedy(4))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prompt_mappings_cache_salt_keeps_its_prompt_from_others_cached_blocks(tiny_model_dir):
+    # vLLM puts cache_salt in the prompt mapping (it was refused there, with advice to move it).
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_threads=1, scheduler_options={"enable_prefix_caching": True})
+    prompt = PROMPT * 3  # several full blocks
+    first, again = (llm.generate(prompt, greedy(2))[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    salted = llm.generate({"prompt": prompt, "cache_salt": "tenant-b"}, greedy(2))[0]
+    assert salted.num_cached_tokens == 0 and salted.token_ids == first.token_ids
+    # Two salts for one prompt are refused, not one silently chosen.
+    with pytest.raises(ValueError, match="cache_salt 'a' in a prompt mapping, and 'b' in its SamplingParams"):
+        llm.generate({"prompt": prompt, "cache_salt": "a"}, SamplingParams(cache_salt="b"))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_numbers_and_arrays_are_taken_as_pythons(llm):
+    # A tokenizer's return_tensors="np" and np.linspace sweeps give NumPy types; they were refused
+    # with messages that said the values were not integers or not numbers.
+    import numpy as np
+
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    expected = llm.generate(ids, greedy(4), use_tqdm=False)[0].token_ids
+    for prompt in (np.array(ids), [np.int64(i) for i in ids], [np.array(ids)]):
+        assert llm.generate(prompt, greedy(4), use_tqdm=False)[0].token_ids == expected
+    assert len(llm.generate(np.array([ids[:4], ids[:4]]), greedy(2), use_tqdm=False)) == 2  # one per row
+    params = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(5), seed=np.uint64(7),
+                            stop_token_ids=[np.int64(3)], logit_bias={np.int64(2): np.float32(1.5)})
+    assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+    assert type(params.stop_token_ids[0]) is int and params.logit_bias == ((2, 1.5),)
+    python = SamplingParams(max_tokens=4, temperature=0.5, top_k=5, seed=7, stop_token_ids=[3], logit_bias={2: 1.5})
+    assert params == python
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        SamplingParams(max_tokens=np.float64(4.0))  # still no integer
+    with pytest.raises(ValueError, match="ignore_eos must be a bool"):
+        SamplingParams(ignore_eos=np.int64(1))
 
 
 def test_priorities_order_the_prompts_under_the_priority_policy(tiny_model_dir):

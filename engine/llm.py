@@ -3,8 +3,11 @@
 All prompts are queued at once and the engine steps until every one has finished, so they share
 batches through continuous batching; results come back in the order of the prompts. Every prompt is
 validated before any is run: bad input raises ValueError and leaves nothing queued. As in vLLM, a
-prompt is a text, a list of token ids, or a mapping {"prompt": text} / {"prompt_token_ids": ids},
-and `priority` gives each prompt its priority (lower first, under the `priority` policy).
+prompt is a text, a list of token ids (NumPy's too), or a mapping {"prompt": text} /
+{"prompt_token_ids": ids}, optionally with a "cache_salt"; `priority` gives each prompt its priority
+(lower first, under the `priority` policy). `chat(messages)` renders conversations with the model's
+chat template first. Unlike vLLM's, a result is one flat RequestOutput per prompt: there is no `n`
+offline (the HTTP server has it).
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ def _with_salt(params: SamplingParams, salt: str | None) -> SamplingParams:
     return replace(params, cache_salt=salt)  # SamplingParams checks the salt
 
 
+def _as_conversation(value: Any) -> Any:
+    """A conversation's messages as the plain dicts the template takes; anything else unchanged,
+    for apply_chat_template to refuse."""
+    if isinstance(value, (list, tuple)) and all(isinstance(message, Mapping) for message in value):
+        return [dict(message) for message in value]
+    return value
+
+
 def _is_token_id(value: Any) -> bool:
     return is_int(plain_number(value))
 
@@ -84,6 +95,29 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """vLLM's name for `tokenizer`."""
+        return self.engine.tokenizer
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: ParamsLike | Sequence[ParamsLike] | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's: one conversation (a list of {"role", "content"} messages) or a list of them,
+        each rendered by the model's chat template, then generated as `generate` does. Every
+        conversation is rendered before any is queued, so a bad one leaves nothing queued."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a conversation or a list of conversations, got {messages!r}")
+        conversations = [messages] if isinstance(messages[0], Mapping) else messages
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
+        # As vLLM merges the template's variables over the switches, theirs win.
+        variables = {"add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
+        prompts = [self.engine.apply_chat_template(_as_conversation(conversation), **variables)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:

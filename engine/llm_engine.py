@@ -17,11 +17,12 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from engine.attention.backend import create_backend
+from engine.chat_template_rules import reserved_variables
 from engine.config import EngineConfig
 from engine.host_memory import retain_freed_host_memory
 from engine.kv_cache import CacheGeometry, KVCache
@@ -157,9 +158,25 @@ class LLMEngine:
         return time.monotonic()
 
     # ---- requests ----------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text the model expects for a chat, ending with the assistant's turn."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **template_variables: Any) -> str:
+        """The prompt text the model expects for a chat, by default ending with the assistant's
+        turn opened; ValueError (naming `messages`) when the template refuses the conversation."""
+        reserved = reserved_variables(template_variables)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (how the conversation is "
+                             "rendered is the chat call's to say)")
+        if add_generation_prompt and continue_final_message:  # vLLM refuses the pair too
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the "
+                             "first opens a new assistant turn, the second continues the last message")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **template_variables)
+        except Exception as exc:  # noqa: BLE001 - the conversation's fault (a template raising, a bad role)
+            raise ValueError(f"messages: {exc}") from exc
 
     @staticmethod
     def _checked_text(prompt: str) -> str:

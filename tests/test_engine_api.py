@@ -524,3 +524,49 @@ def test_generate_scores_its_prompts_in_one_batch_and_serves_on_when_the_predict
     outputs = llm.generate(prompts, greedy(3))
     assert [len(output.token_ids) for output in outputs] == [3, 3, 3]
     assert not llm.engine.has_unfinished_requests()
+
+
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_is_generate_on_the_chat_templated_prompt(llm):
+    # vLLM's LLM.chat: it was missing, and the template reachable only through llm.engine.
+    templated = llm.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    expected = llm.generate(templated, greedy(4), use_tqdm=False)[0]
+    chatted = llm.chat(CHAT, greedy(4), use_tqdm=False)
+    assert len(chatted) == 1 and chatted[0].prompt_token_ids == expected.prompt_token_ids
+    assert chatted[0].token_ids == expected.token_ids
+    # A list of conversations is one result per conversation, in order.
+    other = [{"role": "user", "content": "Count to three."}]
+    both = llm.chat([other, CHAT], greedy(4), use_tqdm=False)
+    assert [o.token_ids for o in both][1] == expected.token_ids and len(both) == 2
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_chat_switches_as_vllm_has_them(llm):
+    continued = [*CHAT, {"role": "assistant", "content": "Blue is"}]
+    rendered = llm.tokenizer.apply_chat_template(continued, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("Blue is")  # the reply extends the last message, no new turn
+    out = llm.chat(continued, greedy(2), add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    assert out[0].prompt_token_ids == tuple(llm.tokenizer.encode(rendered, add_special_tokens=False))
+    # The template's variables win over the switches, as vLLM merges them.
+    by_kwargs = llm.chat(continued, greedy(2), chat_template_kwargs={"add_generation_prompt": False,
+                                                                     "continue_final_message": True}, use_tqdm=False)
+    assert by_kwargs[0].prompt_token_ids == out[0].prompt_token_ids
+
+
+@pytest.mark.parametrize("messages, kwargs, message", [
+    (CHAT, {"continue_final_message": True}, "add_generation_prompt and continue_final_message cannot both"),
+    (CHAT, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs may not set tokenize"),
+    (CHAT, {"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be a mapping, got list"),
+    ([], {}, "messages must be a conversation or a list of conversations"),
+    ("hi", {}, "messages must be a conversation or a list of conversations"),
+    ([CHAT, "hi"], {}, "messages must be a non-empty list of"),
+    ([CHAT, []], {}, "messages must be a non-empty list of"),
+    # The template's own refusal (SmolLM2's needs a role) is a ValueError naming messages.
+    ([{"content": "no role"}], {}, "messages: "),
+])
+def test_bad_chats_are_value_errors_before_anything_is_queued(llm, messages, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, greedy(2), use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished_requests()

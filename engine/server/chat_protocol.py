@@ -7,22 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from engine.chat_template_rules import TEMPLATE_SWITCHES, reserved_variables
 from engine.server.protocol import BaseRequest, Count, not_a_bool, null_is_the_default
 from engine.server.unsupported import ChatUnsupportedFields
 from scheduler.request import MAX_LOGPROBS
-
-# apply_chat_template's own parameters, and the conversation's name inside the template: a
-# template variable of these names would change how the prompt is rendered or returned (token
-# ids, tensors, truncation) rather than what the template says, so a request may not set them
-# through chat_template_kwargs. The two switches and `tools` it may set, as vLLM merges the kwargs
-# over them (ChatTemplateFields, chat_template.render_chat).
-RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "conversation", "conversations", "messages", "documents", "chat_template",
-    "tokenize", "sanitize_control_tokens", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-})
-TEMPLATE_SWITCHES = ("add_generation_prompt", "continue_final_message")
 
 
 class ContentPart(BaseModel):
@@ -129,7 +117,7 @@ class ChatTemplateFields(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs or {}))
+        reserved = reserved_variables(kwargs)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} "
                              "(the request's own fields set how the conversation is rendered)")

@@ -16,19 +16,24 @@ from scheduler.request import has_utf8_form
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("prompts", nargs="+",
+                        help="one or more user messages, each wrapped in the model's chat template (see --raw)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder (default: %(default)s)")
     parser.add_argument("--raw", action="store_true", help="feed the prompts as they are, no chat template")
-    parser.add_argument("--max-tokens", type=positive_int, default=128)
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--top-p", type=top_p, default=1.0)
-    parser.add_argument("--top-k", type=top_k, default=0)
-    parser.add_argument("--seed", type=sampling_seed, default=None)
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="default %(default)s")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="default %(default)s: greedy (vLLM's default is 1.0)")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="default %(default)s (off)")
+    parser.add_argument("--top-k", type=top_k, default=0, help="default %(default)s (off; -1 too)")
+    parser.add_argument("--seed", type=sampling_seed, default=None, help="default: none")
     parser.add_argument("--stop", type=stop_string, action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, help="GiB for the KV cache")
-    parser.add_argument("--max-model-len", type=positive_int, default=2048)
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
+    parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, metavar="GIB",
+                        help="GiB for the KV cache (default %(default)s)")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048,
+                        help="the longest prompt plus output (default %(default)s)")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                        help="default %(default)s: Triton on a GPU, else the torch reference")
     parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
 
 

@@ -1161,3 +1161,14 @@ def test_a_log_cut_off_in_its_first_record_still_resumes(tmp_path) -> None:
               "output_tokens": 3, "finish_reason": "stop", "split": "test", "in_train": False}
     log.write_text(json.dumps(record) + '\n{"key": "0123')
     assert read_log(log) == [record]
+
+
+def test_generate_help_names_the_defaults_a_vllm_user_would_not_expect(capsys) -> None:
+    # Greedy by default, and each prompt a user message in the chat template: --help said neither.
+    from training.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default 0.0: greedy" in text and "wrapped in the model's chat template" in text
+    assert "--max-tokens MAX_TOKENS default 128" in text

@@ -8,11 +8,15 @@ One token-accounting model: a request has `num_tokens` (prompt + generated) and
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from scheduler.expected_length import capped_lognormal_mean
+
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -147,6 +151,8 @@ class SamplingParams:
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            logger.warning("temperature %g is below %g, where float32 logits overflow: sampled at %g",
+                           self.temperature, MIN_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE)
             object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")

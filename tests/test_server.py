@@ -316,6 +316,24 @@ def test_a_request_id_of_the_clients_names_its_response_and_may_repeat(served, c
                     400)["param"] == "request_id"
 
 
+def test_an_x_request_id_header_names_the_response_before_the_bodys_id(served, client):
+    # vLLM reads the header first, so a gateway's id reaches the reply; it was ignored.
+    base_url = served[0]
+    header = {"X-Request-Id": "gw-42"}
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers=header,
+                                      extra_body={"request_id": "body-1"})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, stream=True, extra_headers=header))
+    assert reply.id == "cmpl-gw-42" and {chunk.id for chunk in chunks} == {"chatcmpl-gw-42"}
+    # An empty header is no id; one that would forge a log line is refused, naming the header.
+    unnamed = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": ""})
+    assert unnamed.id.startswith("cmpl-") and len(unnamed.id) > len("cmpl-")
+    refused = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                         headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "a\x85b".encode("latin-1")},
+                         timeout=60)
+    assert error_of(refused, 400)["param"] == "X-Request-Id"
+
+
 def test_seeded_sampling_repeats_and_top_k_one_is_greedy(client):
     kwargs = dict(model=MODEL, prompt="Pick a word:", max_tokens=6, extra_body={"ignore_eos": True})
     first = client.completions.create(temperature=1.0, seed=7, **kwargs).choices[0].text

@@ -28,6 +28,8 @@ MAX_CHOICES = 16
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_SEQUENCES = 256
 MAX_REQUEST_ID_CHARS = 256
+# A client's request id: no control characters or line separators (they would forge log lines).
+REQUEST_ID_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]+$"
 # The largest count or token id a field takes: what an int64 holds. Far past any context or
 # vocabulary, it keeps numbers short enough to print: Python refuses to turn an int of over 4,300
 # digits into text, and the message naming it was a 500.
@@ -123,7 +125,7 @@ class BaseRequest(CompletionUnsupportedFields):
     # requests to replies and to the server's logs (no control characters or line separators:
     # they would forge log lines).
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
-                                     pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]+$")] | None = None
+                                     pattern=REQUEST_ID_PATTERN)] | None = None
     _null_is_the_default = field_validator("max_tokens", "temperature", "top_p", "n", "stream", "ignore_eos",
                                            "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
                                            "priority", "top_k", "min_p", "presence_penalty", "frequency_penalty",

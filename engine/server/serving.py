@@ -12,9 +12,10 @@ step boundary.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,7 +27,7 @@ from engine.server.chat_protocol import ChatCompletionRequest
 from engine.server.limits import longest_token_lengths
 from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.prompt_input import PromptInput
-from engine.server.protocol import CompletionRequest
+from engine.server.protocol import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN, CompletionRequest
 from engine.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                      ChatDelta, ChatMessageOut, CompletionChoice, CompletionReply,
                                      CompletionReplyChoice, CompletionResponse, new_id, now_s)
@@ -37,6 +38,8 @@ from scheduler.policy import SchedulingPolicy
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from scheduler.output import TokenLogprobs
+
+BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest)
 
 
 class OpenAIServing(PromptInput, EngineSubmission):
@@ -59,6 +62,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
         if body.scores_prompt_only() and not body.echo:
             raise errors.invalid_field("max_tokens", "max_tokens: 0 scores the prompt alone, which needs echo: true")
         prompts = [await self._completion_prompt(body, prompt) for prompt in body.prompts()]
+        body = with_header_request_id(body, raw)
         head = self._head("cmpl", body)
         streams = await self._submit(_engine_id(head["id"], body), body, prompts, "prompt")
         n = body.n  # prompt i's choice j is stream i * n + j
@@ -118,6 +122,7 @@ class OpenAIServing(PromptInput, EngineSubmission):
         messages = [m.for_template() for m in body.messages]
         prompt_text, prompt_ids = await self.off_loop(self._render_chat, body, messages, body.tools or None)
         prompt_ids, prompt_text = await self._truncated(body, prompt_ids, prompt_text, "messages")
+        body = with_header_request_id(body, raw)
         head = self._head("chatcmpl", body)
         streams = await self._submit(_engine_id(head["id"], body), body, [(prompt_ids, prompt_text)], "messages")
         final_message = body.messages[-1]
@@ -224,6 +229,18 @@ async def _json_reply(reply: Callable[[], BaseModel], finals: Sequence[RequestOu
     if all(final.logprobs is None and final.prompt_logprobs is None for final in finals):
         return render()
     return await asyncio.to_thread(render)
+
+
+def with_header_request_id(body: BodyT, raw: Request) -> BodyT:
+    """vLLM's: an X-Request-Id header names the request before the body's request_id does, so a
+    gateway's id reaches the response's id and the logs (an empty header is no id)."""
+    header = raw.headers.get("x-request-id")
+    if not header:
+        return body
+    if len(header) > MAX_REQUEST_ID_CHARS or not re.fullmatch(REQUEST_ID_PATTERN, header):
+        raise errors.invalid_field("X-Request-Id", f"X-Request-Id: at most {MAX_REQUEST_ID_CHARS} characters, "
+                                   "none of them control characters")
+    return body.model_copy(update={"request_id": header})
 
 
 def _engine_id(response_id: str, body: CompletionRequest | ChatCompletionRequest) -> str:

@@ -412,6 +412,15 @@ def stream_payloads(base_url: str, path: str, body: dict) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def test_a_model_card_has_vllms_fields(client):
+    # Tools that read a card's root (the model's path) found only id, created and owned_by.
+    card = client.models.list().data[0].model_dump()
+    assert (card["id"], card["root"], card["parent"], card["max_model_len"]) == (MODEL, ALIAS, None, SHORT_MODEL_LEN)
+    permission = card["permission"][0]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert (permission["allow_sampling"], permission["allow_logprobs"], permission["organization"]) == (True, True, "*")
+
+
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": CHAT}),
                                         ("/v1/completions", {"prompt": "Hello"})])
 def test_responses_name_the_model_asked_for_and_chunks_carry_the_service_tier(served, path, body):

@@ -142,7 +142,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 async def models(request: Request) -> ModelList:
     settings = _served(request).settings
-    return ModelList(data=[ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)])
+    root = settings.model_aliases[0] if settings.model_aliases else settings.model_name  # the path as given
+    return ModelList(data=[ModelCard(id=settings.model_name, root=root, max_model_len=settings.max_model_len)])
 
 
 async def health(request: Request) -> Response:

@@ -137,12 +137,33 @@ class ChatCompletionChunk(_ResponseHead, _TokenIds):
     prompt_token_ids: list[int] | None = None  # with return_token_ids: in each choice's opening chunk
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card (OpenAI's legacy field), with vLLM's values: tools
+    that read a card's fields find them."""
+
+    id: str = Field(default_factory=lambda: new_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now_s)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "lengthwise"
+    root: str | None = None  # vLLM's: the model path the weights were loaded from
+    parent: str | None = None  # vLLM's: the base model of an adapter (none here)
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -289,7 +289,8 @@ class AdmissionController:
         return self._ewma_time
 
     def stability_margin(self, now: float) -> float | None:
-        """Offered load over capacity in the sliding window (above 1: the queue grows), or None.
+        """Offered load over capacity in the sliding window (above 1: the queue grows): 0 with no
+        arrival in it, None with arrivals but no step yet to measure capacity by.
 
         The largest of three utilizations: tokens, lambda * (m_prefill + m_decode) against
         B / t_step of a full step; seats, lambda * (m_decode + m_prefill / B) against
@@ -305,7 +306,10 @@ class AdmissionController:
         self._prune(now)
         if not self._steps or not self._arrivals:
             self._overloaded = False  # idle: the next crossing of 1 is logged again
-            return None
+            # No arrival in the window is an offered load of 0, whatever the capacity: a gauge of
+            # 0, not a gap (a fresh server's exported none, which dashboards read as no data).
+            # Arrivals before any step have no capacity to be measured against.
+            return None if self._arrivals else 0.0
         # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
         # even before a window has passed: dividing by the time since the first arrival alone would
         # call two requests 20 ms apart 50 per second.

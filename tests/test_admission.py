@@ -473,9 +473,9 @@ def test_the_overload_is_logged_once_per_crossing(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
         assert ctl.stability_margin(0.0) > 1 and ctl.stability_margin(0.0) > 1
     assert caplog.text.count("stability margin") == 1
-    # An idle hour ends the overload (no margin to read), so the next one is logged too.
+    # An idle hour ends the overload (no load is offered), so the next one is logged too.
     with caplog.at_level(logging.WARNING, logger="scheduler.admission"):
-        assert ctl.stability_margin(3600.0) is None
+        assert ctl.stability_margin(3600.0) == 0.0
         ctl.record_step(3600.0, 500, 0.25)
         for k in range(100):
             ctl.record_arrival(3600.0, req(f"y{k}", 300, 200))

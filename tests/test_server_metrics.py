@@ -143,11 +143,17 @@ def test_the_engine_state_gauges_read_the_schedulers_snapshot_stability_margin_i
     for name, value in expected.items():
         assert total(samples, "lengthwise:" + name, model_name=MODEL) == pytest.approx(value), name
     assert (snapshot.num_running, snapshot.num_waiting) == (2, 1) and 0 < snapshot.kv_usage < 1
-    # Nothing measured yet: the margin's gauge is left out, not reported as 0.
+    # No arrival yet: no load is offered, and the gauge reads 0 (a fresh server exported none,
+    # which dashboards read as no data).
     idle = Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats(0.0)
-    assert idle.stability_margin is None
+    assert idle.stability_margin == 0.0
     idle_samples = samples_of(ServerMetrics(MODEL, lambda: EngineStats(idle, 0, 0.0, 0.0, 0)))
-    assert not any(name == "lengthwise:stability_margin" for name, _ in idle_samples)
+    assert [value for (name, _), value in idle_samples.items() if name == "lengthwise:stability_margin"] == [0.0]
+    # Arrivals before any step: no capacity measured to compare them with, so no gauge.
+    arrived = Scheduler(SchedulerConfig(num_gpu_blocks=8))
+    arrived.add_request(Request("a", [1] * 20, SamplingParams(max_tokens=50), arrival_time=0.0, predicted_len=40.0),
+                        now=0.0)
+    assert arrived.stats(0.0).stability_margin is None
     assert total(idle_samples, "lengthwise:num_requests_waiting") == 0
 
 

@@ -312,6 +312,20 @@ def test_a_body_not_in_utf8_is_answered_as_bad_json(served):
     assert error["code"] == "invalid_value" and "JSON in UTF-8" in error["message"]
 
 
+def test_an_empty_body_a_body_nested_too_deep_and_an_empty_prompt_are_named_as_such(served):
+    # pydantic's and FastAPI's words named none of these: "Field required" with no field, "the
+    # body must be JSON in UTF-8" for valid JSON, and a list's "at least 1 item" for a text.
+    headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    empty = error_of(httpx.post(served[0] + "/v1/completions", content=b"", headers=headers), 400)
+    assert empty["message"] == "the request body is empty: send a JSON object"
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = error_of(httpx.post(served[0] + "/v1/completions", content=deep, headers=headers, timeout=60), 400)
+    assert nested["message"].endswith("the body nests too deeply")
+    for prompt in ("", []):
+        error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt}), 400)
+        assert (error["param"], error["message"]) == ("prompt", "prompt: the prompt is empty")
+
+
 def test_openai_client_raises_bad_request_with_the_param(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-3)

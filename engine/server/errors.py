@@ -144,6 +144,9 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         # cross-site posts from browser pages), and pydantic's words for that named nothing.
         return APIError(400, "send the body as JSON, with the header Content-Type: application/json",
                         code="invalid_value").response()
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        # pydantic's "Field required" named no field: the whole body is what is missing.
+        return APIError(400, "the request body is empty: send a JSON object", code="invalid_value").response()
     param = _validation_param(first)
     # A validator's own ValueError reads "Value error, <its message>": the message is enough.
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
@@ -169,7 +172,9 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message, code = str(exc.detail), None
     if exc.status_code == 400:  # FastAPI's: a body it could not decode (not UTF-8), answered as bad JSON is
-        message, code = f"{message}: the body must be JSON in UTF-8", "invalid_value"
+        # Valid JSON nested past the parser's recursion limit fails there too, and is named so.
+        reason = "nests too deeply" if isinstance(exc.__cause__, RecursionError) else "must be JSON in UTF-8"
+        message, code = f"{message}: the body {reason}", "invalid_value"
     # Starlette's headers carry what the status needs, such as a 405's Allow.
     return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response()
 

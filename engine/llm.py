@@ -6,8 +6,8 @@ validated before any is run: bad input raises ValueError and leaves nothing queu
 prompt is a text, a list of token ids (NumPy's too), or a mapping {"prompt": text} /
 {"prompt_token_ids": ids}, optionally with a "cache_salt"; `priority` gives each prompt its priority
 (lower first, under the `priority` policy). `chat(messages)` renders conversations with the model's
-chat template first. Unlike vLLM's, a result is one flat RequestOutput per prompt: there is no `n`
-offline (the HTTP server has it).
+chat template first. A result is one RequestOutput per prompt, whose `outputs` lists its one
+sequence, as vLLM's does; there is no `n` > 1 offline (the HTTP server has it).
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ def _as_params(params: ParamsLike | None) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, Mapping):
+        if params.get("n", 1) != 1:  # vLLM's field; refused by name, not as an unknown keyword
+            raise ValueError(f"n={params['n']!r}: the offline API makes one sequence per prompt; pass a prompt n "
+                             "times (with seeds seed + i for distinct draws), or ask the HTTP server for n")
+        params = {key: value for key, value in params.items() if key != "n"}
         try:
             return SamplingParams(**params)  # SamplingParams validates values (ValueError)
         except TypeError as error:  # an unknown key

@@ -11,6 +11,22 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's view of one generated sequence, as `RequestOutput.outputs` lists it, so vLLM's idiom
+    `output.outputs[0].text` reads here too. Here a request is one sequence: the list holds one."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    # The sum of the sampled tokens' logprobs, when the request asked for logprobs (None else, as
+    # in vLLM).
+    cumulative_logprob: float | None
+    logprobs: tuple[TokenLogprobs, ...] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -35,3 +51,10 @@ class RequestOutput:
     # vLLM's: what stopped a request that finished with "stop": the stop string, or the stop
     # token id of stop_token_ids; None for the end-of-sequence token, or any other finish.
     stop_reason: int | str | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape of this request's result: its one sequence."""
+        cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                 self.stop_reason)]

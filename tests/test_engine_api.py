@@ -570,3 +570,22 @@ def test_bad_chats_are_value_errors_before_anything_is_queued(llm, messages, kwa
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, greedy(2), use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllms_outputs_idiom_reads_the_one_sequence(llm):
+    # vLLM code reads out.outputs[0].text; it was an AttributeError.
+    plain, scored = llm.generate([PROMPT, PROMPT], [greedy(4), greedy(4, logprobs=0)], use_tqdm=False)
+    (sequence,) = plain.outputs
+    assert (sequence.index, sequence.text, sequence.token_ids) == (0, plain.text, plain.token_ids)
+    assert (sequence.finish_reason, sequence.stop_reason) == (plain.finish_reason, plain.stop_reason)
+    assert sequence.cumulative_logprob is None and sequence.logprobs is None  # none asked for, as in vLLM
+    summed = sum(entry.logprob for entry in scored.logprobs)
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(summed) and summed < 0
+    assert scored.outputs[0].token_ids == plain.token_ids
+
+
+def test_n_is_refused_offline_by_name_and_n_1_is_taken(llm):
+    with pytest.raises(ValueError, match="n=2: the offline API makes one sequence per prompt"):
+        llm.generate(PROMPT, {"n": 2, "max_tokens": 2}, use_tqdm=False)
+    assert len(llm.generate(PROMPT, {"n": 1, "max_tokens": 2}, use_tqdm=False)) == 1
+    assert not llm.engine.has_unfinished_requests()

@@ -13,7 +13,7 @@ sequence, as vLLM's does; there is no `n` > 1 offline (the HTTP server has it).
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
@@ -90,6 +90,9 @@ class LLM:
         if config is None:
             if model is not None:
                 config_fields["model"] = model
+            unknown = sorted(set(config_fields) - {field.name for field in fields(EngineConfig)})
+            if unknown:  # vLLM's options this engine lacks (tensor_parallel_size, ...), or typos
+                raise ValueError(f"LLM: no option {', '.join(unknown)} here; the options are EngineConfig's fields")
             config = EngineConfig(**config_fields)
         elif model is not None or config_fields:
             raise ValueError("pass either an EngineConfig or config fields, not both")

@@ -589,3 +589,9 @@ def test_n_is_refused_offline_by_name_and_n_1_is_taken(llm):
         llm.generate(PROMPT, {"n": 2, "max_tokens": 2}, use_tqdm=False)
     assert len(llm.generate(PROMPT, {"n": 1, "max_tokens": 2}, use_tqdm=False)) == 1
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_option_the_engine_lacks_is_a_value_error_naming_it(tiny_model_dir):
+    # vLLM's tensor_parallel_size was a TypeError from the dataclass's constructor.
+    with pytest.raises(ValueError, match="LLM: no option gpu_memory_utilization, tensor_parallel_size here"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=1, gpu_memory_utilization=0.9)

@@ -290,7 +290,7 @@ class AdmissionController:
 
     def stability_margin(self, now: float) -> float | None:
         """Offered load over capacity in the sliding window (above 1: the queue grows): 0 with no
-        arrival in it, None with arrivals but no step yet to measure capacity by.
+        arrival in it, None with arrivals in it but no step to measure capacity by.
 
         The largest of three utilizations: tokens, lambda * (m_prefill + m_decode) against
         B / t_step of a full step; seats, lambda * (m_decode + m_prefill / B) against
@@ -304,16 +304,17 @@ class AdmissionController:
         `scripts/margin_vs_load.py` (calibrated costs, 23k KV tokens) reads a median 0.43 at load
         0.9, 0.87 at 1.0 and 1.35 at 1.3."""
         self._prune(now)
+        window = self.config.stability_window_s
         if not self._steps or not self._arrivals:
             self._overloaded = False  # idle: the next crossing of 1 is logged again
             # No arrival in the window is an offered load of 0, whatever the capacity: a gauge of
-            # 0, not a gap (a fresh server's exported none, which dashboards read as no data).
-            # Arrivals before any step have no capacity to be measured against.
-            return None if self._arrivals else 0.0
+            # 0, not a gap (a fresh server's exported none, which dashboards read as no data, as
+            # for 300 s after a burst, while older arrivals are kept for the rate). Arrivals in
+            # the window before any step in it have no capacity to be measured against.
+            return None if any(a.at >= now - window for a in self._arrivals) else 0.0
         # Arrivals per second over the whole window (or the span of the arrivals kept, when longer),
         # even before a window has passed: dividing by the time since the first arrival alone would
         # call two requests 20 ms apart 50 per second.
-        window = self.config.stability_window_s
         span = max(window, now - self._arrivals[0].at)
         in_window = sum(1 for a in self._arrivals if a.at >= now - window)
         window_rate = in_window / window if in_window >= MIN_ARRIVALS_FOR_A_WINDOW_RATE else 0.0

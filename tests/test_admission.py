@@ -1036,3 +1036,16 @@ def test_the_group_verdicts_kept_are_bounded_and_a_single_choice_keeps_none() ->
     assert calls == ["a", "b", "c", "a again"]  # "a" was let go, oldest first, so judged afresh
     verdicts.judge(choice(0, 100, ChoiceGroup("alone", 1)), lambda: calls.append("alone"), pytest.fail)
     assert len(verdicts) == 2 and calls[-1] == "alone"
+
+
+def test_the_margin_reads_0_once_a_burst_has_left_the_window() -> None:
+    # Older arrivals are kept for the rate (the last 32, 30 windows); with the steps gone, the
+    # margin read None, and /metrics dropped its gauge, for about 300 s after every burst.
+    ctl = AdmissionController(SchedulerConfig(num_gpu_blocks=64, stability_window_s=10.0))
+    for t in range(5):
+        ctl.record_step(float(t), 256, 0.1)
+        ctl.record_arrival(float(t), req(f"r{t}", 300, 200))
+    assert ctl.stability_margin(5.0) > 0
+    assert [ctl.stability_margin(at) for at in (25.0, 200.0, 299.0)] == [0.0, 0.0, 0.0]
+    ctl.record_arrival(300.0, req("late", 300, 200))  # in the window, no step yet to measure it by
+    assert ctl.stability_margin(300.0) is None

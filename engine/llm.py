@@ -16,8 +16,10 @@ import itertools
 from dataclasses import fields, replace
 from typing import Any, Mapping, Sequence
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
+from engine.chat_messages import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -56,12 +58,22 @@ def _with_salt(params: SamplingParams, salt: str | None) -> SamplingParams:
     return replace(params, cache_salt=salt)  # SamplingParams checks the salt
 
 
-def _as_conversation(value: Any) -> Any:
-    """A conversation's messages as the plain dicts the template takes; anything else unchanged,
-    for apply_chat_template to refuse."""
-    if isinstance(value, (list, tuple)) and all(isinstance(message, Mapping) for message in value):
-        return [dict(message) for message in value]
-    return value
+def _as_conversation(value: Any) -> list[dict[str, str]]:
+    """A conversation's messages as the chat template reads them, taken as the server takes them
+    (engine/chat_messages.py: text parts joined, `developer` as `system`); ValueError naming the
+    first bad message."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {value!r}")
+    messages = []
+    for index, message in enumerate(value):
+        try:
+            messages.append(ChatMessage.model_validate(message).for_template())
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(map(str, error["loc"]))
+            raise ValueError(f"message {index}: {where + ': ' if where else ''}"
+                             f"{error['msg'].removeprefix('Value error, ')}") from None
+    return messages
 
 
 def _is_token_id(value: Any) -> bool:
@@ -120,9 +132,11 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
         # As vLLM merges the template's variables over the switches, theirs win.
-        variables = {"add_generation_prompt": add_generation_prompt,
-                     "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
-        prompts = [self.engine.apply_chat_template(_as_conversation(conversation), **variables)
+        variables = dict(chat_template_kwargs or {})
+        switches = {"add_generation_prompt": variables.pop("add_generation_prompt", add_generation_prompt),
+                    "continue_final_message": variables.pop("continue_final_message", continue_final_message)}
+        prompts = [self.engine.apply_chat_template(_as_conversation(conversation), template_variables=variables,
+                                                   **switches)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.attention.backend import create_backend
-from engine.chat_template_rules import reserved_variables
+from engine.chat_messages import reserved_variables
 from engine.config import EngineConfig
 from engine.host_memory import retain_freed_host_memory
 from engine.kv_cache import CacheGeometry, KVCache
@@ -159,9 +159,12 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **template_variables: Any) -> str:
+                            continue_final_message: bool = False,
+                            template_variables: dict[str, Any] | None = None) -> str:
         """The prompt text the model expects for a chat, by default ending with the assistant's
-        turn opened; ValueError (naming `messages`) when the template refuses the conversation."""
+        turn opened; ValueError (naming `messages`) when the template refuses the conversation.
+        The variables come as one dict: spread as keywords, a name such as "messages" clashed
+        with this method's own (a TypeError)."""
         reserved = reserved_variables(template_variables)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (how the conversation is "
@@ -174,7 +177,7 @@ class LLMEngine:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **template_variables)
+                continue_final_message=continue_final_message, **(template_variables or {}))
         except Exception as exc:  # noqa: BLE001 - the conversation's fault (a template raising, a bad role)
             raise ValueError(f"messages: {exc}") from exc
 

@@ -543,6 +543,15 @@ def test_chat_is_generate_on_the_chat_templated_prompt(llm):
     assert llm.get_tokenizer() is llm.tokenizer
 
 
+def test_chat_takes_messages_as_the_server_does(llm):
+    # OpenAI's text parts were a template error, and a developer message a turn SmolLM2 knows not.
+    parts = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}]}]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a\ncolour."}]
+    assert (llm.chat(parts, greedy(2), use_tqdm=False)[0].prompt_token_ids
+            == llm.chat(plain, greedy(2), use_tqdm=False)[0].prompt_token_ids)
+
+
 def test_chat_switches_as_vllm_has_them(llm):
     continued = [*CHAT, {"role": "assistant", "content": "Blue is"}]
     rendered = llm.tokenizer.apply_chat_template(continued, tokenize=False, continue_final_message=True)
@@ -563,8 +572,10 @@ def test_chat_switches_as_vllm_has_them(llm):
     ("hi", {}, "messages must be a conversation or a list of conversations"),
     ([CHAT, "hi"], {}, "messages must be a non-empty list of"),
     ([CHAT, []], {}, "messages must be a non-empty list of"),
-    # The template's own refusal (SmolLM2's needs a role) is a ValueError naming messages.
-    ([{"content": "no role"}], {}, "messages: "),
+    # Messages are checked as the server checks them, naming the first bad one.
+    ([{"content": "no role"}], {}, "message 0: role: Field required"),
+    ([*CHAT, {"role": "user", "content": [{"type": "image_url"}]}], {}, "message 1: content: content part 0 is of type"),
+    (CHAT, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs may not set messages"),
 ])
 def test_bad_chats_are_value_errors_before_anything_is_queued(llm, messages, kwargs, message):
     with pytest.raises(ValueError, match=message):

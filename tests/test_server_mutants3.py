@@ -18,7 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from engine.server import errors
-from engine.server.chat_protocol import ChatCompletionRequest, ChatMessage
+from engine.chat_messages import ChatMessage
+from engine.server.chat_protocol import ChatCompletionRequest
 from engine.server.chat_template import render_chat
 from engine.server.logprobs import LogprobsFormatter, end_of_text_offset
 from engine.server.prompt_input import PromptInput

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 
 from engine.server.chat_template import render_chat
 from engine.server.limits import check_text_length, check_token_ids
-from engine.server.chat_protocol import ChatMessage, ChatTemplateFields
+from engine.chat_messages import ChatMessage
+from engine.server.chat_protocol import ChatTemplateFields
 from engine.server.protocol import null_is_the_default, valid_unicode
 from engine.server.unsupported import ChatUnsupportedFields
 

@@ -45,8 +45,16 @@ def _as_prompt(prompt: Any) -> tuple[Any, str | None]:
     if unknown or not keys & set(PROMPT_KEYS):
         raise ValueError(f"a prompt mapping holds prompt or prompt_token_ids (and optionally cache_salt), got keys "
                          f"{sorted(keys)}; sampling settings go in SamplingParams")
-    text_or_ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-    return _as_prompt(text_or_ids)[0], prompt.get("cache_salt")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        ids = ids.tolist() if hasattr(ids, "tolist") and not isinstance(ids, (str, list, tuple)) else ids
+        if not isinstance(ids, (list, tuple)):  # a text, or a mapping whose salt would be lost
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        return ids, prompt.get("cache_salt")
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(f"a prompt mapping's prompt must be a text (ids go in prompt_token_ids), got "
+                         f"{type(prompt['prompt']).__name__}")
+    return prompt["prompt"], prompt.get("cache_salt")
 
 
 def _with_salt(params: SamplingParams, salt: str | None) -> SamplingParams:
@@ -86,7 +94,7 @@ def _as_params(params: ParamsLike | None) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, Mapping):
-        if params.get("n", 1) != 1:  # vLLM's field; refused by name, not as an unknown keyword
+        if "n" in params and not (is_int(params["n"]) and params["n"] == 1):  # vLLM's; refused by name
             raise ValueError(f"n={params['n']!r}: the offline API makes one sequence per prompt; pass a prompt n "
                              "times (with seeds seed + i for distinct draws), or ask the HTTP server for n")
         params = {key: value for key, value in params.items() if key != "n"}
@@ -164,9 +172,8 @@ class LLM:
                  sampling_params: ParamsLike | Sequence[ParamsLike] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         prompts, params_list = self._normalise(prompts, sampling_params)
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif len(priority) != len(prompts):
+        priority = [0] * len(prompts) if priority is None else [plain_number(rank) for rank in priority]
+        if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         elif any(priority) and not self.engine.scheduler.policy.orders_by_priority:
             # As vLLM and the server answer: under another policy they would be silently ignored.

@@ -90,10 +90,12 @@ NUMBER_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
 
 
 def _as_tuple(values: object, name: str) -> tuple:
-    """A list or tuple as a tuple of plain numbers (plain_number), None as (); anything else is a
-    ValueError naming the field."""
+    """A list or tuple (or an array: anything with NumPy's and torch's `tolist`) as a tuple of
+    plain numbers (plain_number), None as (); anything else is a ValueError naming the field."""
     if values is None:
         return ()
+    if hasattr(values, "tolist") and not isinstance(values, (str, list, tuple)):
+        values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{name} must be a list or tuple, got {values!r}")
     return tuple(map(plain_number, values))

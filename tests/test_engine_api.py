@@ -71,6 +71,11 @@ def test_vllms_prompt_mappings_are_their_text_or_ids(llm):
     for bad in ({"a": 1}, {"prompt": PROMPT, "multi_modal_data": {}}, {}, {"cache_salt": "t"}):
         with pytest.raises(ValueError, match="a prompt mapping holds prompt or prompt_token_ids"):
             llm.generate([PROMPT, bad], greedy(4))
+    # Each key holds its own kind: a mapping inside one lost its salt, and ids passed as a text.
+    for bad, message in (({"prompt": {"prompt_token_ids": ids, "cache_salt": "x"}}, "must be a text"),
+                         ({"prompt": ids}, "must be a text"), ({"prompt_token_ids": PROMPT}, "must be a list")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([PROMPT, bad], greedy(4))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -104,6 +109,9 @@ def test_numpy_numbers_and_arrays_are_taken_as_pythons(llm):
     assert type(params.stop_token_ids[0]) is int and params.logit_bias == ((2, 1.5),)
     python = SamplingParams(max_tokens=4, temperature=0.5, top_k=5, seed=7, stop_token_ids=[3], logit_bias={2: 1.5})
     assert params == python
+    arrays = SamplingParams(stop_token_ids=np.array([3, 4]), allowed_token_ids=np.arange(5), stop=np.array(["."]))
+    assert (arrays.stop_token_ids, arrays.allowed_token_ids, arrays.stop) == ((3, 4), (0, 1, 2, 3, 4), (".",))
+    assert type(arrays.allowed_token_ids[0]) is int
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         SamplingParams(max_tokens=np.float64(4.0))  # still no integer
     with pytest.raises(ValueError, match="ignore_eos must be a bool"):
@@ -111,10 +119,14 @@ def test_numpy_numbers_and_arrays_are_taken_as_pythons(llm):
 
 
 def test_priorities_order_the_prompts_under_the_priority_policy(tiny_model_dir):
+    import numpy as np
+
     one_seat = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=1, num_threads=1, policy="priority")
     outputs = one_seat.generate(["a", "b", "c"], greedy(2), priority=[2, -1, 0])
     order = sorted(range(3), key=lambda i: outputs[i].first_scheduled_time)
     assert order == [1, 2, 0]
+    outputs = one_seat.generate(["a", "b", "c"], greedy(2), priority=np.array([2, -1, 0]))  # NumPy's too
+    assert sorted(range(3), key=lambda i: outputs[i].first_scheduled_time) == [1, 2, 0]
     with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
         one_seat.generate(["a", "b", "c"], greedy(2), priority=[0, 1])
 
@@ -599,6 +611,9 @@ def test_n_is_refused_offline_by_name_and_n_1_is_taken(llm):
     with pytest.raises(ValueError, match="n=2: the offline API makes one sequence per prompt"):
         llm.generate(PROMPT, {"n": 2, "max_tokens": 2}, use_tqdm=False)
     assert len(llm.generate(PROMPT, {"n": 1, "max_tokens": 2}, use_tqdm=False)) == 1
+    for n in (True, 1.0, None):  # no integer 1
+        with pytest.raises(ValueError, match=f"n={n!r}: the offline API"):
+            llm.generate(PROMPT, {"n": n, "max_tokens": 2}, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

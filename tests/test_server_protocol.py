@@ -321,7 +321,7 @@ def test_an_empty_body_a_body_nested_too_deep_and_an_empty_prompt_are_named_as_s
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     nested = error_of(httpx.post(served[0] + "/v1/completions", content=deep, headers=headers, timeout=60), 400)
     assert nested["message"].endswith("the body nests too deeply")
-    for prompt in ("", []):
+    for prompt in ("", [], [""], [[]]):
         error = error_of(post(served[0], "/v1/completions", {"model": MODEL, "prompt": prompt}), 400)
         assert (error["param"], error["message"]) == ("prompt", "prompt: the prompt is empty")
 

@@ -278,14 +278,15 @@ class CompletionRequest(BaseRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _a_batch_of_one_is_its_prompt(cls, prompt: Any) -> Any:
-        # Said before the union's members are tried: pydantic named "" by a list's bound ("at
-        # least 1 item"), where a batch's empty prompt is named as a prompt.
+    def _one_prompt_unwrapped_and_not_empty(cls, prompt: Any) -> Any:
+        # A batch of one is its prompt. Only a text or a list of ids: anything nested deeper is no
+        # prompt, and fails as such.
+        if isinstance(prompt, list) and len(prompt) == 1 and _is_text_or_ids(prompt[0]):
+            prompt = prompt[0]
+        # Said before the union's members are tried: pydantic named "" (and [""]) by a list's
+        # bound ("at least 1 item"), where a batch's empty prompt is named as a prompt.
         if isinstance(prompt, (str, list)) and not prompt:
             raise ValueError("the prompt is empty")
-        # Only a text or a list of ids: anything nested deeper is no prompt, and fails as such.
-        if isinstance(prompt, list) and len(prompt) == 1 and _is_text_or_ids(prompt[0]):
-            return prompt[0]
         return prompt
 
     @field_validator("prompt")

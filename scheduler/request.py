@@ -8,6 +8,7 @@ One token-accounting model: a request has `num_tokens` (prompt + generated) and
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import numbers
@@ -73,6 +74,14 @@ def is_int(value: object) -> bool:
 
 def is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_raised_temperature(temperature: float) -> None:
+    """Said once per value (cached), as vLLM's warn-once says it: the server makes one
+    SamplingParams per prompt, and a batch of 256 logged 256 identical lines."""
+    logger.warning("temperature %g is below %g, where float32 logits overflow: sampled at %g",
+                   temperature, MIN_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE)
 
 
 def plain_number(value: object) -> object:
@@ -153,8 +162,7 @@ class SamplingParams:
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
-            logger.warning("temperature %g is below %g, where float32 logits overflow: sampled at %g",
-                           self.temperature, MIN_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE)
+            _warn_raised_temperature(self.temperature)
             object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")

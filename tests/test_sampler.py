@@ -109,9 +109,13 @@ def test_a_vanishing_temperature_samples_at_vllms_floor(temperature, caplog):
     # float32 logits divided by a denormal temperature are inf and softmax NaN. vLLM raises such a
     # temperature to 0.01 and samples (0 alone is greedy); below 1e-5 it was greedy here, and
     # sampled as given up to 0.01, so a seeded draw differed from vLLM's.
+    from scheduler import request
+
+    request._warn_raised_temperature.cache_clear()
     params = SamplingParams(temperature=temperature, seed=1)
     assert params.temperature == 0.01 and not params.greedy and SamplingParams(temperature=0.0).greedy
-    # Said, as vLLM says it: it was raised without a word.
+    # Said, as vLLM says it (it was raised without a word), and once: a batch's prompts each make one.
+    SamplingParams(temperature=temperature, seed=2)
     assert [r.getMessage().endswith("sampled at 0.01") for r in caplog.records] == [True]
     # Two tokens 0.02 apart: at 0.01 the second is drawn about one time in eight.
     logits = torch.tensor([[10.0, 9.98, 0.0]]).repeat(400, 1)

@@ -286,6 +286,8 @@ def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_mode
     """The serve CLI's flags reach the server it builds: without the key a call is refused (401),
     a body over --max-body-bytes is a 413, and replies name the model --served-model-name gives,
     asked by that name or by the --model path."""
+    import httpx
+
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_model_dir), "--attention-backend", "torch", "--max-model-len",
@@ -297,7 +299,8 @@ def test_serve_hands_its_api_key_body_limit_and_served_name_to_the_app(tiny_mode
         too_large = post(base_url, "/v1/completions", {**body, "prompt": "x" * 6000}, key="k")
         reply = post(base_url, "/v1/completions", body, key="k")
         by_path = post(base_url, "/v1/completions", {**body, "model": str(tiny_model_dir)}, key="k")
-    assert name == "named"
+        card = httpx.get(base_url + "/v1/models", headers={"Authorization": "Bearer k"}, timeout=60).json()["data"][0]
+    assert name == "named" and (card["id"], card["root"]) == ("named", str(tiny_model_dir))  # vLLM's root
     assert error_of(refused, 401)["code"] == "invalid_api_key"
     assert error_of(too_large, 413)["code"] == "request_too_large"
     assert reply.status_code == 200 and reply.json()["model"] == "named"

@@ -55,7 +55,7 @@ def served(tiny_model_dir):
         policy="priority"))
     async_engine = AsyncLLMEngine(engine)
     settings = ServerSettings(model_name=MODEL, max_model_len=SHORT_MODEL_LEN, api_key=API_KEY,
-                              model_aliases=(ALIAS,))
+                              model_aliases=(ALIAS,), model_root=ALIAS)
     tokenizer = EncodeRecordingTokenizer(engine.tokenizer)
     with running_server(create_app(async_engine, tokenizer, settings)) as (base_url, _):
         yield base_url, async_engine, tokenizer

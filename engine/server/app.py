@@ -37,6 +37,7 @@ class ServerSettings:
     max_model_len: int
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
     model_aliases: tuple[str, ...] = ()  # other names accepted for the same model (its path)
+    model_root: str | None = None  # the model path as given, a card's `root` (None: the served name)
     shutdown_grace_s: float = 30.0
     info: tuple[tuple[str, str], ...] = ()  # (key, value) pairs shown as lengthwise:server_info
     max_body_bytes: int | None = None  # larger request bodies get a 413; None: default_body_limit()
@@ -142,8 +143,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 async def models(request: Request) -> ModelList:
     settings = _served(request).settings
-    root = settings.model_aliases[0] if settings.model_aliases else settings.model_name  # the path as given
-    return ModelList(data=[ModelCard(id=settings.model_name, root=root, max_model_len=settings.max_model_len)])
+    return ModelList(data=[ModelCard(id=settings.model_name, root=settings.model_root or settings.model_name,
+                                     max_model_len=settings.max_model_len)])
 
 
 async def health(request: Request) -> Response:

@@ -198,7 +198,8 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
             "max_num_batched_tokens": str(config.max_num_batched_tokens),
             "num_gpu_blocks": str(engine.scheduler.config.num_gpu_blocks)}
     settings = ServerSettings(model_name=name, max_model_len=config.max_model_len, api_key=args.api_key,
-                              model_aliases=model_aliases(config.model), shutdown_grace_s=args.shutdown_grace,
+                              model_aliases=model_aliases(config.model), model_root=config.model,
+                              shutdown_grace_s=args.shutdown_grace,
                               allowed_origins=tuple(args.allowed_origins), info=tuple(info.items()),
                               max_body_bytes=args.max_body_bytes)
     # On a GPU the predictor may run on the idle CPU while the engine steps; on a CPU it waits.

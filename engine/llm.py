@@ -33,22 +33,29 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")
 OPTIONAL_PROMPT_KEYS = ("cache_salt",)
 
 
+def _listed(value: Any) -> Any:
+    """An array (NumPy's, torch's: anything with `tolist`) as the list it holds; anything else as it is."""
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, list, tuple)) else value
+
+
 def _as_prompt(prompt: Any) -> tuple[Any, str | None]:
-    """A prompt as the text or ids it holds (an array of ids as a list), with the cache salt of a
-    vLLM prompt mapping; anything else as it is (add_request checks it)."""
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):  # NumPy, torch
-        return prompt.tolist(), None
-    if not isinstance(prompt, Mapping):
-        return prompt, None
+    """A prompt as the text or ids it holds, with the cache salt of a vLLM prompt mapping;
+    anything else as it is (add_request checks it)."""
+    prompt = _listed(prompt)
+    return _mapping_prompt(prompt) if isinstance(prompt, Mapping) else (prompt, None)
+
+
+def _mapping_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], str | None]:
+    """A vLLM prompt mapping's text or ids, and its cache salt; each key must hold its own kind (a
+    mapping inside one would lose its salt)."""
     keys = set(map(str, prompt))
     unknown = sorted(keys - set(PROMPT_KEYS) - set(OPTIONAL_PROMPT_KEYS))
     if unknown or not keys & set(PROMPT_KEYS):
         raise ValueError(f"a prompt mapping holds prompt or prompt_token_ids (and optionally cache_salt), got keys "
                          f"{sorted(keys)}; sampling settings go in SamplingParams")
     if "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        ids = ids.tolist() if hasattr(ids, "tolist") and not isinstance(ids, (str, list, tuple)) else ids
-        if not isinstance(ids, (list, tuple)):  # a text, or a mapping whose salt would be lost
+        ids = _listed(prompt["prompt_token_ids"])
+        if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         return ids, prompt.get("cache_salt")
     if not isinstance(prompt["prompt"], str):
@@ -150,8 +157,7 @@ class LLM:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
-        if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
-            prompts = prompts.tolist()  # an array of ids is one prompt; of rows, one per row
+        prompts = _listed(prompts)  # an array of ids is one prompt; of rows, one per row
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0]):

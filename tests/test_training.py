@@ -308,6 +308,21 @@ def test_champion_is_chosen_among_runs_on_the_same_turn_table(tmp_path):
         assert tracking.update_champion() == runs["other table"]  # without a table: every run competes
 
 
+def test_a_rerun_that_only_ties_the_champion_leaves_it_the_champion(tmp_path):
+    # The newest of equals won: each rerun of one config moved the alias and made a new version.
+    import mlflow
+
+    with tracking.tracking_session(tmp_path / "mlruns"):
+        runs = []
+        for name in ("first", "rerun", "another rerun"):
+            folder = _saved_length_predictor(tmp_path / name, 1.0)
+            runs.append(tracking.log_run(name, {"model": "length"}, {tracking.SELECTION_METRIC: 0.4}, folder, [],
+                                         tracking.comparison_tags("sharegpt", "")))
+            assert tracking.update_champion() == runs[0]
+        versions = mlflow.MlflowClient().search_model_versions(f"name='{tracking.MODEL_NAME}'")
+        assert [version.run_id for version in versions] == [runs[0]]
+
+
 def test_download_champion_without_a_store_or_a_registry_raises(tmp_path):
     import sqlite3
 

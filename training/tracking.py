@@ -121,8 +121,9 @@ def log_run(run_name: str, params: dict, metrics: dict[str, float], predictor_di
 
 
 def best_run_id(data_hash: str | None = None) -> str | None:
-    """The best comparable run; with `data_hash`, only among runs trained on that turn table (the
-    selection rows are drawn from it, so a tau on another table's rows is not comparable)."""
+    """The best comparable run, the earliest of equals; with `data_hash`, only among runs trained on
+    that turn table (the selection rows are drawn from it, so a tau on another table's rows is not
+    comparable)."""
     import mlflow
 
     loadable = (f"attributes.status = 'FINISHED' AND tags.feature_version = '{FEATURE_SPEC_VERSION}'"
@@ -130,9 +131,11 @@ def best_run_id(data_hash: str | None = None) -> str | None:
                 f" AND tags.candidate = 'true' AND metrics.{SELECTION_METRIC} >= -1")
     if data_hash is not None:
         loadable += f" AND tags.data_hash = '{data_hash}'"
+    # Among equals the earliest: the newest won a tie, so each rerun of the same config took the
+    # alias and made a new model version.
     runs = mlflow.search_runs(experiment_names=[EXPERIMENT_NAME], filter_string=loadable,
-                              order_by=[f"metrics.{SELECTION_METRIC} DESC"], max_results=1,
-                              output_format="list")
+                              order_by=[f"metrics.{SELECTION_METRIC} DESC", "attributes.start_time ASC"],
+                              max_results=1, output_format="list")
     return runs[0].info.run_id if runs else None
 
 

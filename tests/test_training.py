@@ -470,7 +470,9 @@ def test_tiny_training_run_registers_a_loadable_champion(tmp_path, capsys):
     prompts = ["<|im_start|>user\nwrite an essay<|im_end|>\n<|im_start|>assistant\n"]
     assert predictor.load(path).predict(prompts) == predictor.load(tmp_path / "saved").predict(prompts)
     # --no-register: logged, tagged out of the selection, and the champion stays.
-    unregistered, _ = train.train_and_log(argparse.Namespace(**{**vars(args), "no_register": True, "save": None}))
+    unregistered, unscored = train.train_and_log(argparse.Namespace(**{**vars(args), "no_register": True,
+                                                                       "save": None}))
+    assert tracking.SELECTION_METRIC not in unscored  # it never competes, so its rows are not scored
     import mlflow
 
     with tracking.tracking_session(tmp_path / "mlruns"):

@@ -44,10 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-train", type=ranked_rows, default=None, help="train rows (default per model)")
     parser.add_argument("--max-eval", type=ranked_rows, default=None,
                         help="validation and test rows (default per model); a run on ShareGPT labels also scores "
-                             f"the same {SELECTION_ROWS:,} validation rows for the champion, whatever this says")
+                             f"the same {SELECTION_ROWS:,} validation rows for the champion, whatever this says "
+                             "(unless --no-register)")
     parser.add_argument("--store", type=named_path, default=None, help="MLflow store folder (default mlruns/)")
     parser.add_argument("--save", type=named_path, default=None, help="also copy the predictor folder here")
-    parser.add_argument("--no-register", action="store_true", help="log the run but leave the champion alone")
+    parser.add_argument("--no-register", action="store_true",
+                        help="log the run but leave the champion alone (and skip the champion's scoring of the "
+                             f"{SELECTION_ROWS:,} fixed validation rows: such a run never competes)")
     parser.add_argument("--prior", type=named_path, default=None,
                         help="embed_lgbm with --labels trace: stack on this saved embed_lgbm predictor, trained "
                              "with --hold-out-trace (its outputs become features)")
@@ -194,7 +197,9 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     trained = TRAINERS[args.model](data, trainer_config(args))
     metrics = evaluate_trained(data, trained)
     predictor = trained.predictor
-    if args.labels == "sharegpt" and not data.held_out:  # the only runs that compete for champion
+    # The only runs that compete for champion. An unregistered one never competes (it is tagged so),
+    # and the scoring of the fixed rows was most of a small run's time.
+    if args.labels == "sharegpt" and not data.held_out and not args.no_register:
         metrics[tracking.SELECTION_METRIC] = selection_tau(predictor, data, trained)
     predictor.spec = dataclasses.replace(
         predictor.spec, metrics={k: round(v, 4) for k, v in metrics.items() if k.startswith(("val_", "test_"))})

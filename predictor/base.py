@@ -24,10 +24,23 @@ class Prediction:
     rank_len: float
 
 
+def checked_prompts(prompts: Sequence[str]) -> Sequence[str]:
+    """`prompts` when it is a sequence of texts; else a TypeError that says so. A bare string is a
+    sequence too: it was scored as one prompt per character, without a word, and a None among the
+    prompts failed deep in a tokenizer."""
+    if isinstance(prompts, str):
+        raise TypeError("predict takes a list of prompt texts, got one string (pass [text])")
+    bad = [type(prompt).__name__ for prompt in prompts if not isinstance(prompt, str)]
+    if bad:
+        raise TypeError(f"predict takes a list of prompt texts, got a {bad[0]} among them")
+    return prompts
+
+
 class Predictor(Protocol):
     kind: str
     spec: PredictorSpec  # what it was trained on, as its folder records it
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
-        """`prompts` are the chat-templated prompt texts exactly as the served model sees them."""
+        """`prompts` are the chat-templated prompt texts exactly as the served model sees them
+        (checked_prompts: a TypeError for anything else)."""
         ...

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from predictor.base import Prediction
+from predictor.base import Prediction, checked_prompts
 from predictor.encoder import EncoderConfig, MiniLMEncoder, check_encoder_weights
 from predictor.features import check_lexical_spec, lexical_matrix
 from predictor.heads import LgbmHeads, to_predictions
@@ -60,6 +60,7 @@ class EmbedLgbmPredictor:
         self.prior = prior
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        prompts = checked_prompts(prompts)
         if not prompts:
             return []
         features = embed_lgbm_features(self.encoder.encode(prompts), prompts)

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from predictor.base import Prediction
+from predictor.base import Prediction, checked_prompts
 from predictor.encoder import EncoderConfig, MiniLMEncoder, check_encoder_weights
 from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
 from predictor.lora import add_adapters, is_adapter
@@ -86,6 +86,7 @@ class FinetunePredictor:
 
     @torch.inference_mode()
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        prompts = checked_prompts(prompts)
         if not prompts:
             return []
         score, log_p50, log_p90 = (t.float().numpy() for t in self.network(*self.network.inputs(prompts)))

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from predictor.base import Prediction
+from predictor.base import Prediction, checked_prompts
 from predictor.saved import PredictorSpec
 
 PARAMS_FILENAME = "length_params.json"
@@ -47,6 +47,7 @@ class LengthPredictor:
         self.spec = spec
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        prompts = checked_prompts(prompts)
         log_point = self.params.intercept + self.params.slope * prompt_length_feature(prompts)
         return [
             Prediction(

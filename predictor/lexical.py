@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from predictor.base import Prediction
+from predictor.base import Prediction, checked_prompts
 from predictor.features import FEATURE_NAMES, check_lexical_spec, lexical_matrix
 from predictor.heads import LgbmHeads, to_predictions
 from predictor.saved import PredictorSpec
@@ -19,6 +19,7 @@ class LexicalPredictor:
         self.spec = spec
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        prompts = checked_prompts(prompts)
         if not prompts:
             return []
         return to_predictions(self.heads.predict(lexical_matrix(prompts)))

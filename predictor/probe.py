@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from predictor.base import Prediction
+from predictor.base import Prediction, checked_prompts
 from predictor.heads import HeadOutputs, to_predictions
 from predictor.paths import SERVED_MODEL_REF, digest_files, project_root
 from predictor.saved import PredictorSpec
@@ -205,6 +205,7 @@ class ProbePredictor:
         return self.encoder.config.model_dir()
 
     def predict(self, prompts: Sequence[str]) -> list[Prediction]:
+        prompts = checked_prompts(prompts)
         if not prompts:
             return []
         return to_predictions(self.head.predict(probe_features(self.encoder.encode(prompts))))

@@ -520,3 +520,16 @@ def test_head_outputs_below_zero_tokens_are_read_as_zero():
                           log_p90=np.array([-0.1]), log_rank_len=np.array([-0.5]))
     (prediction,) = to_predictions(outputs)
     assert (prediction.point, prediction.p50, prediction.p90, prediction.rank_len) == (0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("folder", ["default", "lexical", "finetune"])
+def test_predict_refuses_what_is_no_list_of_prompt_texts(folder) -> None:
+    # A bare string was scored as one prompt per character, without a word; None failed in a tokenizer.
+    from engine.config import REPO_ROOT
+
+    loaded = predictor.load(REPO_ROOT / "data" / "predictors" / folder)
+    for prompts, message in (("hi", "got one string"), (["hi", None], "got a NoneType among them"),
+                             ([123], "got a int among them")):
+        with pytest.raises(TypeError, match=message):
+            loaded.predict(prompts)
+    assert len(loaded.predict(["hi"])) == 1

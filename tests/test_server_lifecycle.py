@@ -611,10 +611,10 @@ def test_the_cli_hands_serve_the_champions_folder(monkeypatch):
     from training import cli, serve_predictor
 
     monkeypatch.setattr(serve_predictor, "champion_or_default", lambda: "/some/folder")
-    args = argparse.Namespace(_command="serve", predictor="champion", log_level="info")
+    args = argparse.Namespace(_command="serve", predictor="champion", log_level="info", store=None)
     cli._resolve_arguments(args)
     assert args.predictor == "/some/folder"
-    args = argparse.Namespace(_command="serve", predictor="data/x", log_level="info")
+    args = argparse.Namespace(_command="serve", predictor="data/x", log_level="info", store=None)
     cli._resolve_arguments(args)
     assert args.predictor == "data/x"  # a folder is checked by the server itself
 
@@ -714,6 +714,30 @@ def test_the_champion_training_registers_is_the_predictor_serve_loads(tmp_path):
     resolved = champion_or_default(tmp_path / "mlruns", fallback)
     assert resolved != str(fallback)
     assert load(resolved).predict(["abc"]) == chars_predictor().predict(["abc"])
+
+
+def test_serve_store_names_the_store_whose_champion_it_serves(tmp_path, capsys):
+    # serve read mlruns/ alone: a champion trained into another store could not be served.
+    import argparse
+
+    from training import cli, tracking
+
+    folder = save(chars_predictor(), tmp_path / "saved")
+    with tracking.tracking_session(tmp_path / "mlruns"):
+        tracking.log_run("chars", {"model": "length"}, {tracking.SELECTION_METRIC: 0.5}, folder, [],
+                         tracking.comparison_tags("sharegpt", ""))
+        tracking.update_champion()
+    args = cli._build_parser(["serve"]).parse_args(["serve", "--store", str(tmp_path / "mlruns")])
+    cli._resolve_arguments(args)
+    assert load(args.predictor).predict(["abc"]) == chars_predictor().predict(["abc"])
+    # A store named without a champion is refused, not quietly swapped for the default, and a
+    # store beside a predictor folder would be read by nothing.
+    (tmp_path / "empty").mkdir()
+    empty = argparse.Namespace(**{**vars(args), "predictor": "champion", "store": tmp_path / "empty"})
+    with pytest.raises(ValueError, match=f"--store {tmp_path / 'empty'}: "):
+        cli._resolve_arguments(empty)
+    with pytest.raises(ValueError, match="it has no effect with --predictor data/x"):
+        cli._resolve_arguments(argparse.Namespace(**{**vars(args), "predictor": "data/x"}))
 
 
 def test_a_slow_reader_gets_the_newest_output_and_never_loses_the_end():
@@ -835,7 +859,7 @@ def test_resolving_the_champion_logs_in_the_servers_format_first(monkeypatch) ->
     calls = []
     monkeypatch.setattr(serve_predictor, "configure_serve_logging", calls.append)
     monkeypatch.setattr(serve_predictor, "champion_or_default", lambda: "none")
-    serve_predictor.resolve_args(argparse.Namespace(predictor="champion", log_level="debug"))
+    serve_predictor.resolve_args(argparse.Namespace(predictor="champion", log_level="debug", store=None))
     assert calls == ["debug"]
 
 

@@ -5,7 +5,7 @@ for `serve` and `eval-predictor`.
 
 The champion is the model version under the `champion` alias of `lengthwise-predictor` in the
 store under the repository (mlruns/); with none registered, data/predictors/default; without that
-either, no predictor.
+either, no predictor. A store named with --store must hold a champion.
 """
 
 from __future__ import annotations
@@ -54,8 +54,27 @@ def _registered_champion(store: Path | None) -> str | None:
     return str(folder)
 
 
+def champion_of(store: Path) -> str:
+    """The champion's folder in a store the user named: ValueError when it holds none, since a
+    typo there should not quietly serve the default (as eval-predictor refuses it too)."""
+    from training import tracking
+
+    try:
+        folder = tracking.download_champion(store=store)
+    except LookupError as exc:
+        raise ValueError(f"--store {store}: {exc}") from None
+    if not (folder / SPEC_FILENAME).is_file():
+        raise ValueError(f"--store {store}: the champion's artifacts at {folder} hold no {SPEC_FILENAME}")
+    logger.info("predictor: %s@%s of %s (%s)", tracking.MODEL_NAME, tracking.CHAMPION_ALIAS, store, folder)
+    return str(folder)
+
+
 def resolve_args(args: argparse.Namespace) -> None:
-    """`--predictor champion` becomes the folder it names (or 'none'); other values pass as given."""
+    """`--predictor champion` becomes the folder it names (or 'none'): the champion of --store when
+    given, else champion_or_default(); other values pass as given."""
+    if args.store is not None and args.predictor != "champion":
+        raise ValueError(f"--store names where 'champion' is looked up; it has no effect with "
+                         f"--predictor {args.predictor}")
     if args.predictor == "champion":
         configure_serve_logging(args.log_level)
-        args.predictor = champion_or_default()
+        args.predictor = champion_or_default() if args.store is None else champion_of(args.store)

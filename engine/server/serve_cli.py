@@ -18,7 +18,8 @@ from pathlib import Path
 import uvicorn
 
 from engine.arg_types import (API_KEY_VARIABLES, api_key, api_key_or_environment, configure_serve_logging,
-                              cors_origin, non_negative_float, port_number, positive_float, positive_int)
+                              cors_origin, named_path, non_negative_float, port_number, positive_float,
+                              positive_int)
 from engine.config import REPO_ROOT
 from engine.scheduler_args import add_scheduler_arguments, scheduler_options
 from predictor.saved import SPEC_FILENAME, read_spec
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=servable, default="fcfs", help="waiting-queue order")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
+    parser.add_argument("--store", type=named_path, default=None, metavar="DIR",
+                        help="the MLflow store whose champion --predictor champion serves, as train and "
+                             "eval-predictor take it (default mlruns/; a store named must hold one)")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GIB",
                         help=f"memory for the paged KV cache in GiB (default {defaults.kv_cache_memory_gib:g})")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None,

@@ -23,7 +23,7 @@ from engine.chat_messages import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import SamplingParams, is_int, plain_number
+from scheduler.request import SamplingParams, is_int, listed, plain_number
 
 Prompt = str | list[int]
 ParamsLike = SamplingParams | Mapping[str, Any]
@@ -33,15 +33,10 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")
 OPTIONAL_PROMPT_KEYS = ("cache_salt",)
 
 
-def _listed(value: Any) -> Any:
-    """An array (NumPy's, torch's: anything with `tolist`) as the list it holds; anything else as it is."""
-    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, list, tuple)) else value
-
-
 def _as_prompt(prompt: Any) -> tuple[Any, str | None]:
     """A prompt as the text or ids it holds, with the cache salt of a vLLM prompt mapping;
     anything else as it is (add_request checks it)."""
-    prompt = _listed(prompt)
+    prompt = listed(prompt)
     return _mapping_prompt(prompt) if isinstance(prompt, Mapping) else (prompt, None)
 
 
@@ -54,7 +49,7 @@ def _mapping_prompt(prompt: Mapping[str, Any]) -> tuple[str | list[int], str | N
         raise ValueError(f"a prompt mapping holds prompt or prompt_token_ids (and optionally cache_salt), got keys "
                          f"{sorted(keys)}; sampling settings go in SamplingParams")
     if "prompt_token_ids" in prompt:
-        ids = _listed(prompt["prompt_token_ids"])
+        ids = listed(prompt["prompt_token_ids"])
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         return ids, prompt.get("cache_salt")
@@ -73,12 +68,12 @@ def _with_salt(params: SamplingParams, salt: str | None) -> SamplingParams:
     return replace(params, cache_salt=salt)  # SamplingParams checks the salt
 
 
-def _as_conversation(value: Any) -> list[dict[str, str]]:
+def _as_conversation(value: Any) -> Any:
     """A conversation's messages as the chat template reads them, taken as the server takes them
     (engine/chat_messages.py: text parts joined, `developer` as `system`); ValueError naming the
-    first bad message."""
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {value!r}")
+    first bad message. Anything but a list is left to apply_chat_template to refuse."""
+    if not isinstance(value, (list, tuple)):
+        return value  # apply_chat_template refuses it, as it refuses an empty conversation
     messages = []
     for index, message in enumerate(value):
         try:
@@ -157,7 +152,7 @@ class LLM:
 
     def _normalise(self, prompts: Prompt | Sequence[Prompt],
                    params: ParamsLike | Sequence[ParamsLike] | None) -> tuple[list[Prompt], list[SamplingParams]]:
-        prompts = _listed(prompts)  # an array of ids is one prompt; of rows, one per row
+        prompts = listed(prompts)  # an array of ids is one prompt; of rows, one per row
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0]):

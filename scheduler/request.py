@@ -93,6 +93,11 @@ def plain_number(value: object) -> object:
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
+def listed(value: object) -> object:
+    """An array (NumPy's, torch's: anything with `tolist`) as the list it holds; anything else as it is."""
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, list, tuple)) else value
+
+
 # SamplingParams' number fields, made plain (plain_number) before they are checked.
 NUMBER_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
@@ -103,8 +108,7 @@ def _as_tuple(values: object, name: str) -> tuple:
     plain numbers (plain_number), None as (); anything else is a ValueError naming the field."""
     if values is None:
         return ()
-    if hasattr(values, "tolist") and not isinstance(values, (str, list, tuple)):
-        values = values.tolist()
+    values = listed(values)
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{name} must be a list or tuple, got {values!r}")
     return tuple(map(plain_number, values))

@@ -6,8 +6,9 @@ validated before any is run: bad input raises ValueError and leaves nothing queu
 prompt is a text, a list of token ids (NumPy's too), or a mapping {"prompt": text} /
 {"prompt_token_ids": ids}, optionally with a "cache_salt"; `priority` gives each prompt its priority
 (lower first, under the `priority` policy). `chat(messages)` renders conversations with the model's
-chat template first. A result is one RequestOutput per prompt, whose `outputs` lists its one
-sequence, as vLLM's does; there is no `n` > 1 offline (the HTTP server has it).
+chat template first. A result is one RequestOutput per prompt, whose `outputs` lists its
+SamplingParams' n sequences, as vLLM's does: choice i is a request of its own, seeded seed + i,
+and the n are judged by admission as one group, as the server makes them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.chat_messages import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import SamplingParams, is_int, listed, plain_number
+from scheduler.request import ChoiceGroup, SamplingParams, is_int, listed, plain_number
 
 Prompt = str | list[int]
 ParamsLike = SamplingParams | Mapping[str, Any]
@@ -96,10 +97,6 @@ def _as_params(params: ParamsLike | None) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, Mapping):
-        if "n" in params and not (is_int(params["n"]) and params["n"] == 1):  # vLLM's; refused by name
-            raise ValueError(f"n={params['n']!r}: the offline API makes one sequence per prompt; pass a prompt n "
-                             "times (with seeds seed + i for distinct draws), or ask the HTTP server for n")
-        params = {key: value for key, value in params.items() if key != "n"}
         try:
             return SamplingParams(**params)  # SamplingParams validates values (ValueError)
         except TypeError as error:  # an unknown key
@@ -186,26 +183,55 @@ class LLM:
         try:
             for request_id, prompt, request_params, prediction, rank in zip(request_ids, prompts, params_list,
                                                                             predictions, priority):
-                added.append(request_id)  # first: a Ctrl-C right after the add must still abort it
-                self.engine.add_request(request_id, prompt, request_params, prediction=prediction, priority=rank)
+                self._add_choices(request_id, prompt, request_params, prediction, rank, added)
         except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
-            for request_id in added:
-                self.engine.abort_request(request_id)
+            for sequence_id in added:
+                self.engine.abort_request(sequence_id)
             raise
+        finished = self._run_to_completion(added, use_tqdm)
+        return [_gathered(request_id, [finished[sequence_id] for sequence_id in _choice_ids(request_id, params.n)])
+                for request_id, params in zip(request_ids, params_list)]
+
+    def _add_choices(self, request_id: str, prompt: Prompt, params: SamplingParams, prediction: Any, rank: int,
+                     added: list[str]) -> None:
+        """Queue a prompt's n choices, each a request (params.choice(i): seed + i), judged by
+        admission as one group, as the server queues them; `added` lists each as it is queued."""
+        group = None if params.n == 1 else ChoiceGroup(request_id, params.n)
+        for index, sequence_id in enumerate(_choice_ids(request_id, params.n)):
+            added.append(sequence_id)  # first: a Ctrl-C right after the add must still abort it
+            self.engine.add_request(sequence_id, prompt, params.choice(index), prediction=prediction, priority=rank,
+                                    group=group)
+
+    def _run_to_completion(self, sequence_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every sequence has finished; each one's final output."""
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm)
+        progress = tqdm(total=len(sequence_ids), desc="generate", unit="sequence", disable=not use_tqdm)
         try:
-            while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+            while len(finished) < len(sequence_ids) and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update()
         except BaseException:
             # Interrupted (Ctrl-C) or failed: nobody will collect these, so free their blocks.
-            for request_id in request_ids:
-                if request_id not in finished:
-                    self.engine.abort_request(request_id)
+            for sequence_id in sequence_ids:
+                if sequence_id not in finished:
+                    self.engine.abort_request(sequence_id)
             raise
         finally:
             progress.close()
-        return [finished[request_id] for request_id in request_ids]
+        return finished
+
+
+def _choice_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a prompt's choices: its own id for one, id-i for choice i of n."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
+
+
+def _gathered(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
+    """A prompt's choices as one RequestOutput under its id, as vLLM returns them: the first
+    choice's fields, and `outputs` listing every choice in order."""
+    if len(choices) == 1:
+        return choices[0]
+    return replace(choices[0], request_id=request_id,
+                   more_outputs=tuple(choice.as_completion(index) for index, choice in enumerate(choices) if index))

@@ -245,6 +245,9 @@ class LLMEngine:
         `group`: the API request whose choices it is one of (admission judges them together)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:  # LLM.generate and the server add choice i as params.choice(i)
+            raise ValueError(f"n={params.n}: an engine request is one sequence; add each choice as a request "
+                             "(SamplingParams.choice), or use LLM.generate")
         token_ids = self._prompt_ids(prompt)
         if params.max_tokens is None:  # vLLM's: up to the end of the context (min_tokens within it)
             room = self.config.max_model_len - len(token_ids)

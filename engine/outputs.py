@@ -13,7 +13,8 @@ FinishReason = Literal["stop", "length", "abort"]
 @dataclass(frozen=True)
 class CompletionOutput:
     """vLLM's view of one generated sequence, as `RequestOutput.outputs` lists it, so vLLM's idiom
-    `output.outputs[0].text` reads here too. Here a request is one sequence: the list holds one."""
+    `output.outputs[0].text` reads here too. An engine request is one sequence; the offline API
+    gathers a prompt's n choices into one RequestOutput."""
 
     index: int
     text: str
@@ -51,10 +52,17 @@ class RequestOutput:
     # vLLM's: what stopped a request that finished with "stop": the stop string, or the stop
     # token id of stop_token_ids; None for the end-of-sequence token, or any other finish.
     stop_reason: int | str | None = None
+    # Choices 1..n-1 of an offline prompt generated with SamplingParams(n > 1); this output's own
+    # fields, times included, are its first choice's.
+    more_outputs: tuple[CompletionOutput, ...] = ()
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape of this request's result: its one sequence."""
+        """vLLM's shape of this request's result: its sequence, then any further choices."""
+        return [self.as_completion(0), *self.more_outputs]
+
+    def as_completion(self, index: int) -> CompletionOutput:
+        """This request's own sequence, as choice `index` of a prompt."""
         cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
-        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
-                                 self.stop_reason)]
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                self.stop_reason)

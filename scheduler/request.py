@@ -12,7 +12,7 @@ import functools
 import logging
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.expected_length import capped_lognormal_mean
 
@@ -99,7 +99,7 @@ def listed(value: object) -> object:
 
 
 # SamplingParams' number fields, made plain (plain_number) before they are checked.
-NUMBER_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
+NUMBER_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
@@ -116,6 +116,9 @@ def _as_tuple(values: object, name: str) -> tuple:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # vLLM's: sequences per prompt. The front ends (LLM.generate and the server) make choice i a
+    # request of its own (`choice(i)`), so a request the scheduler sees has n == 1.
+    n: int = 1
     # None: the rest of the context (vLLM's), which the engine fills in for each prompt before the
     # request reaches the scheduler.
     max_tokens: int | None = 16
@@ -161,6 +164,8 @@ class SamplingParams:
         # and fail with a TypeError inside an engine step, part-way through a generate call.
         for name in NUMBER_FIELDS:
             object.__setattr__(self, name, plain_number(getattr(self, name)))
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
         if not is_real(self.temperature) or not _finite(self.temperature) or self.temperature < 0:
@@ -221,6 +226,15 @@ class SamplingParams:
         value = self.repetition_penalty
         if not is_real(value) or not _finite(value) or value <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {value!r}")
+
+    def choice(self, index: int) -> SamplingParams:
+        """Choice `index` of n as a request of its own: one sequence, seed + index (wrapped within a
+        seed's 64 bits) so that seeded choices differ and repeat. The prompt the choices share is
+        scored by the first alone."""
+        if index == 0:
+            return self if self.n == 1 else replace(self, n=1)
+        seed = None if self.seed is None else (self.seed + index) & SEED_MAX
+        return replace(self, n=1, seed=seed, prompt_logprobs=None)
 
     @property
     def greedy(self) -> bool:

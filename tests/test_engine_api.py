@@ -607,13 +607,38 @@ def test_vllms_outputs_idiom_reads_the_one_sequence(llm):
     assert scored.outputs[0].token_ids == plain.token_ids
 
 
-def test_n_is_refused_offline_by_name_and_n_1_is_taken(llm):
-    with pytest.raises(ValueError, match="n=2: the offline API makes one sequence per prompt"):
-        llm.generate(PROMPT, {"n": 2, "max_tokens": 2}, use_tqdm=False)
-    assert len(llm.generate(PROMPT, {"n": 1, "max_tokens": 2}, use_tqdm=False)) == 1
-    for n in (True, 1.0, None):  # no integer 1
-        with pytest.raises(ValueError, match=f"n={n!r}: the offline API"):
-            llm.generate(PROMPT, {"n": n, "max_tokens": 2}, use_tqdm=False)
+def test_n_choices_offline_are_the_seeded_draws_each_alone_gathered_in_one_output(llm):
+    # vLLM's SamplingParams(n=3) gives one RequestOutput with three sequences; it was refused here.
+    drawn = SamplingParams(n=3, max_tokens=8, temperature=1.0, ignore_eos=True, seed=7, prompt_logprobs=0)
+    (gathered,) = llm.generate(PROMPT, drawn, use_tqdm=False)
+    alone = [llm.generate(PROMPT, replace(drawn, n=1, seed=7 + index), use_tqdm=False)[0] for index in range(3)]
+    assert [choice.index for choice in gathered.outputs] == [0, 1, 2]
+    assert [choice.token_ids for choice in gathered.outputs] == [one.token_ids for one in alone]
+    assert [choice.text for choice in gathered.outputs] == [one.text for one in alone]
+    assert len({choice.token_ids for choice in gathered.outputs}) > 1  # seed + i: distinct draws
+    assert gathered.request_id.startswith("offline-") and gathered.finished
+    assert gathered.prompt_logprobs == alone[0].prompt_logprobs is not None  # scored once, for all
+    stats = llm.engine.stats().scheduler
+    assert not llm.engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_n_per_prompt_follows_its_own_params_and_a_mapping_takes_n(llm):
+    two, one = llm.generate([PROMPT, "Count to ten"], [{"n": 2, "max_tokens": 3, "temperature": 0},
+                                                       greedy(3)], use_tqdm=False)
+    assert len(two.outputs) == 2 and len(one.outputs) == 1
+    assert two.outputs[0].token_ids == two.outputs[1].token_ids == llm.generate(PROMPT, greedy(3))[0].token_ids
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5, None, "2"])
+def test_n_that_is_no_positive_integer_is_refused_by_name(llm, n):
+    with pytest.raises(ValueError, match=f"n must be a positive integer, got {n!r}"):
+        llm.generate(PROMPT, {"n": n, "max_tokens": 2}, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_engine_takes_one_sequence_per_request(llm):
+    with pytest.raises(ValueError, match="n=2: an engine request is one sequence"):
+        llm.engine.add_request("two", PROMPT, SamplingParams(n=2))
     assert not llm.engine.has_unfinished_requests()
 
 

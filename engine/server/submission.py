@@ -23,7 +23,7 @@ from engine.server.limits import check_token_ids
 from engine.server.protocol import CompletionRequest
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import SEED_MAX, ChoiceGroup, SamplingParams, Tier
+from scheduler.request import ChoiceGroup, SamplingParams, Tier
 
 # The body fields an engine-side ValueError can be about: its messages begin with the field's name.
 REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
@@ -162,14 +162,12 @@ class EngineSubmission:
 
 
 def _choice_params(params: SamplingParams, index: int, streamed: bool) -> SamplingParams:
-    """Choice i's parameters: seed + i (wrapped within a seed's 64 bits). A whole reply takes the
-    prompt logprobs the choices share from the first choice, so the others score none; a stream
-    sends each choice's echo in that choice's first chunk, which may come before the first
-    choice's, so there each scores the prompt."""
-    if index == 0:
-        return params
-    seed = None if params.seed is None else (params.seed + index) & SEED_MAX
-    return replace(params, seed=seed, prompt_logprobs=params.prompt_logprobs if streamed else None)
+    """Choice i's parameters (SamplingParams.choice: seed + i). A whole reply takes the prompt
+    logprobs the choices share from the first choice, so the others score none; a stream sends
+    each choice's echo in that choice's first chunk, which may come before the first choice's, so
+    there each scores the prompt."""
+    choice = params.choice(index)
+    return replace(choice, prompt_logprobs=params.prompt_logprobs) if streamed else choice
 
 
 def field_named(message: str) -> str | None:

@@ -49,16 +49,17 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def host_pools(device: torch.device, num_cpu_blocks: int) -> str:
+def host_pools(device: torch.device, num_cpu_blocks: int, device_setting: str = "kv_cache_memory_gib") -> str:
     """The settings behind the KV memory taken from the host, in the config's words: naming a swap
-    pool that recompute preemption never allocates sent a user looking for it."""
-    pools = (["kv_cache_memory_gib on a CPU"] if device.type == "cpu" else []) + (
+    pool that recompute preemption never allocates sent a user looking for it. `device_setting`
+    sized the device pool: kv_cache_memory_gib, or num_gpu_blocks where that pins it."""
+    pools = ([f"{device_setting} on a CPU"] if device.type == "cpu" else []) + (
         ["swap_space_gib for swap preemption"] if num_cpu_blocks else [])
     return " plus ".join(pools)
 
 
 def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int,
-                     device: torch.device) -> None:
+                     device: torch.device, device_setting: str = "kv_cache_memory_gib") -> None:
     """ValueError when the pools would not fit the memory free now, before they are allocated: a
     CPU allocation too large fails with an allocator traceback, and one that only just fits
     overcommitted memory is killed later, at the first steps that touch it."""
@@ -67,21 +68,21 @@ def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_block
     free_host = available_host_bytes()
     if free_host is not None and host > free_host:
         raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory "
-                         f"({host_pools(device, num_cpu_blocks)}), more than the {free_host / GIB:.1f} GiB available")
+                         f"({host_pools(device, num_cpu_blocks, device_setting)}), more than the {free_host / GIB:.1f} GiB available")
     if device.type == "cuda":
         # What torch has reserved but not handed out is free to it, though the driver counts it used
         # (a second engine in one process reuses the first one's freed cache).
         free_device = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
                        - torch.cuda.memory_allocated(device))
         if num_gpu_blocks * block > free_device:
-            raise ValueError(f"kv_cache_memory_gib: the KV cache needs {num_gpu_blocks * block / GIB:.1f} GiB, "
+            raise ValueError(f"{device_setting}: the KV cache needs {num_gpu_blocks * block / GIB:.1f} GiB, "
                              f"more than the {free_device / GIB:.1f} GiB free on {device}")
 
 
 class KVCache:
     def __init__(self, geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_blocks: int,
-                 device: torch.device) -> None:
-        check_cache_fits(geometry, num_gpu_blocks, num_cpu_blocks, device)
+                 device: torch.device, device_setting: str = "kv_cache_memory_gib") -> None:
+        check_cache_fits(geometry, num_gpu_blocks, num_cpu_blocks, device, device_setting)
         self.geometry = geometry
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         shape = (geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)

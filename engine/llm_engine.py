@@ -149,7 +149,9 @@ class LLMEngine:
         num_cpu_blocks = geometry.blocks_for(config.swap_space_gib) if host_pool else 0
         if host_pool and num_cpu_blocks <= 0:
             raise ValueError(f"swap_space_gib {config.swap_space_gib} holds no KV block")
-        cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, self.device)
+        # An error about the device pool names the setting that sized it.
+        device_setting = "kv_cache_memory_gib" if config.num_gpu_blocks is None else "num_gpu_blocks"
+        cache = KVCache(geometry, num_gpu_blocks, num_cpu_blocks, self.device, device_setting)
         cache.log_capacity(config.max_model_len)
         return cache
 

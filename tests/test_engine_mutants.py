@@ -48,6 +48,15 @@ def test_a_cpu_cache_counts_both_pools_against_host_memory(monkeypatch):
     KVCache(SMALL, num_gpu_blocks=7, num_cpu_blocks=5, device=CPU)
 
 
+def test_a_cache_pinned_by_num_gpu_blocks_is_named_by_it_when_too_large(monkeypatch, tiny_model_dir):
+    # It named kv_cache_memory_gib, which the pinned block count overrides: changing it did nothing.
+    limit_host_bytes(monkeypatch, 1024)
+    with pytest.raises(ValueError, match=r"host memory \(num_gpu_blocks on a CPU\), more"):
+        LLM(str(tiny_model_dir), max_model_len=128, num_gpu_blocks=64, num_threads=1)
+    with pytest.raises(ValueError, match=r"host memory \(kv_cache_memory_gib on a CPU\), more"):
+        LLM(str(tiny_model_dir), max_model_len=128, num_threads=1)
+
+
 def test_swap_copies_exactly_the_paired_blocks_and_nothing_else():
     cache = KVCache(SMALL, num_gpu_blocks=6, num_cpu_blocks=4, device=CPU)
     cache.device_cache.copy_(torch.randn_like(cache.device_cache))

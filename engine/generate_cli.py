@@ -12,6 +12,7 @@ import logging
 from engine.arg_types import (non_negative_float, positive_float, positive_int, sampling_seed, stop_string, top_k,
                               top_p)
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.outputs import CompletionOutput
 from scheduler.request import has_utf8_form
 
 
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=top_p, default=1.0, help="default %(default)s (off)")
     parser.add_argument("--top-k", type=top_k, default=0, help="default %(default)s (off; -1 too)")
     parser.add_argument("--seed", type=sampling_seed, default=None, help="default: none")
+    parser.add_argument("--n", type=positive_int, default=1,
+                        help="completions per prompt, choice i seeded --seed + i (default %(default)s)")
     parser.add_argument("--stop", type=stop_string, action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, metavar="GIB",
@@ -47,16 +50,22 @@ def run(args: argparse.Namespace) -> int:
     if bad:  # argv's bytes that are not UTF-8 come as lone surrogates, which the tokenizer refuses
         raise ValueError(f"prompt {bad[0]} is not valid UTF-8 text")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gib=args.kv_cache_memory,
                                   max_model_len=args.max_model_len, attention_backend=args.attention_backend))
     prompts = args.prompts if args.raw else [
         llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
     for prompt, output in zip(args.prompts, llm.generate(prompts, params, use_tqdm=False)):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": output.text, "num_tokens": len(output.token_ids),
-                              "finish_reason": output.finish_reason}))
-        else:
-            print(f"### {prompt}\n{output.text}\n[{len(output.token_ids)} tokens, {output.finish_reason}]\n")
+        for choice in output.outputs:
+            _print_completion(prompt, choice, args.n, args.json)
     return 0
+
+
+def _print_completion(prompt: str, choice: CompletionOutput, n: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"prompt": prompt, "index": choice.index, "text": choice.text,
+                          "num_tokens": len(choice.token_ids), "finish_reason": choice.finish_reason}))
+    else:
+        heading = prompt if n == 1 else f"{prompt} (choice {choice.index})"
+        print(f"### {heading}\n{choice.text}\n[{len(choice.token_ids)} tokens, {choice.finish_reason}]\n")

@@ -436,6 +436,12 @@ def test_generate_prints_the_offline_apis_greedy_completions(capsys, tiny_model_
     # top-p that keeps one token samples the greedy token at any temperature.
     rows = _generate_json(capsys, ["hi", "--raw", *model, "--temperature", "1", "--top-p", "1e-9"])
     assert [r["text"] for r in rows] == [raw_expected]
+    # --n: each prompt's choices in order, choice i drawn with seed + i as the offline API draws it.
+    drawn = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=5, n=2)
+    expected = [(choice.index, choice.text) for out in llm.generate(["hi", "yo"], drawn) for choice in out.outputs]
+    rows = _generate_json(capsys, ["hi", "yo", "--raw", *model, "--temperature", "1", "--seed", "5", "--n", "2"])
+    assert [(r["prompt"], r["index"], r["text"]) for r in rows] == [
+        (prompt, index, text) for prompt, (index, text) in zip(["hi", "hi", "yo", "yo"], expected)]
 
 
 @pytest.mark.integration

@@ -17,7 +17,7 @@ from scheduler.config import PreemptionMode, SchedulerConfig
 from scheduler.eviction import needs_host_pool
 from scheduler.request import SEED_MAX, SEED_MIN, is_int, is_real
 
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["float32", "bfloat16", "float16", "auto"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
@@ -33,7 +33,7 @@ DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # folder with config.json, safetensors and tokenizer files
-    dtype: DType = "float32"
+    dtype: DType = "float32"  # "auto": the engine picks by device (llm_engine.resolve_dtype)
     device: DeviceName = "auto"
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0  # device memory for the paged KV cache
@@ -67,7 +67,7 @@ class EngineConfig:
         if not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         choices = {
-            "dtype": ("float32", "bfloat16", "float16"),
+            "dtype": ("float32", "bfloat16", "float16", "auto"),
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": ("auto", "torch", "triton"),
         }

@@ -71,6 +71,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """vLLM's `auto` dtype, here by device: float32 on a CPU, where this project's tests and
+    figures run (and Triton's interpreter mishandles bf16); on a GPU, bfloat16 (SmolLM2's own) where
+    the GPU has it, else float16."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
 def cache_geometry(config: EngineConfig, arch: LlamaArch, dtype: torch.dtype) -> CacheGeometry:
     """The KV block geometry of a model of `arch` served with `config`, in `dtype`."""
     return CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
@@ -107,6 +118,8 @@ class LLMEngine:
         if config.retain_host_memory:
             retain_freed_host_memory()
         self.device = resolve_device(config.device)
+        if config.dtype == "auto":  # what it resolves to is what the engine reports
+            self.config = config = replace(config, dtype=resolve_dtype(config.dtype, self.device))
         # What the folder's config.json can refute is checked before the weights load.
         check_model_dir(config.model)
         self.arch = LlamaArch.from_model_dir(config.model)

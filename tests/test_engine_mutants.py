@@ -48,6 +48,24 @@ def test_a_cpu_cache_counts_both_pools_against_host_memory(monkeypatch):
     KVCache(SMALL, num_gpu_blocks=7, num_cpu_blocks=5, device=CPU)
 
 
+def test_dtype_auto_is_float32_on_a_cpu_and_bfloat16_or_float16_on_a_gpu(monkeypatch, tiny_model_dir):
+    # vLLM's --dtype auto was refused ("must be one of").
+    import argparse
+
+    from engine.llm_engine import resolve_dtype
+    from engine.server import serve_cli
+
+    llm = LLM(str(tiny_model_dir), max_model_len=128, num_gpu_blocks=8, num_threads=1, dtype="auto", device="cpu")
+    assert llm.engine.config.dtype == "float32" and llm.engine.kv_cache.device_cache.dtype == torch.float32
+    for has_bf16, expected in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: has_bf16)
+        assert resolve_dtype("auto", torch.device("cuda")) == expected
+    assert resolve_dtype("float16", CPU) == "float16"  # a named dtype is kept
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    assert serve_cli.build_engine_config(parser.parse_args(["--dtype", "auto"])).dtype == "auto"
+
+
 def test_a_cache_pinned_by_num_gpu_blocks_is_named_by_it_when_too_large(monkeypatch, tiny_model_dir):
     # It named kv_cache_memory_gib, which the pinned block count overrides: changing it did nothing.
     limit_host_bytes(monkeypatch, 1024)

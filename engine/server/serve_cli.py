@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "caching)")
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=None,
                         help=f"default {defaults.attention_backend}: Triton on a GPU, else the torch reference")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help=f"weights and KV cache (default {defaults.dtype})")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default=None,
+                        help=f"weights and KV cache (default {defaults.dtype}; auto: float32 on a CPU, "
+                             "bfloat16 on a GPU that has it, else float16)")
     add_scheduler_arguments(parser)
     parser.add_argument("--api-key", type=api_key, default=None,
                         help="require 'Authorization: Bearer <key>' on /v1 (default: $LENGTHWISE_API_KEY, "

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from engine.arg_types import non_negative_float, positive_int, share_of_one, share_above_zero
+from engine.arg_types import non_negative_float, positive_float, positive_int, share_of_one, share_above_zero
 from scheduler.config import SchedulerConfig
 
 
@@ -37,9 +37,9 @@ KNOBS = (
          replaces="aging_tokens_per_step"),
     Knob("--srpt-max-preempt-share", "srpt_max_preempt_share", share_of_one, "SHARE",
          "srpt never preempts a request past this share of its predicted (ranking) length"),
-    Knob("--slo-ttft-interactive", "slo_ttft_interactive_s", non_negative_float, "S",
+    Knob("--slo-ttft-interactive", "slo_ttft_interactive_s", positive_float, "S",
          "interactive tier's TTFT target in seconds (admission control, goodput policy)", read_by_admission=True),
-    Knob("--slo-e2e-standard", "slo_e2e_standard_s", non_negative_float, "S",
+    Knob("--slo-e2e-standard", "slo_e2e_standard_s", positive_float, "S",
          "standard tier's end-to-end target in seconds (admission control, goodput policy)", read_by_admission=True),
     Knob("--goodput-urgent-slack", "goodput_urgent_slack_s", non_negative_float, "S",
          "goodput policy: a request this close (seconds) to missing its SLO goes first"),
@@ -62,8 +62,9 @@ def _flag_of(field: str) -> str:
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     """`--admission` and every knob, each help naming its default."""
     parser.add_argument("--admission", action="store_true",
-                        help="admission control: refuse (429) requests whose tier SLO cannot be met or whose "
-                             "queue is full, batch tier first")
+                        help="admission control: refuse (429) an interactive or standard request whose "
+                             "predicted delay misses its tier's SLO, and any request past the queued-token "
+                             "bound (--max-queued-tokens; by default only batch requests are bounded)")
     for knob in KNOBS:
         default = getattr(SchedulerConfig, knob.field)
         shown = "" if default is None else f" (default {default:g})"

@@ -89,6 +89,8 @@ logger = logging.getLogger(__name__)
 
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 3600.0  # a measured throughput near zero must not promise a day's wait
+# The capacities the stability margin weighs the offered load against, as its warning names them.
+CAPACITY_NAMES = {"tokens": "token throughput", "seats": "seats (max_num_seqs)", "KV": "KV cache"}
 # The stability margin's arrival rate is taken over at least this many arrivals, none older than
 # this many windows.
 MIN_ARRIVALS_IN_WINDOW = 32
@@ -341,7 +343,8 @@ class AdmissionController:
         binding = max(loads, key=loads.__getitem__)
         margin = loads[binding]
         if margin > 1.0 and not self._overloaded:
-            logger.warning("stability margin %.2f > 1: offered load exceeds capacity (%s)", margin, binding)
+            logger.warning("stability margin %.3f is above 1: the offered load exceeds the capacity in %s",
+                           margin, CAPACITY_NAMES[binding])
         self._overloaded = margin > 1.0
         return margin
 

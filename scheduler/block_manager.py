@@ -134,6 +134,11 @@ class BlockManager:
         """Share of device blocks held by requests, in [0, 1]."""
         return 1.0 - self.device.num_free / self.device.num_blocks
 
+    @property
+    def host_usage(self) -> float | None:
+        """Share of the host (swap) pool's blocks held by swapped-out requests; None without a pool."""
+        return 1.0 - self.host.num_free / self.host.num_blocks if self.host.num_blocks else None
+
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Free blocks that granting `num_new_tokens` more takes, the request starting on its
         cached `prefix` (those of its blocks that wait on the free list count)."""

@@ -112,10 +112,11 @@ class SchedulerConfig:
         self._validate_policy_knobs()
 
     def _validate_policy_knobs(self) -> None:
-        non_negative = ("goodput_urgent_slack_s", "slo_ttft_interactive_s", "slo_e2e_standard_s")
-        for name in non_negative:
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.goodput_urgent_slack_s >= 0:
+            raise ValueError(f"goodput_urgent_slack_s must be >= 0, got {self.goodput_urgent_slack_s!r}")
+        for name in ("slo_ttft_interactive_s", "slo_e2e_standard_s"):  # 0 s: a target no request meets
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.goodput_step_time_s is not None and not self.goodput_step_time_s >= 0:
             raise ValueError(f"goodput_step_time_s must be >= 0 or None, got {self.goodput_step_time_s!r}")
         if not self.queue_bound_kv_multiple > 0:

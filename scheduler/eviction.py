@@ -9,11 +9,14 @@ the queue it waits in, so the scheduler files it without asking which mode it ru
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, RequestStatus
 from scheduler.step import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class Eviction(Protocol):
@@ -41,8 +44,15 @@ class RecomputeEviction:
 class SwapEviction:
     needs_host_pool = True
 
+    def __init__(self) -> None:
+        self._fell_back = False  # warned once: a full pool tends to stay full under the same load
+
     def evict(self, request: Request, block_manager: BlockManager, plan: StepPlan) -> RequestStatus:
         if not block_manager.can_swap_out(request):
+            if not self._fell_back:
+                logger.warning("the host swap pool is full: preempting by recompute instead (a larger "
+                               "--swap-space keeps more swapped); warned once")
+                self._fell_back = True
             return RecomputeEviction().evict(request, block_manager, plan)
         plan.swap_out.extend(block_manager.swap_out(request))
         return RequestStatus.SWAPPED

@@ -388,4 +388,5 @@ class Scheduler(Preemption):
             stability_margin=self.admission.stability_margin(now) if now is not None else None,
             prefix_cache_queries=None if cache is None else cache.num_query_tokens,
             prefix_cache_hits=None if cache is None else cache.num_hit_tokens,
+            host_kv_usage=self.block_manager.host_usage,
         )

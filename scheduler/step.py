@@ -46,6 +46,7 @@ class SchedulerStats:
     # Prefix caching, cumulative, in tokens: looked up on admission, and found cached (None: off).
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    host_kv_usage: float | None = None  # share of the swap pool's blocks in use (None: no pool)
 
 
 def token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:

@@ -275,6 +275,8 @@ def test_stability_margin_matches_hand_computation(caplog: pytest.LogCaptureFixt
     # Window [9, 19]: 50 arrivals plus the one at t=9, over 10 s; only the step at t=9 is left.
     assert margin == pytest.approx(51 / 10 * 500 / 2000)
     assert margin > 1 and "stability margin" in caplog.text
+    # It names the capacity that binds, and a margin just above 1 does not read "1.00 > 1".
+    assert f"stability margin {margin:.3f} is above 1: the offered load exceeds the capacity in " in caplog.text
 
 
 def test_stability_margin_counts_seats_which_bind_decode_first() -> None:
@@ -1049,3 +1051,9 @@ def test_the_margin_reads_0_once_a_burst_has_left_the_window() -> None:
     assert [ctl.stability_margin(at) for at in (25.0, 200.0, 299.0)] == [0.0, 0.0, 0.0]
     ctl.record_arrival(300.0, req("late", 300, 200))  # in the window, no step yet to measure it by
     assert ctl.stability_margin(300.0) is None
+
+
+@pytest.mark.parametrize("field", ["slo_ttft_interactive_s", "slo_e2e_standard_s"])
+def test_a_zero_slo_is_refused_as_a_target_no_request_meets(field) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be > 0, got 0"):
+        SchedulerConfig(num_gpu_blocks=8, **{field: 0})

@@ -47,6 +47,9 @@ def one_line_error(capsys, argv: list[str], command: str) -> str:
     (["serve", "--srpt-max-preempt-share", "1.5"], "--srpt-max-preempt-share"),
     (["simulate", "--batch-shed-share", "0"], "--batch-shed-share"),
     (["simulate", "--slo-e2e-standard", "nan"], "--slo-e2e-standard"),
+    # A target of 0 s, which no request meets, was taken: admission refused that tier outright.
+    (["serve", "--admission", "--slo-e2e-standard", "0"], "--slo-e2e-standard"),
+    (["simulate", "--slo-ttft-interactive", "0"], "--slo-ttft-interactive"),
     # An empty path would mean the working folder: a run wrote mlflow.db there.
     (["train", "--store", ""], "--store"), (["eval-predictor", "--store", ""], "--store"),
     (["train", "--save", " "], "--save"), (["eval-predictor", "--json", ""], "--json"),

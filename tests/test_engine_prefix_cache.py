@@ -123,3 +123,5 @@ def test_serve_passes_the_flag_to_the_scheduler() -> None:
     args = parser.parse_args(["--enable-prefix-caching"])
     assert serve_cli.build_engine_config(args).scheduler_config(8, 0).enable_prefix_caching
     assert not serve_cli.build_engine_config(parser.parse_args([])).scheduler_config(8, 0).enable_prefix_caching
+    # vLLM's --scheduling-policy names --policy (it was an unrecognized argument).
+    assert serve_cli.build_engine_config(parser.parse_args(["--scheduling-policy", "priority"])).policy == "priority"

@@ -7,6 +7,8 @@ table, chunk, start position or swap copy changes the tokens.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from scheduler.config import SchedulerConfig
@@ -95,6 +97,30 @@ def test_preemption_keeps_every_token(mode: str, block_size: int) -> None:
     # Swap mode really swaps (it falls back to recompute when the host pool is short), and
     # recompute never does.
     assert (sum(swapped_out) > 0) == (mode == "swap")
+
+
+def test_a_full_swap_pool_falls_back_to_recompute_warned_once_and_its_usage_is_reported(caplog) -> None:
+    # An eight-block host pool takes some victims and not others, which are recomputed, every
+    # token kept. The pool's usage is the cpu_cache_usage_perc gauge's; the fallback was silent.
+    block_size = 4
+    config = SchedulerConfig(num_gpu_blocks=96 // block_size, block_size=block_size, max_num_seqs=8,
+                             max_num_batched_tokens=32, max_model_len=80, preemption_mode="swap", num_cpu_blocks=8)
+    scheduler = Scheduler(config)
+    add_workload(scheduler)
+    usages = []
+    original = scheduler.update_from_output
+
+    def recording(*args, **kwargs):
+        usages.append(scheduler.stats().host_kv_usage)
+        return original(*args, **kwargs)
+
+    scheduler.update_from_output = recording
+    with caplog.at_level(logging.WARNING, logger="scheduler.eviction"):
+        assert run_to_completion(scheduler) == expected_outputs()
+    assert caplog.text.count("the host swap pool is full: preempting by recompute instead") == 1
+    assert max(usages) > 0 and all(0 <= usage <= 1 for usage in usages)
+    assert scheduler.stats().host_kv_usage == 0.0  # all swapped back in
+    assert Scheduler(SchedulerConfig(num_gpu_blocks=8)).stats().host_kv_usage is None  # no pool
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -408,7 +434,7 @@ def test_config_rejects_each_knob_past_its_bound(kwargs: dict) -> None:
     {"num_cpu_blocks": 0}, {"kv_watermark": 0.0}, {"srpt_max_preempt_share": 0.0}, {"srpt_max_preempt_share": 1.0},
     {"srpt_preempt_ratio": 1.0}, {"batch_shed_share": 1.0}, {"throughput_ewma_alpha": 1.0},
     {"max_queued_tokens": 1}, {"aging_tokens_per_step": 0.0}, {"aging_tokens_per_s": 0.0},
-    {"goodput_urgent_slack_s": 0.0}, {"goodput_step_time_s": 0.0}, {"slo_ttft_interactive_s": 0.0},
+    {"goodput_urgent_slack_s": 0.0}, {"goodput_step_time_s": 0.0}, {"slo_ttft_interactive_s": 1e-6},
     {"max_num_batched_tokens": 2048, "max_model_len": 2048, "enable_chunked_prefill": False},
 ])
 def test_config_accepts_each_knob_at_its_bound(kwargs: dict) -> None:

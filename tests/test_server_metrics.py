@@ -155,6 +155,11 @@ def test_the_engine_state_gauges_read_the_schedulers_snapshot_stability_margin_i
                         now=0.0)
     assert arrived.stats(0.0).stability_margin is None
     assert total(idle_samples, "lengthwise:num_requests_waiting") == 0
+    # The host swap pool's usage only where there is a pool (vLLM v0's cpu_cache_usage_perc).
+    assert not any(name == "lengthwise:cpu_cache_usage_perc" for name, _ in idle_samples)
+    swapping = Scheduler(SchedulerConfig(num_gpu_blocks=8, num_cpu_blocks=4, preemption_mode="swap")).stats(0.0)
+    swap_samples = samples_of(ServerMetrics(MODEL, lambda: EngineStats(swapping, 0, 0.0, 0.0, 0)))
+    assert total(swap_samples, "lengthwise:cpu_cache_usage_perc", model_name=MODEL) == 0.0
 
 
 def test_an_idle_engine_thread_renews_the_stats_the_gauges_read(monkeypatch):

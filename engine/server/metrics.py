@@ -104,6 +104,9 @@ class _EngineStateCollector(Collector):
         if stats is not None:
             yield from self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
                                    _stat(stats, "kv_usage", "kv_cache_usage"))
+            # vLLM's (v0) name; only a server that swaps (--preemption-mode swap) has the pool.
+            yield from self._gauge("cpu_cache_usage_perc", "Share of the host swap pool's KV blocks in use (0-1).",
+                                   _stat(stats, "host_kv_usage"))
             yield from self._gauge("stability_margin", "Offered load over capacity, in tokens, seats or KV "
                                    "cache, whichever binds; above 1 the queue cannot drain.",
                                    _stat(stats, "stability_margin"))

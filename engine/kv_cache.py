@@ -68,7 +68,8 @@ def check_cache_fits(geometry: CacheGeometry, num_gpu_blocks: int, num_cpu_block
     free_host = available_host_bytes()
     if free_host is not None and host > free_host:
         raise ValueError(f"the KV cache needs {host / GIB:.1f} GiB of host memory "
-                         f"({host_pools(device, num_cpu_blocks, device_setting)}), more than the {free_host / GIB:.1f} GiB available")
+                         f"({host_pools(device, num_cpu_blocks, device_setting)}), "
+                         f"more than the {free_host / GIB:.1f} GiB available")
     if device.type == "cuda":
         # What torch has reserved but not handed out is free to it, though the driver counts it used
         # (a second engine in one process reuses the first one's freed cache).

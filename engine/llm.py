@@ -189,8 +189,8 @@ class LLM:
                 self.engine.abort_request(sequence_id)
             raise
         finished = self._run_to_completion(added, use_tqdm)
-        return [_gathered(request_id, [finished[sequence_id] for sequence_id in _choice_ids(request_id, params.n)])
-                for request_id, params in zip(request_ids, params_list)]
+        return [_gathered(request_id, prompt, [finished[choice_id] for choice_id in _choice_ids(request_id, params.n)])
+                for request_id, prompt, params in zip(request_ids, prompts, params_list)]
 
     def _add_choices(self, request_id: str, prompt: Prompt, params: SamplingParams, prediction: Any, rank: int,
                      added: list[str]) -> None:
@@ -228,10 +228,9 @@ def _choice_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
-def _gathered(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
+def _gathered(request_id: str, prompt: Prompt, choices: list[RequestOutput]) -> RequestOutput:
     """A prompt's choices as one RequestOutput under its id, as vLLM returns them: the first
-    choice's fields, and `outputs` listing every choice in order."""
-    if len(choices) == 1:
-        return choices[0]
-    return replace(choices[0], request_id=request_id,
-                   more_outputs=tuple(choice.as_completion(index) for index, choice in enumerate(choices) if index))
+    choice's fields, `outputs` listing every choice in order, and the prompt's text."""
+    more = tuple(choice.as_completion(index) for index, choice in enumerate(choices) if index)
+    return replace(choices[0], request_id=request_id, more_outputs=more,
+                   prompt=prompt if isinstance(prompt, str) else None)

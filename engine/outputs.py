@@ -55,6 +55,9 @@ class RequestOutput:
     # Choices 1..n-1 of an offline prompt generated with SamplingParams(n > 1); this output's own
     # fields, times included, are its first choice's.
     more_outputs: tuple[CompletionOutput, ...] = ()
+    # vLLM's: the prompt's text as the offline API was given it (a chat's, rendered by the template);
+    # None for token ids, and in the engine's own outputs, which have no use for it.
+    prompt: str | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -607,6 +607,15 @@ def test_vllms_outputs_idiom_reads_the_one_sequence(llm):
     assert scored.outputs[0].token_ids == plain.token_ids
 
 
+def test_an_output_names_its_prompt_as_vllms_quickstart_reads_it(llm):
+    # vLLM's quickstart prints output.prompt beside output.outputs[0].text: an AttributeError here.
+    text, ids, templated = llm.generate([PROMPT, [5, 6, 7], {"prompt": "Count"}], greedy(2), use_tqdm=False)
+    assert (text.prompt, ids.prompt, templated.prompt) == (PROMPT, None, "Count")
+    conversation = [{"role": "user", "content": "hi"}]
+    (chat,) = llm.chat(conversation, greedy(2), use_tqdm=False)
+    assert chat.prompt == llm.engine.apply_chat_template(conversation, add_generation_prompt=True)
+
+
 def test_n_choices_offline_are_the_seeded_draws_each_alone_gathered_in_one_output(llm):
     # vLLM's SamplingParams(n=3) gives one RequestOutput with three sequences; it was refused here.
     drawn = SamplingParams(n=3, max_tokens=8, temperature=1.0, ignore_eos=True, seed=7, prompt_logprobs=0)

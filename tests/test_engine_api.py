@@ -607,6 +607,17 @@ def test_vllms_outputs_idiom_reads_the_one_sequence(llm):
     assert scored.outputs[0].token_ids == plain.token_ids
 
 
+def test_vllms_import_line_reads_from_the_engine_package_without_loading_torch_early() -> None:
+    import subprocess
+    import sys
+
+    from engine import LLM as Exported, SamplingParams as ExportedParams
+
+    assert (Exported, ExportedParams) == (LLM, SamplingParams)
+    light = "import sys, engine, engine.arg_types; assert 'torch' not in sys.modules, 'torch loaded'"
+    subprocess.run([sys.executable, "-c", light], check=True)
+
+
 def test_an_output_names_its_prompt_as_vllms_quickstart_reads_it(llm):
     # vLLM's quickstart prints output.prompt beside output.outputs[0].text: an AttributeError here.
     text, ids, templated = llm.generate([PROMPT, [5, 6, 7], {"prompt": "Count"}], greedy(2), use_tqdm=False)

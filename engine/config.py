@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from predictor.paths import SERVED_MODEL_REF, project_root
@@ -25,6 +26,9 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 # training/ and scripts/ import it from here.
 REPO_ROOT = project_root()
 DEFAULT_MODEL = str(REPO_ROOT / SERVED_MODEL_REF)
+# The served model's hub id, as vLLM users name it (`vllm serve HuggingFaceTB/SmolLM2-135M-Instruct`).
+# Nothing is downloaded here: it names the folder `make model` converts the model into.
+SERVED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The committed default predictor: what serve falls back to without a registered champion, and
 # what the simulator and the trace scripts predict with unless told otherwise.
 DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
@@ -55,6 +59,8 @@ class EngineConfig:
     scheduler_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.model == SERVED_MODEL_HUB_ID and not Path(self.model).exists():  # a folder so named wins
+            object.__setattr__(self, "model", DEFAULT_MODEL)
         # Types too: a float block count, an infinite budget or a float seed passed here and failed
         # inside torch (TypeError, OverflowError, RuntimeError), some after the weights had loaded.
         if not (is_real(self.kv_cache_memory_gib) and math.isfinite(self.kv_cache_memory_gib)

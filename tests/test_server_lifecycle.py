@@ -808,6 +808,19 @@ def test_the_model_answers_to_its_path_as_given_absolute_and_repository_relative
     assert set(serve_cli.model_aliases("models/x")) == {"models/x", str(REPO_ROOT / "data/models/x"), "data/models/x"}
 
 
+def test_the_served_models_hub_id_names_its_converted_folder(tmp_path, monkeypatch):
+    # vLLM's users write `serve HuggingFaceTB/SmolLM2-135M-Instruct` and send that name: it was
+    # "no converted model at HuggingFaceTB/...", and an unknown model name from a client.
+    from engine.config import DEFAULT_MODEL, SERVED_MODEL_HUB_ID, EngineConfig
+
+    assert EngineConfig(model=SERVED_MODEL_HUB_ID).model == DEFAULT_MODEL
+    assert SERVED_MODEL_HUB_ID in serve_cli.model_aliases(DEFAULT_MODEL)
+    assert SERVED_MODEL_HUB_ID not in serve_cli.model_aliases(str(tmp_path))  # another model's folder
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / SERVED_MODEL_HUB_ID).mkdir(parents=True)  # a folder of that name is what it names
+    assert EngineConfig(model=SERVED_MODEL_HUB_ID).model == SERVED_MODEL_HUB_ID
+
+
 def test_serve_falls_back_when_the_champion_cannot_be_served(tmp_path, monkeypatch) -> None:
     from predictor.saved import SPEC_FILENAME
     from training import serve_predictor, tracking

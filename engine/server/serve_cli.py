@@ -255,11 +255,16 @@ def url_host(host: str) -> str:
 
 def model_aliases(model: str) -> tuple[str, ...]:
     """Names a client may send besides the served name: the model path as given, absolute, and
-    relative to the repository (the default is absolute; clients sent data/models/... before)."""
+    relative to the repository (the default is absolute; clients sent data/models/... before),
+    and for the default model its hub id, as vLLM's clients name it."""
+    from engine.config import DEFAULT_MODEL, SERVED_MODEL_HUB_ID
+
     path = Path(model).resolve()
     aliases = [model, str(path)]
     if path.is_relative_to(REPO_ROOT):
         aliases.append(str(path.relative_to(REPO_ROOT)))
+    if path == Path(DEFAULT_MODEL).resolve():
+        aliases.append(SERVED_MODEL_HUB_ID)
     return tuple(dict.fromkeys(aliases))
 
 

@@ -638,6 +638,8 @@ def test_serve_arguments_build_the_engine_config():
                                         "goodput_urgent_slack_s": 3.0}
     scheduler = config.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0)
     assert scheduler.slo_e2e_standard_s == 20.0
+    # The product's policy by default: make serve ran FCFS, with the predictor scoring for nothing.
+    assert serve_cli.build_engine_config(parser.parse_args([])).policy == "sjf"
     srpt = serve_cli.build_engine_config(parser.parse_args(["--model", "m", "--policy", "srpt",
                                                             "--srpt-max-preempt-share", "0.3"]))
     assert srpt.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0).srpt_max_preempt_share == 0.3

@@ -45,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"converted model folder (default {DEFAULT_MODEL})")
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--policy", "--scheduling-policy", choices=servable, default="fcfs",
-                        help="waiting-queue order (--scheduling-policy: vLLM's name for it)")
+    parser.add_argument("--port", type=port_number, default=8000, help="default %(default)s (0: a free one)")
+    parser.add_argument("--policy", "--scheduling-policy", choices=servable, default="sjf",
+                        help="waiting-queue order (default %(default)s: shortest predicted output first, "
+                             "with aging; vLLM's default is fcfs; --scheduling-policy is vLLM's name)")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
     parser.add_argument("--store", type=named_path, default=None, metavar="DIR",

@@ -94,7 +94,7 @@ def convert(out_dir: Path, gguf_path: Path | None = None) -> Path:
     if not gguf_path.is_file():
         raise ValueError(f"--gguf {gguf_path}: no such file")
     folder, name = str(gguf_path.parent), gguf_path.name
-    log.info("loading %s (dequantizing, ~35 s)", gguf_path)
+    log.info("loading %s (dequantizing to float32)", gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = _plain_copy(loaded)

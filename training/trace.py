@@ -329,19 +329,25 @@ def trace_hash(path: Path = DEFAULT_TRACE) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive_int,
-                        help="prompts in the trace (resumes); required unless --agreement")
+                        help="prompts in the trace, counting those --out and --log hold already (it "
+                             "resumes; by default from the committed trace); required unless --agreement")
     parser.add_argument("--model", default=str(dataset.CONVERTED_MODEL_DIR))
     # Defaults are the committed trace's: at ~40 prompts a minute on this CPU, 2,000 prompts fit an
     # hour only with replies capped at 256 tokens (about half of SmolLM2's reach the cap).
-    parser.add_argument("--max-tokens", type=positive_int, default=256, help="output cap per prompt")
-    parser.add_argument("--temperature", type=non_negative_float, default=1.0, help="the server's default")
+    parser.add_argument("--max-tokens", type=positive_int, default=256,
+                        help="output cap per prompt (default %(default)s)")
+    parser.add_argument("--temperature", type=non_negative_float, default=1.0,
+                        help="default %(default)s, the server's")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=384,
                         help="only prompts this short (and always what fits the context with --max-tokens)")
     parser.add_argument("--window", type=positive_int, default=64,
                         help="prompts queued in the engine at once (above max_num_seqs keeps the batch full)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--log", type=Path, default=DEFAULT_LOG, help="append-only JSONL (resume point)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_TRACE, help="parquet trace table")
+    parser.add_argument("--log", type=Path, default=DEFAULT_LOG,
+                        help="append-only JSONL, the resume point (default: data/traces/smollm2_sharegpt.jsonl)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_TRACE,
+                        help="parquet trace table, extended (default: the committed "
+                             "data/traces/smollm2_sharegpt.parquet)")
     parser.add_argument("--resample-split", default=None, choices=("train", "validation", "test"),
                         help="instead: sample this split of the committed trace again (use another "
                              "--seed, --log and --out) and report how well two samples agree")

@@ -31,7 +31,7 @@ $(MODEL_DIR)/config.json: $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
-# `make serve PORT=8010 SERVE_ARGS="--policy sjf"`: another port, or any `lengthwise serve` flags.
+# `make serve PORT=8010 SERVE_ARGS="--policy fcfs"`: another port, or any `lengthwise serve` flags.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=

@@ -29,6 +29,12 @@ DEFAULT_MODEL = str(REPO_ROOT / SERVED_MODEL_REF)
 # The served model's hub id, as vLLM users name it (`vllm serve HuggingFaceTB/SmolLM2-135M-Instruct`).
 # Nothing is downloaded here: it names the folder `make model` converts the model into.
 SERVED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def model_path(model: str) -> str:
+    """The folder a model name names: the served model's hub id names its converted folder (a
+    folder of that name, where one exists, wins); any other name is a folder already."""
+    return DEFAULT_MODEL if model == SERVED_MODEL_HUB_ID and not Path(model).exists() else model
 # The committed default predictor: what serve falls back to without a registered champion, and
 # what the simulator and the trace scripts predict with unless told otherwise.
 DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"
@@ -59,8 +65,7 @@ class EngineConfig:
     scheduler_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.model == SERVED_MODEL_HUB_ID and not Path(self.model).exists():  # a folder so named wins
-            object.__setattr__(self, "model", DEFAULT_MODEL)
+        object.__setattr__(self, "model", model_path(self.model))
         # Types too: a float block count, an infinite budget or a float seed passed here and failed
         # inside torch (TypeError, OverflowError, RuntimeError), some after the weights had loaded.
         if not (is_real(self.kv_cache_memory_gib) and math.isfinite(self.kv_cache_memory_gib)

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=top_k, default=0, help="default %(default)s (off; -1 too)")
     parser.add_argument("--seed", type=sampling_seed, default=None, help="default: none")
     parser.add_argument("--n", type=positive_int, default=1,
-                        help="completions per prompt, choice i seeded --seed + i (default %(default)s)")
+                        help="completions per prompt, choice i seeded --seed + i (default %(default)s; "
+                             "at the default greedy temperature the choices are alike)")
     parser.add_argument("--stop", type=stop_string, action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     parser.add_argument("--kv-cache-memory", type=positive_float, default=1.0, metavar="GIB",
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if bad:  # argv's bytes that are not UTF-8 come as lone surrogates, which the tokenizer refuses
         raise ValueError(f"prompt {bad[0]} is not valid UTF-8 text")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.n > 1 and args.temperature == 0:
+        logging.getLogger(__name__).warning("--n %d at temperature 0: greedy choices are all alike "
+                                            "(--temperature above 0 draws distinct ones)", args.n)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gib=args.kv_cache_memory,

@@ -188,9 +188,11 @@ class LLM:
             for sequence_id in added:
                 self.engine.abort_request(sequence_id)
             raise
-        finished = self._run_to_completion(added, use_tqdm)
-        return [_gathered(request_id, prompt, [finished[choice_id] for choice_id in _choice_ids(request_id, params.n)])
-                for request_id, prompt, params in zip(request_ids, prompts, params_list)]
+        choices = {request_id: _choice_ids(request_id, params.n)
+                   for request_id, params in zip(request_ids, params_list)}
+        finished = self._run_to_completion(choices, use_tqdm)
+        return [_gathered(request_id, prompt, [finished[choice_id] for choice_id in choices[request_id]])
+                for request_id, prompt in zip(request_ids, prompts)]
 
     def _add_choices(self, request_id: str, prompt: Prompt, params: SamplingParams, prediction: Any, rank: int,
                      added: list[str]) -> None:
@@ -202,16 +204,23 @@ class LLM:
             self.engine.add_request(sequence_id, prompt, params.choice(index), prediction=prediction, priority=rank,
                                     group=group)
 
-    def _run_to_completion(self, sequence_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Step until every sequence has finished; each one's final output."""
+    def _run_to_completion(self, choices: dict[str, list[str]], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every prompt's choices (their engine request ids, by prompt) have finished;
+        each choice's final output. The progress bar counts prompts, as vLLM's does."""
+        prompt_of = {choice_id: request_id for request_id, ids in choices.items() for choice_id in ids}
+        left = {request_id: len(ids) for request_id, ids in choices.items()}
+        sequence_ids = list(prompt_of)
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(sequence_ids), desc="generate", unit="sequence", disable=not use_tqdm)
+        progress = tqdm(total=len(choices), desc="generate", unit="prompt", disable=not use_tqdm)
         try:
             while len(finished) < len(sequence_ids) and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in prompt_of:  # not one queued by hand
                         finished[output.request_id] = output
-                        progress.update()
+                        request_id = prompt_of[output.request_id]
+                        left[request_id] -= 1
+                        if not left[request_id]:  # the prompt's last choice
+                            progress.update()
         except BaseException:
             # Interrupted (Ctrl-C) or failed: nobody will collect these, so free their blocks.
             for sequence_id in sequence_ids:

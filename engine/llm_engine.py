@@ -82,6 +82,11 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
+def config_dtype(config: EngineConfig) -> torch.dtype:
+    """The torch dtype `config` asks for, "auto" resolved for its device as the engine resolves it."""
+    return getattr(torch, resolve_dtype(config.dtype, resolve_device(config.device)))
+
+
 def cache_geometry(config: EngineConfig, arch: LlamaArch, dtype: torch.dtype) -> CacheGeometry:
     """The KV block geometry of a model of `arch` served with `config`, in `dtype`."""
     return CacheGeometry(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
@@ -127,7 +132,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"{self.arch.max_position_embeddings} positions (set it at most that: "
                              "--max-model-len)")
-        dtype = getattr(torch, config.dtype)
+        dtype = config_dtype(config)
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads,
                                  dtype)
         self.tokenizer = load_tokenizer(config.model)

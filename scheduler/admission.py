@@ -343,8 +343,8 @@ class AdmissionController:
         binding = max(loads, key=loads.__getitem__)
         margin = loads[binding]
         if margin > 1.0 and not self._overloaded:
-            logger.warning("stability margin %.3f is above 1: the offered load exceeds the capacity in %s",
-                           margin, CAPACITY_NAMES[binding])
+            logger.warning("the offered load exceeds the capacity in %s (stability margin %.3f)",
+                           CAPACITY_NAMES[binding], margin)
         self._overloaded = margin > 1.0
         return margin
 

@@ -51,7 +51,7 @@ class SwapEviction:
         if not block_manager.can_swap_out(request):
             if not self._fell_back:
                 logger.warning("the host swap pool is full: preempting by recompute instead (a larger "
-                               "--swap-space keeps more swapped); warned once")
+                               "pool, swap_space_gib, keeps more swapped); warned once")
                 self._fell_back = True
             return RecomputeEviction().evict(request, block_manager, plan)
         plan.swap_out.extend(block_manager.swap_out(request))

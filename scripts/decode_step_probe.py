@@ -54,14 +54,12 @@ def shape_problem(batch: int, context: int, steps: int, config, kv_blocks: int |
 
 def cache_blocks(config) -> int:
     """The KV blocks the engine will have, from the model's config.json (no weights loaded)."""
-    import torch
-
-    from engine.llm_engine import cache_geometry, check_model_dir, gpu_block_count
+    from engine.llm_engine import cache_geometry, check_model_dir, config_dtype, gpu_block_count
     from engine.model.arch import LlamaArch
 
     check_model_dir(config.model)
     arch = LlamaArch.from_model_dir(config.model)
-    return gpu_block_count(config, cache_geometry(config, arch, getattr(torch, config.dtype)))
+    return gpu_block_count(config, cache_geometry(config, arch, config_dtype(config)))
 
 
 def decode_steps(engine, batch: int, context: int, steps: int, temperature: float, seeded: bool,

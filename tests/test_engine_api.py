@@ -642,6 +642,12 @@ def test_n_choices_offline_are_the_seeded_draws_each_alone_gathered_in_one_outpu
     assert not llm.engine.has_unfinished_requests() and stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_the_progress_bar_counts_prompts_not_choices_as_vllms_does(llm, capsys):
+    llm.generate([PROMPT, "Count to ten"], SamplingParams(n=3, max_tokens=2), use_tqdm=True)
+    bar = capsys.readouterr().err
+    assert "2/2" in bar and "/6" not in bar
+
+
 def test_n_per_prompt_follows_its_own_params_and_a_mapping_takes_n(llm):
     two, one = llm.generate([PROMPT, "Count to ten"], [{"n": 2, "max_tokens": 3, "temperature": 0},
                                                        greedy(3)], use_tqdm=False)

@@ -52,7 +52,8 @@ def test_dtype_auto_is_float32_on_a_cpu_and_bfloat16_or_float16_on_a_gpu(monkeyp
     # vLLM's --dtype auto was refused ("must be one of").
     import argparse
 
-    from engine.llm_engine import resolve_dtype
+    from engine.config import EngineConfig
+    from engine.llm_engine import config_dtype, resolve_dtype
     from engine.server import serve_cli
 
     llm = LLM(str(tiny_model_dir), max_model_len=128, num_gpu_blocks=8, num_threads=1, dtype="auto", device="cpu")
@@ -61,6 +62,8 @@ def test_dtype_auto_is_float32_on_a_cpu_and_bfloat16_or_float16_on_a_gpu(monkeyp
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: has_bf16)
         assert resolve_dtype("auto", torch.device("cuda")) == expected
     assert resolve_dtype("float16", CPU) == "float16"  # a named dtype is kept
+    # What sizes the cache outside an engine (bench engine, the probe script) resolves it alike.
+    assert config_dtype(EngineConfig(model=str(tiny_model_dir), dtype="auto", device="cpu")) == torch.float32
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     assert serve_cli.build_engine_config(parser.parse_args(["--dtype", "auto"])).dtype == "auto"

@@ -444,6 +444,13 @@ def test_generate_prints_the_offline_apis_greedy_completions(capsys, tiny_model_
         (prompt, index, text) for prompt, (index, text) in zip(["hi", "hi", "yo", "yo"], expected)]
 
 
+def test_generate_warns_that_greedy_choices_are_alike(capsys, caplog, tiny_model_dir):
+    model = ["--model", str(tiny_model_dir), "--max-tokens", "2", "--kv-cache-memory", "0.01"]
+    rows = _generate_json(capsys, ["hi", "--raw", *model, "--n", "2"])
+    assert rows[0]["text"] == rows[1]["text"]
+    assert "--n 2 at temperature 0: greedy choices are all alike" in caplog.text
+
+
 @pytest.mark.integration
 def test_generate_ignore_eos_runs_past_the_models_own_stop(capsys, real_model_dir):
     # SmolLM2 answers this in three tokens and stops; --ignore-eos must carry it to --max-tokens.

@@ -5,6 +5,7 @@ CLI's predictor resolution. Real tiny engine throughout; the predictors are real
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import threading
@@ -639,7 +640,11 @@ def test_serve_arguments_build_the_engine_config():
     scheduler = config.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0)
     assert scheduler.slo_e2e_standard_s == 20.0
     # The product's policy by default: make serve ran FCFS, with the predictor scoring for nothing.
+    # Without a predictor, FCFS still: sjf would order by max_tokens, the rest of the context for
+    # a chat that sends none, and serve the shortest prompts last.
     assert serve_cli.build_engine_config(parser.parse_args([])).policy == "sjf"
+    assert serve_cli.build_engine_config(parser.parse_args(["--predictor", "none"])).policy == "fcfs"
+    assert serve_cli.build_engine_config(parser.parse_args(["--predictor", "None", "--policy", "sjf"])).policy == "sjf"
     srpt = serve_cli.build_engine_config(parser.parse_args(["--model", "m", "--policy", "srpt",
                                                             "--srpt-max-preempt-share", "0.3"]))
     assert srpt.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0).srpt_max_preempt_share == 0.3
@@ -818,6 +823,14 @@ def test_the_served_models_hub_id_names_its_converted_folder(tmp_path, monkeypat
     assert EngineConfig(model=SERVED_MODEL_HUB_ID).model == DEFAULT_MODEL
     assert SERVED_MODEL_HUB_ID in serve_cli.model_aliases(DEFAULT_MODEL)
     assert SERVED_MODEL_HUB_ID not in serve_cli.model_aliases(str(tmp_path))  # another model's folder
+    # Named by its hub id, it is listed by it, as vLLM lists what it was given; a folder by its name.
+    assert serve_cli.served_name(SERVED_MODEL_HUB_ID, DEFAULT_MODEL) == SERVED_MODEL_HUB_ID
+    assert serve_cli.served_name(None, DEFAULT_MODEL) == "smollm2-135m-instruct"
+    # The hub id and the folder it names are one model, not a model named twice.
+    both = argparse.Namespace(model_tag=SERVED_MODEL_HUB_ID, model=DEFAULT_MODEL)
+    assert serve_cli.model_folder(both) == SERVED_MODEL_HUB_ID
+    with pytest.raises(ValueError, match="named twice"):
+        serve_cli.model_folder(argparse.Namespace(model_tag=SERVED_MODEL_HUB_ID, model=str(tmp_path)))
     monkeypatch.chdir(tmp_path)
     (tmp_path / SERVED_MODEL_HUB_ID).mkdir(parents=True)  # a folder of that name is what it names
     assert EngineConfig(model=SERVED_MODEL_HUB_ID).model == SERVED_MODEL_HUB_ID

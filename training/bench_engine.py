@@ -228,12 +228,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _cache_geometry(config: EngineConfig):
     """The KV block geometry of the engine `config` describes, in its dtype."""
-    import torch
-
-    from engine.llm_engine import cache_geometry
+    from engine.llm_engine import cache_geometry, config_dtype
     from engine.model.arch import LlamaArch
 
-    return cache_geometry(config, LlamaArch.from_model_dir(config.model), getattr(torch, config.dtype))
+    return cache_geometry(config, LlamaArch.from_model_dir(config.model), config_dtype(config))
 
 
 def _kv_cache_tokens(config: EngineConfig) -> int:

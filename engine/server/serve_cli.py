@@ -20,7 +20,7 @@ import uvicorn
 from engine.arg_types import (API_KEY_VARIABLES, api_key, api_key_or_environment, configure_serve_logging,
                               cors_origin, named_path, non_negative_float, port_number, positive_float,
                               positive_int)
-from engine.config import REPO_ROOT
+from engine.config import DEFAULT_MODEL, REPO_ROOT, SERVED_MODEL_HUB_ID, model_path
 from engine.scheduler_args import add_scheduler_arguments, scheduler_options
 from predictor.saved import SPEC_FILENAME, read_spec
 
@@ -43,12 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="converted model folder, as `vllm serve MODEL` takes it (or --model)")
     parser.add_argument("--model", default=None, help=f"converted model folder (default {DEFAULT_MODEL})")
-    parser.add_argument("--served-model-name", default=None, help="name clients send (default: folder name)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send (default: the folder's name, or the hub id the model was named by)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=port_number, default=8000, help="default %(default)s (0: a free one)")
-    parser.add_argument("--policy", "--scheduling-policy", choices=servable, default="sjf",
-                        help="waiting-queue order (default %(default)s: shortest predicted output first, "
-                             "with aging; vLLM's default is fcfs; --scheduling-policy is vLLM's name)")
+    parser.add_argument("--policy", "--scheduling-policy", choices=servable, default=None,
+                        help="waiting-queue order (default: sjf, shortest predicted output first with aging; "
+                             "fcfs, vLLM's default, with --predictor none; --scheduling-policy is vLLM's name)")
     parser.add_argument("--predictor", default="champion",
                         help="saved predictor folder, 'champion' (MLflow registry) or 'none'")
     parser.add_argument("--store", type=named_path, default=None, metavar="DIR",
@@ -92,6 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
+def served_policy(policy: str | None, predictor: str | None) -> str:
+    """The policy asked for; unasked, sjf where a predictor ranks requests, else fcfs: sjf without
+    one orders by max_tokens, which a chat without it sets to the rest of the context, so the
+    shortest prompts, the longest budgets, would go last by a rule nobody asked for."""
+    if policy is not None:
+        return policy
+    return "fcfs" if predictor is None or predictor.lower() == "none" else "sjf"
+
+
 def warn_if_ordering_without_predictor(policy: str, predictor_path: str | None) -> None:
     """A length policy with no predictor orders by `max_tokens` (each request's only length): a
     valid order, but not the one asked for, so it is said."""
@@ -126,19 +136,18 @@ def build_engine_config(args: argparse.Namespace):
         # Recompute preemption copies nothing to the host: the pool would be allocated unused.
         raise ValueError("--swap-space is used only with --preemption-mode swap")
     # The engine gets no predictor path: the async engine scores arrivals in batches itself.
-    options = scheduler_options(args, [args.policy])
+    policy = served_policy(args.policy, args.predictor)
+    options = scheduler_options(args, [policy])
     if args.enable_prefix_caching:  # not a shared scheduler flag: simulated prompts are all one token
         options["enable_prefix_caching"] = True
-    return EngineConfig(model=model_folder(args), policy=args.policy, scheduler_options=options, **chosen)
+    return EngineConfig(model=model_folder(args), policy=policy, scheduler_options=options, **chosen)
 
 
 def model_folder(args: argparse.Namespace) -> str:
     """The model to serve: the positional MODEL (vLLM's form) or --model, the default without
     either; both, naming different folders, is an error rather than a guess."""
-    from engine.config import DEFAULT_MODEL
-
     if (args.model_tag is not None and args.model is not None
-            and Path(args.model_tag).resolve() != Path(args.model).resolve()):
+            and Path(model_path(args.model_tag)).resolve() != Path(model_path(args.model)).resolve()):
         raise ValueError(f"the model is named twice: {args.model_tag} and --model {args.model}")
     return args.model_tag or args.model or DEFAULT_MODEL
 
@@ -163,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             logger.info("requests to /v1 need the API key from the environment (%s)", ", ".join(API_KEY_VARIABLES))
     config = build_engine_config(args)
     predictor_path = predictor_folder(args.predictor)
-    warn_if_ordering_without_predictor(args.policy, predictor_path)
+    warn_if_ordering_without_predictor(config.policy, predictor_path)
     check_model_dir(config.model)
     listening = listen_sockets(args.host, args.port)  # a taken port fails now, not after the model loads
     try:
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         for sock in listening:
             sock.close()
         raise
-    logger.info("serving %s with policy %s on http://%s:%d", name, args.policy, url_host(args.host),
+    logger.info("serving %s with policy %s on http://%s:%d", name, config.policy, url_host(args.host),
                 listening[0].getsockname()[1])
     try:
         server.run(sockets=listening)
@@ -199,7 +208,7 @@ def build_server(args: argparse.Namespace, config, predictor_path: str | None) -
                 config.attention_backend)
     length_predictor = predictor.load(predictor_path) if predictor_path else None
     warn_if_probing_another_model(length_predictor, config.model)
-    name = args.served_model_name or Path(config.model).name
+    name = args.served_model_name or served_name(args.model_tag or args.model, config.model)
     info = {"policy": config.policy, "predictor": predictor_path or "none",
             "attention_backend": attention_backend_name(engine), "max_num_seqs": str(config.max_num_seqs),
             "max_num_batched_tokens": str(config.max_num_batched_tokens),
@@ -254,12 +263,16 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def served_name(given: str | None, folder: str) -> str:
+    """The name /v1/models lists by default: the hub id where the model was named by it, as vLLM
+    lists what it was given; else the folder's name."""
+    return SERVED_MODEL_HUB_ID if given == SERVED_MODEL_HUB_ID else Path(folder).name
+
+
 def model_aliases(model: str) -> tuple[str, ...]:
     """Names a client may send besides the served name: the model path as given, absolute, and
     relative to the repository (the default is absolute; clients sent data/models/... before),
     and for the default model its hub id, as vLLM's clients name it."""
-    from engine.config import DEFAULT_MODEL, SERVED_MODEL_HUB_ID
-
     path = Path(model).resolve()
     aliases = [model, str(path)]
     if path.is_relative_to(REPO_ROOT):

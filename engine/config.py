@@ -35,6 +35,8 @@ def model_path(model: str) -> str:
     """The folder a model name names: the served model's hub id names its converted folder (a
     folder of that name, where one exists, wins); any other name is a folder already."""
     return DEFAULT_MODEL if model == SERVED_MODEL_HUB_ID and not Path(model).exists() else model
+
+
 # The committed default predictor: what serve falls back to without a registered champion, and
 # what the simulator and the trace scripts predict with unless told otherwise.
 DEFAULT_PREDICTOR = REPO_ROOT / "data" / "predictors" / "default"

@@ -479,6 +479,9 @@ def test_the_parity_check_reads_every_row_of_a_table_smaller_than_its_sample():
     (["--model", "lexical", "--labels", "trace", "--hold-out-trace"], "--hold-out-trace applies to"),
     (["--model", "embed_lgbm", "--lora-rank", "2"], "--lora-rank applies to --model finetune only"),
     (["--model", "finetune", "--probe-tokens", "128"], "--probe-tokens applies to --model probe only"),
+    # Accepted and ignored before: the default seed 0 could not be told from one given.
+    (["--model", "length", "--seed", "3"], "--seed: --model length fits deterministically"),
+    (["--model", "probe", "--seed", "0"], "--seed: --model probe fits deterministically"),
 ])
 def test_train_refuses_a_prior_or_a_held_out_trace_it_cannot_use_before_loading_data(flags, message, monkeypatch):
     import argparse
@@ -550,6 +553,7 @@ def test_the_trainer_config_carries_the_seed_or_the_probes_token_count():
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert train.trainer_config(parser.parse_args(["--model", "lexical", "--seed", "3"])) == fitters.LgbmConfig(seed=3)
+    assert train.trainer_config(parser.parse_args(["--model", "lexical"])) == fitters.LgbmConfig(seed=0)
     assert train.trainer_config(parser.parse_args(["--model", "probe", "--probe-tokens", "7"])).max_tokens == 7
     assert train.trainer_config(parser.parse_args(["--model", "probe"])) == ProbeConfig()  # its 64 tokens
     assert train.trainer_config(parser.parse_args(["--model", "finetune", "--seed", "5"])) == FinetuneConfig(seed=5)

@@ -32,6 +32,8 @@ DEFAULT_LIMITS = {
     "finetune": (3000, 1000, 1000),
     "probe": (8000, 2000, 2000),
 }
+# Kinds whose fit draws nothing at random: a prompt-length regression, and the probe's ridge head.
+SEEDLESS_KINDS = ("length", "probe")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
                         help="finetune: train rank-R adapters on a frozen MiniLM (default: MiniLM itself); "
                              "the saved folder then holds only the adapters and the head")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    # None, not 0, so that a --seed given to a kind whose fit draws nothing is refused, not ignored.
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help=f"lexical, embed_lgbm and finetune: the fit's seed (default 0); "
+                             f"{' and '.join(SEEDLESS_KINDS)} fit deterministically")
 
 
 def load_data(labels: str, model: str, max_train: int | None, max_eval: int | None, prior: Path | None = None,
@@ -175,8 +180,8 @@ def trainer_config(args: argparse.Namespace):
     if args.model == "finetune":
         from training.finetune_train import FinetuneConfig
 
-        return FinetuneConfig(seed=args.seed, lora_rank=args.lora_rank)
-    return fitters.LgbmConfig(seed=args.seed)
+        return FinetuneConfig(seed=args.seed or 0, lora_rank=args.lora_rank)
+    return fitters.LgbmConfig(seed=args.seed or 0)
 
 
 def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
@@ -190,6 +195,8 @@ def train_and_log(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         raise ValueError("--lora-rank applies to --model finetune only")
     if args.probe_tokens is not None and args.model != "probe":
         raise ValueError("--probe-tokens applies to --model probe only")
+    if args.seed is not None and args.model in SEEDLESS_KINDS:
+        raise ValueError(f"--seed: --model {args.model} fits deterministically, with no seed to set")
     if args.hold_out_trace and args.labels != "sharegpt":
         raise ValueError("--hold-out-trace applies to --labels sharegpt only")
     check_save_target(args.save)

@@ -24,7 +24,7 @@ from engine.chat_messages import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import ChoiceGroup, SamplingParams, is_int, listed, plain_number
+from scheduler.request import ChoiceGroup, SamplingParams, is_int, listed, member_ids, plain_number
 
 Prompt = str | list[int]
 ParamsLike = SamplingParams | Mapping[str, Any]
@@ -179,27 +179,28 @@ class LLM:
                              "priority (policy='priority')")
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         predictions = self.engine.predict(prompts)  # in batches, not one predictor call per prompt
+        # Each prompt's choices as engine requests, named as the server names them.
+        choices = {request_id: member_ids(request_id, params.n)
+                   for request_id, params in zip(request_ids, params_list)}
         added: list[str] = []
         try:
             for request_id, prompt, request_params, prediction, rank in zip(request_ids, prompts, params_list,
                                                                             predictions, priority):
-                self._add_choices(request_id, prompt, request_params, prediction, rank, added)
+                self._add_choices(request_id, choices[request_id], prompt, request_params, prediction, rank, added)
         except BaseException:  # a bad prompt, or Ctrl-C while queueing: none of these will be collected
             for sequence_id in added:
                 self.engine.abort_request(sequence_id)
             raise
-        choices = {request_id: _choice_ids(request_id, params.n)
-                   for request_id, params in zip(request_ids, params_list)}
         finished = self._run_to_completion(choices, use_tqdm)
         return [_gathered(request_id, prompt, [finished[choice_id] for choice_id in choices[request_id]])
                 for request_id, prompt in zip(request_ids, prompts)]
 
-    def _add_choices(self, request_id: str, prompt: Prompt, params: SamplingParams, prediction: Any, rank: int,
-                     added: list[str]) -> None:
+    def _add_choices(self, request_id: str, choice_ids: list[str], prompt: Prompt, params: SamplingParams,
+                     prediction: Any, rank: int, added: list[str]) -> None:
         """Queue a prompt's n choices, each a request (params.choice(i): seed + i), judged by
         admission as one group, as the server queues them; `added` lists each as it is queued."""
         group = None if params.n == 1 else ChoiceGroup(request_id, params.n)
-        for index, sequence_id in enumerate(_choice_ids(request_id, params.n)):
+        for index, sequence_id in enumerate(choice_ids):
             added.append(sequence_id)  # first: a Ctrl-C right after the add must still abort it
             self.engine.add_request(sequence_id, prompt, params.choice(index), prediction=prediction, priority=rank,
                                     group=group)
@@ -208,7 +209,6 @@ class LLM:
         """Step until every prompt's choices (their engine request ids, by prompt) have finished;
         each choice's final output. The progress bar counts prompts, as vLLM's does."""
         prompt_of = {choice_id: request_id for request_id, ids in choices.items() for choice_id in ids}
-        left = {request_id: len(ids) for request_id, ids in choices.items()}
         sequence_ids = list(prompt_of)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(choices), desc="generate", unit="prompt", disable=not use_tqdm)
@@ -217,10 +217,8 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished and output.request_id in prompt_of:  # not one queued by hand
                         finished[output.request_id] = output
-                        request_id = prompt_of[output.request_id]
-                        left[request_id] -= 1
-                        if not left[request_id]:  # the prompt's last choice
-                            progress.update()
+                        if all(choice_id in finished for choice_id in choices[prompt_of[output.request_id]]):
+                            progress.update()  # the prompt's last choice
         except BaseException:
             # Interrupted (Ctrl-C) or failed: nobody will collect these, so free their blocks.
             for sequence_id in sequence_ids:
@@ -230,11 +228,6 @@ class LLM:
         finally:
             progress.close()
         return finished
-
-
-def _choice_ids(request_id: str, n: int) -> list[str]:
-    """The engine request ids of a prompt's choices: its own id for one, id-i for choice i of n."""
-    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
 def _gathered(request_id: str, prompt: Prompt, choices: list[RequestOutput]) -> RequestOutput:

@@ -132,7 +132,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"{self.arch.max_position_embeddings} positions (set it at most that: "
                              "--max-model-len)")
-        dtype = config_dtype(config)
+        dtype = getattr(torch, config.dtype)  # "auto" resolved above
         backend = create_backend(config.attention_backend, self.device, self.arch.num_heads // self.arch.num_kv_heads,
                                  dtype)
         self.tokenizer = load_tokenizer(config.model)

@@ -279,6 +279,12 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(clean.items()))
 
 
+def member_ids(request_id: str, count: int) -> list[str]:
+    """The engine request ids of an API request's `count` members (its choices, or a batch's
+    prompts): its own id for one, id-i for member i of more."""
+    return [request_id] if count == 1 else [f"{request_id}-{index}" for index in range(count)]
+
+
 @dataclass(frozen=True)
 class ChoiceGroup:
     """The sequences of one API request (its `n` choices of each of its prompts), each a request

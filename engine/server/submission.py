@@ -23,7 +23,7 @@ from engine.server.limits import check_token_ids
 from engine.server.protocol import CompletionRequest
 from scheduler.admission import AdmissionRejected
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import ChoiceGroup, SamplingParams, Tier
+from scheduler.request import ChoiceGroup, SamplingParams, Tier, member_ids
 
 # The body fields an engine-side ValueError can be about: its messages begin with the field's name.
 REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
@@ -72,12 +72,11 @@ class EngineSubmission:
         submissions = []
         # A prompt scored alone (max_tokens 0) has no reply to predict: its hidden token is known.
         predicted = not body.scores_prompt_only()
-        for index, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params)):
-            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            for choice in range(body.n):
+        for prompt_id, (prompt_ids, prompt_text), prompt_params in zip(member_ids(request_id, len(prompts)),
+                                                                       prompts, params):
+            for choice, choice_id in enumerate(member_ids(prompt_id, body.n)):
                 submissions.append(self._submit_one(
-                    prompt_id if body.n == 1 else f"{prompt_id}-{choice}", prompt_ids,
-                    prompt_text if predicted else None,
+                    choice_id, prompt_ids, prompt_text if predicted else None,
                     _choice_params(prompt_params, choice, body.stream), tier, body.priority, group))
         if len(submissions) == 1:
             return [await submissions[0]]
